@@ -1,0 +1,87 @@
+"""The one settings model every service reads (env prefix ``DIFFSPEC_``, CLI flags derived from it).
+
+Defaults run the bundled demo pair (``models/tiny-code`` and its EAGLE-3 head) on the CPU, so a
+fresh checkout works without any configuration.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUNDLED_TARGET = REPO_ROOT / "models" / "tiny-code"
+BUNDLED_DRAFT = REPO_ROOT / "models" / "tiny-code-eagle3"
+SHARED_DIR = REPO_ROOT.parent / "shared"
+
+
+class DiffSpecSettings(BaseSettings):
+    """Everything a deployment can tune; each field is also a ``--flag`` of the CLI."""
+
+    model_config = SettingsConfigDict(env_prefix="DIFFSPEC_", extra="forbid")
+
+    # Models
+    base_model: Path = Field(BUNDLED_TARGET, description="Target checkpoint directory (Hugging Face Llama layout).")
+    draft_model: Path = Field(BUNDLED_DRAFT, description="EAGLE-3 head directory (published layout).")
+    device: str = Field("auto", description="torch device for the models: auto, cpu, cuda, cuda:N.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight/activation dtype; auto = float32 on CPU, bfloat16 on GPU."
+    )
+    feature_layers: str = Field(
+        "auto",
+        description="Comma-separated target layers whose residual-stream inputs feed EAGLE-3; "
+        "auto = 2, L//2, L-3 (evenly spaced when the model has under 8 layers).",
+    )
+
+    # Target runtime
+    page_size: int = Field(16, ge=1, description="Tokens per KV page.")
+    num_pages: int = Field(4096, ge=1, description="Pages in the target's KV pool.")
+    max_context: int = Field(0, ge=0, description="Longest prompt + generation in tokens; 0 = the model's limit.")
+    prefill_chunk: int = Field(2048, ge=1, description="Prompt tokens per prefill forward (bounds activation memory).")
+    attention_backend: Literal["torch", "triton", "flash-attn"] = Field(
+        "torch", description="Attention implementation for the target's paged KV."
+    )
+
+    # Drafting
+    policy: str = Field("full", description="Tree policy: auto, chain, uniform<K>, full, online.")
+    tree_config: str = Field("64:0.08:8", description="Tree budget total_tokens:threshold:depth.")
+    salience: bool = Field(False, description="Draft attends to a salience-selected working set of chunks.")
+    chunk_size: int = Field(64, ge=1, description="Context tokens per salience chunk.")
+    working_set_tokens: int = Field(2048, ge=64, description="Token budget of the draft's working set.")
+
+    # Generation defaults
+    max_new_tokens: int = Field(128, ge=1, description="Default number of tokens to generate.")
+
+    # Services
+    listen: str = Field("127.0.0.1:50051", description="Address this server listens on.")
+    target_address: str = Field("", description="Remote target service host:port (empty = in process).")
+    draft_address: str = Field("", description="Remote draft service host:port (empty = in process).")
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=65536, description="Largest gRPC message sent or received.")
+    max_sessions: int = Field(64, ge=1, description="Concurrent generations admitted before RESOURCE_EXHAUSTED.")
+    max_batch_tokens: int = Field(4096, ge=1, description="Tokens per coalesced target forward.")
+    metrics_port: int = Field(0, ge=0, description="Prometheus metrics HTTP port (0 = off).")
+
+    @field_validator("feature_layers")
+    @classmethod
+    def _check_feature_layers(cls, value: str) -> str:
+        if value != "auto":
+            parts = [p.strip() for p in value.split(",")]
+            if len(parts) != 3 or not all(p.isdigit() for p in parts):
+                raise ValueError(f"feature_layers must be 'auto' or three layer indices like '2,16,29', got {value!r}")
+        return value
+
+
+def resolve_feature_layers(spec: str, num_layers: int) -> tuple[int, int, int]:
+    """The three target layers feeding EAGLE-3 (published rule: 2, L//2, L-3 for 8+ layers)."""
+    if spec != "auto":
+        layers = tuple(int(p) for p in spec.split(","))
+    elif num_layers >= 8:
+        layers = (2, num_layers // 2, num_layers - 3)
+    else:
+        layers = (max(1, num_layers // 4), num_layers // 2, num_layers - 1)
+    if any(not 0 <= i < num_layers for i in layers):
+        raise ValueError(f"feature layers {layers} out of range for a {num_layers}-layer model")
+    return layers  # type: ignore[return-value]

@@ -1,0 +1,85 @@
+"""The token tree a draft proposes and the target verifies.
+
+Node 0 is the root: the last committed token, whose KV the target has not computed yet.
+Every other node is a draft token whose parent precedes it (``parents[i] < i``), so a tree
+is a topologically ordered list. The tree mask and position offsets derive from parents only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # [num_nodes] int64, target-vocab ids; tokens[0] is the root
+    parents: torch.Tensor  # [num_nodes] int64, parents[0] == -1, parents[i] < i
+    draft_probs: torch.Tensor  # [num_nodes] float32, draft probability of each node given its parent (root: 1)
+
+    def __post_init__(self) -> None:
+        n = self.tokens.numel()
+        if n < 1 or self.parents.numel() != n or self.draft_probs.numel() != n:
+            raise ValueError("tree tokens, parents and draft_probs must be non-empty and of equal length")
+        if int(self.parents[0]) != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+        idx = torch.arange(n)
+        if n > 1 and not bool(((self.parents[1:] >= 0) & (self.parents[1:] < idx[1:])).all()):
+            raise ValueError("every non-root node needs a parent that precedes it")
+
+    @staticmethod
+    def root_only(token: int) -> DraftTree:
+        """A tree with just the root: verifying it is one Auto decode step."""
+        return DraftTree(
+            tokens=torch.tensor([token], dtype=torch.long),
+            parents=torch.tensor([-1], dtype=torch.long),
+            draft_probs=torch.ones(1),
+        )
+
+    @staticmethod
+    def chain(tokens: list[int]) -> DraftTree:
+        """A single path: root followed by each token in turn."""
+        n = len(tokens)
+        return DraftTree(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            parents=torch.arange(-1, n - 1, dtype=torch.long),
+            draft_probs=torch.ones(n),
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.numel()
+
+    def depths(self) -> torch.Tensor:
+        """[num_nodes] int64: root 0, child = parent + 1."""
+        depth = torch.zeros(self.num_nodes, dtype=torch.long)
+        parents = self.parents.tolist()
+        for i in range(1, self.num_nodes):
+            depth[i] = depth[parents[i]] + 1
+        return depth
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[num_nodes, num_nodes] bool: mask[i, j] = node j is node i or one of its ancestors."""
+        n = self.num_nodes
+        mask = torch.eye(n, dtype=torch.bool)
+        parents = self.parents.tolist()
+        for i in range(1, n):
+            mask[i] |= mask[parents[i]]
+        return mask
+
+    def children(self) -> list[list[int]]:
+        """children()[i] = node indices whose parent is i, in node order."""
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to ``node``, inclusive."""
+        path = []
+        parents = self.parents.tolist()
+        while node != -1:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]

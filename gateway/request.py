@@ -1,0 +1,77 @@
+"""What a client asks the gateway for, what it gets back, and the per-request statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diffspec.sampling import SamplingParams
+from draft_service.backend import DraftOptions
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]  # target-vocab ids, <|bos|> included when the tokenizer adds it
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_sequences: tuple[str, ...] = ()
+    draft: DraftOptions | None = None  # None = Auto (target-only decoding)
+
+
+@dataclass
+class GenerationStats:
+    """Per-request numbers; tau counts accepted drafts + 1 bonus per verification step."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # target forwards after prefill (verify or decode)
+    accepted_drafts: int = 0
+    stop_depth_histogram: list[int] = field(default_factory=list)  # [depth] -> steps whose accepted path stopped there
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    decode_seconds: float = 0.0  # wall time from the first token to the last
+    finish_reason: str = ""  # length, eos, stop, context
+    fell_back_to_auto: bool = False  # the draft went away and the target finished alone
+    hazard: list[float] = field(default_factory=list)
+    working_set_tokens: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted_drafts + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return (self.new_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def record_step(self, num_accepted: int) -> None:
+        self.steps += 1
+        self.accepted_drafts += num_accepted
+        while len(self.stop_depth_histogram) <= num_accepted:
+            self.stop_depth_histogram.append(0)
+        self.stop_depth_histogram[num_accepted] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "accepted_drafts": self.accepted_drafts,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "stop_depth_histogram": self.stop_depth_histogram,
+            "prefill_seconds": round(self.prefill_seconds, 6),
+            "draft_seconds": round(self.draft_seconds, 6),
+            "verify_seconds": round(self.verify_seconds, 6),
+            "decode_seconds": round(self.decode_seconds, 6),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
+            "finish_reason": self.finish_reason,
+            "fell_back_to_auto": self.fell_back_to_auto,
+            "hazard": [round(h, 4) for h in self.hazard],
+            "working_set_tokens": self.working_set_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    token_ids: list[int]  # new generated ids in this chunk
+    text: str  # the text they complete (may lag a token behind for split characters)
+    stats: GenerationStats | None = None  # set on the last chunk only

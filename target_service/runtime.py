@@ -1,0 +1,279 @@
+"""The target runtime: model weights, the paged KV pool, and the session steps over them.
+
+Every step is the same forward: a sequence's new tokens (a prefill chunk, a draft tree, or
+the single root of an Auto step) attend to its committed pages plus each other under a mask.
+The new tokens' KV stays in a scratch buffer until acceptance decides which rows to commit,
+so rejected tree nodes never touch the pages.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from diffspec.acceptance import Acceptance, accept_greedy, accept_sampling
+from diffspec.devices import dtype_name, resolve_device, resolve_dtype
+from diffspec.errors import InvalidRequest
+from diffspec.sampling import SamplingParams, sample, target_probs
+from diffspec.settings import DiffSpecSettings, resolve_feature_layers
+from diffspec.tree import DraftTree
+from kernels.attention_metadata import AttentionMetadata, causal_mask
+from target_service.attention_backends import attention_backend
+from target_service.backend import PrefillProgress, PrefillResult, TargetInfo, VerifyResult
+from target_service.kv_cache import PagedKVCache
+from target_service.kv_pool import PagedKVPool
+from target_service.llama import LlamaModel, PagedForwardOutput
+
+MAX_TREE_NODES = 256
+
+
+@dataclass
+class TargetSession:
+    sampling: SamplingParams
+    generator: torch.Generator
+    want_features: bool
+    pending_token: int  # emitted but not yet in the KV pages: the next tree's root
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    session_id: str
+    tree: DraftTree
+
+
+class TargetRuntime:
+    """Thread-safe: one lock serialises forwards (a verify batch or one prefill chunk each)."""
+
+    def __init__(self, settings: DiffSpecSettings) -> None:
+        self.device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, self.device)
+        self.model_path = str(settings.base_model)
+        self.model = LlamaModel.from_pretrained(settings.base_model, self.device, dtype)
+        config = self.model.config
+        self.feature_layers = resolve_feature_layers(settings.feature_layers, config.num_layers)
+        self.max_context = min(settings.max_context or config.max_positions, config.max_positions)
+        self.prefill_chunk = settings.prefill_chunk
+        self.pool = PagedKVPool(settings.num_pages, settings.page_size)
+        self.cache = PagedKVCache(config, settings.num_pages, settings.page_size, dtype, self.device)
+        self.backend = attention_backend(settings.attention_backend)
+        self.sessions: dict[str, TargetSession] = {}
+        self._lock = threading.Lock()
+
+    # -- session steps -----------------------------------------------------------------------
+
+    def prefill(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        want_features: bool,
+        progress: PrefillProgress | None = None,
+    ) -> PrefillResult:
+        """Open a session: write the prompt's KV chunk by chunk and sample the first token."""
+        self._check_prompt(session_id, prompt_ids)
+        with self._lock:
+            num_cached = self.pool.allocate(session_id, prompt_ids)
+        try:
+            return self._prefill_chunks(session_id, prompt_ids, sampling, want_features, num_cached, progress)
+        except BaseException:
+            self.release(session_id)
+            raise
+
+    def _prefill_chunks(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        want_features: bool,
+        num_cached: int,
+        progress: PrefillProgress | None,
+    ) -> PrefillResult:
+        # Features are needed for every prompt position, so shared prefix pages only save
+        # compute when nobody asked for features.
+        start = 0 if want_features else num_cached
+        features: list[torch.Tensor] = []
+        out: PagedForwardOutput | None = None
+        for chunk_start in range(start, len(prompt_ids), self.prefill_chunk):
+            chunk = prompt_ids[chunk_start : chunk_start + self.prefill_chunk]
+            with self._lock:  # per chunk, so other sessions' steps interleave with a long prefill
+                meta = self._metadata([(session_id, len(chunk), chunk_start, causal_mask(len(chunk)))])
+                out = self.model.forward_paged(
+                    torch.tensor(chunk, device=self.device),
+                    torch.arange(chunk_start, chunk_start + len(chunk), device=self.device),
+                    self.cache.k_pages,
+                    self.cache.v_pages,
+                    meta,
+                    self.backend,
+                    self.feature_layers if want_features else (),
+                )
+                skip = max(0, self.pool.num_committed(session_id) - chunk_start)  # rows already in shared pages
+                self._commit_rows(session_id, out, list(range(skip, len(chunk))), chunk[skip:])
+            if out.features is not None:
+                features.append(out.features)
+            if progress is not None:
+                progress(chunk_start + len(chunk), len(prompt_ids))
+        assert out is not None  # the prompt always has an uncached last token
+        logits = self.model.logits(out.hidden[-1])
+        generator = sampling.generator()
+        first = int(logits.argmax()) if sampling.greedy else sample(target_probs(logits, sampling), generator)
+        self.sessions[session_id] = TargetSession(sampling, generator, want_features, first)
+        return PrefillResult(
+            first_token=first,
+            features=torch.cat(features) if want_features else None,
+            num_cached_tokens=num_cached,
+        )
+
+    def verify_batch(self, steps: list[VerifyStep]) -> list[VerifyResult]:
+        """Verify several sessions' trees in one forward and commit each accepted path."""
+        for step in steps:
+            self._check_tree(step.session_id, step.tree)
+        with self._lock:
+            for step in steps:  # pages for the longest possible path, before any compute
+                depth = int(step.tree.depths().max())
+                self.pool.reserve(step.session_id, depth + 1)
+            meta = self._metadata(
+                [
+                    (s.session_id, s.tree.num_nodes, self.pool.num_committed(s.session_id), s.tree.ancestor_mask())
+                    for s in steps
+                ]
+            )
+            positions = torch.cat(
+                [s.tree.depths() + self.pool.num_committed(s.session_id) for s in steps]
+            ).to(self.device)
+            want_features = any(self.sessions[s.session_id].want_features for s in steps)
+            out = self.model.forward_paged(
+                torch.cat([s.tree.tokens for s in steps]).to(self.device),
+                positions,
+                self.cache.k_pages,
+                self.cache.v_pages,
+                meta,
+                self.backend,
+                self.feature_layers if want_features else (),
+            )
+            logits = self.model.logits(out.hidden)
+            results, offset = [], 0
+            for step in steps:
+                n = step.tree.num_nodes
+                results.append(self._accept_and_commit(step, out, logits[offset : offset + n], offset))
+                offset += n
+            return results
+
+    def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
+        return self.verify_batch([VerifyStep(session_id, tree)])[0]
+
+    def decode(self, session_id: str) -> VerifyResult:
+        """Auto: one forward of the pending token, one new token."""
+        return self.verify(session_id, DraftTree.root_only(self.pending_token(session_id)))
+
+    def pending_token(self, session_id: str) -> int:
+        """The session's last emitted token, the root of its next tree."""
+        return self._session(session_id).pending_token
+
+    def release(self, session_id: str) -> None:
+        """Free every page of the session; releasing an unknown session is a no-op."""
+        with self._lock:
+            self.sessions.pop(session_id, None)
+            if self.pool.has_sequence(session_id):
+                self.pool.release(session_id)
+
+    def info(self) -> TargetInfo:
+        c = self.model.config
+        return TargetInfo(
+            model=self.model_path,
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            num_layers=c.num_layers,
+            feature_layers=self.feature_layers,
+            eos_token_ids=c.eos_token_ids,
+            max_context=self.max_context,
+            page_size=self.pool.page_size,
+            num_pages=self.pool.num_pages,
+            num_free_pages=self.pool.num_free_pages,
+            active_sessions=len(self.sessions),
+            device=str(self.device),
+            dtype=dtype_name(self.model.dtype),
+        )
+
+    def committed_length(self, session_id: str) -> int:
+        """Tokens of the session whose KV is in the pages (prompt + emitted, minus the pending root)."""
+        return self.pool.num_committed(session_id)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _accept_and_commit(
+        self, step: VerifyStep, out: PagedForwardOutput, logits: torch.Tensor, offset: int
+    ) -> VerifyResult:
+        session = self.sessions[step.session_id]
+        acceptance: Acceptance
+        if session.sampling.greedy:
+            acceptance = accept_greedy(step.tree, logits.argmax(-1).tolist())
+        else:
+            acceptance = accept_sampling(step.tree, target_probs(logits, session.sampling), session.generator)
+        rows = [0, *acceptance.accepted_nodes]
+        tokens = step.tree.tokens[rows].tolist()
+        self._commit_rows(step.session_id, out, [offset + r for r in rows], tokens)
+        session.pending_token = acceptance.bonus_token
+        features = out.features[[offset + r for r in rows]] if session.want_features else None
+        return VerifyResult(
+            accepted_tokens=tokens[1:],
+            accepted_nodes=acceptance.accepted_nodes,
+            bonus_token=acceptance.bonus_token,
+            features=features,
+        )
+
+    def _commit_rows(self, session_id: str, out: PagedForwardOutput, rows: list[int], tokens: list[int]) -> None:
+        """Copy the chosen new tokens' KV into the session's next slots and advance its length."""
+        if not rows:
+            return
+        slots, copies = self.pool.reserve(session_id, len(rows))
+        self.cache.apply_copies(copies)
+        index = torch.tensor(rows, device=self.device)
+        self.cache.write(torch.tensor(slots, device=self.device), out.new_k[:, index], out.new_v[:, index])
+        self.pool.commit(session_id, tokens)
+
+    def _metadata(self, seqs: list[tuple[str, int, int, torch.Tensor]]) -> AttentionMetadata:
+        """seqs: (session id, new tokens, context length, new-token mask) per sequence."""
+        return AttentionMetadata.build(
+            q_lens=[q for _, q, _, _ in seqs],
+            context_lens=[ctx for _, _, ctx, _ in seqs],
+            block_tables=[self.pool.block_table(sid) for sid, _, _, _ in seqs],
+            masks=[mask for _, _, _, mask in seqs],
+            page_size=self.pool.page_size,
+            device=self.device,
+        )
+
+    def _session(self, session_id: str) -> TargetSession:
+        if session_id not in self.sessions:
+            raise InvalidRequest(f"unknown session {session_id!r}")
+        return self.sessions[session_id]
+
+    def _check_prompt(self, session_id: str, prompt_ids: list[int]) -> None:
+        if session_id in self.sessions or self.pool.has_sequence(session_id):
+            raise InvalidRequest(f"session {session_id!r} already exists")
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise InvalidRequest(
+                f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_context} tokens"
+            )
+        self._check_token_ids(prompt_ids)
+
+    def _check_tree(self, session_id: str, tree: DraftTree) -> None:
+        session = self._session(session_id)
+        if int(tree.tokens[0]) != session.pending_token:
+            raise InvalidRequest(
+                f"tree root {int(tree.tokens[0])} is not the session's last token {session.pending_token}"
+            )
+        if tree.num_nodes > MAX_TREE_NODES:
+            raise InvalidRequest(f"tree of {tree.num_nodes} nodes exceeds {MAX_TREE_NODES}")
+        if self.pool.num_committed(session_id) + int(tree.depths().max()) + 1 > self.max_context:
+            raise InvalidRequest(f"the session would exceed its context of {self.max_context} tokens")
+        self._check_token_ids(tree.tokens.tolist())
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")

@@ -1,0 +1,72 @@
+"""Shared fixtures: the bundled demo target, random small Llama checkpoints, the eval data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffspec.settings import BUNDLED_TARGET, SHARED_DIR
+
+SHORT_PROMPTS = SHARED_DIR / "data" / "shortctx_eval.jsonl"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA/ROCm GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir() -> Path:
+    return BUNDLED_TARGET
+
+
+def write_random_llama(
+    out_dir: Path,
+    *,
+    llama3_rope: bool = False,
+    tie_embeddings: bool = True,
+    num_kv_heads: int = 2,
+    max_shard_size: str | None = None,
+    seed: int = 0,
+) -> Path:
+    """A randomly initialised small LlamaForCausalLM saved as users have checkpoints.
+
+    With ``llama3_rope`` the config.json is rewritten in Llama-3.1's own layout
+    (``rope_theta`` + ``rope_scaling`` with ``rope_type: llama3``).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    config = LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=num_kv_heads, max_position_embeddings=2048,
+        rope_theta=500000.0, rope_scaling=dict(llama3) if llama3_rope else None, tie_word_embeddings=tie_embeddings,
+        bos_token_id=0, eos_token_id=[1, 2],
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    if llama3_rope:
+        raw = json.loads((out_dir / "config.json").read_text())
+        raw.pop("rope_parameters", None)
+        raw["rope_theta"] = 500000.0
+        raw["rope_scaling"] = llama3
+        (out_dir / "config.json").write_text(json.dumps(raw, indent=2))
+    return out_dir
+
+
+def short_prompts(limit: int) -> list[str]:
+    """Prompts from ../shared/data; the data-driven tests skip only when ../shared is absent."""
+    if not SHORT_PROMPTS.exists():
+        pytest.skip(f"{SHORT_PROMPTS} not present")
+    rows = [json.loads(line) for line in SHORT_PROMPTS.read_text().splitlines()[:limit]]
+    return [row["text"] for row in rows]

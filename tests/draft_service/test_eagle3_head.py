@@ -1,0 +1,179 @@
+"""EAGLE-3 head: published checkpoint layout, loading errors, vocab maps, split attention == dense."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffspec.errors import CheckpointError
+from draft_service.eagle3_head import Eagle3Config, Eagle3Head
+from draft_service.vocab_map import build_vocab_map, target_to_draft_index
+from target_service.checkpoint import RopeConfig
+
+VOCAB, DRAFT_VOCAB, HIDDEN = 96, 40, 32
+PUBLISHED_KEYS = {
+    "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
+
+
+def small_config(draft_vocab: int = DRAFT_VOCAB) -> Eagle3Config:
+    return Eagle3Config(
+        hidden_size=HIDDEN, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0), vocab_size=VOCAB, draft_vocab_size=draft_vocab, target_hidden_size=HIDDEN,
+        feature_layers=(1, 2, 3), max_positions=512,
+    )
+
+
+def random_head(draft_vocab: int = DRAFT_VOCAB, seed: int = 0) -> Eagle3Head:
+    """Every weight random (norms too), with a frequency-built vocab map."""
+    generator = torch.Generator().manual_seed(seed)
+    head = Eagle3Head(small_config(draft_vocab), torch.randn(VOCAB, HIDDEN, generator=generator))
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    head.set_vocab_map(*build_vocab_map(torch.randint(0, 1000, (VOCAB,), generator=generator), draft_vocab))
+    return head
+
+
+def save_bin(head: Eagle3Head, head_dir: Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """The published layout: config.json + pytorch_model.bin."""
+    head_dir.mkdir(parents=True, exist_ok=True)
+    (head_dir / "config.json").write_text(json.dumps(head.config.to_json()))
+    torch.save(head.state_dict() if state is None else state, head_dir / "pytorch_model.bin")
+    return head_dir
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "pytorch_model.bin"])
+def test_saved_head_reloads_bit_identically(tmp_path: Path, layout: str) -> None:
+    head = random_head()
+    if layout == "safetensors":
+        head.save(tmp_path)
+    else:
+        save_bin(head, tmp_path)
+    loaded = Eagle3Head.load(tmp_path, head.embed_tokens, torch.device("cpu"), torch.float32)
+    assert set(loaded.state_dict()) == PUBLISHED_KEYS  # embed_tokens never saved
+    assert loaded.config == head.config
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert loaded.state_dict()["d2t"].dtype == torch.int64 and loaded.state_dict()["t2d"].dtype == torch.bool
+
+
+def test_published_config_defaults() -> None:
+    raw = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+           "rms_norm_eps": 1e-5, "vocab_size": 500, "draft_vocab_size": 100, "max_position_embeddings": 2048}
+    config = Eagle3Config.from_json(raw)
+    assert config.rope == RopeConfig(theta=10000.0)  # no rope_theta -> 10000
+    assert (config.head_dim, config.target_hidden_size, config.feature_layers) == (16, 64, ())
+    raw |= {"target_hidden_size": 128, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}}
+    config = Eagle3Config.from_json(raw)
+    assert (config.target_hidden_size, config.feature_layers) == (128, (2, 16, 29))
+    assert Eagle3Config.from_json(config.to_json()) == config
+    with pytest.raises(CheckpointError, match="as wide as their target"):
+        Eagle3Head(config, torch.zeros(500, 64))
+
+
+def test_llama3_rope_round_trips() -> None:
+    rope = RopeConfig(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_positions=8192)
+    config = Eagle3Config(**{**small_config().__dict__, "rope": rope})
+    assert Eagle3Config.from_json(config.to_json()) == config
+
+
+def _drop(key: str):
+    return lambda state: {k: v for k, v in state.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_drop("midlayer.mlp.up_proj.weight"), r"missing keys \['midlayer.mlp.up_proj.weight'\]"),
+        (_drop("d2t"), r"missing keys \['d2t'\]"),
+        (lambda s: s | {"midlayer.extra.weight": torch.zeros(3)}, r"unexpected keys \['midlayer.extra.weight'\]"),
+        (lambda s: s | {"lm_head.weight": torch.zeros(DRAFT_VOCAB + 1, HIDDEN)}, r"misshaped weights: lm_head.weight"),
+        (lambda s: s | {"d2t": s["d2t"].flip(0)}, "d2t and t2d disagree"),
+    ],
+)
+def test_bad_checkpoints_fail_clearly(tmp_path: Path, edit, message: str) -> None:
+    head = random_head()
+    save_bin(head, tmp_path, edit(head.state_dict()))
+    with pytest.raises(CheckpointError, match=message):
+        Eagle3Head.load(tmp_path, head.embed_tokens, torch.device("cpu"), torch.float32)
+
+
+def test_missing_directory_and_weights(tmp_path: Path) -> None:
+    head = random_head()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Eagle3Head.load(tmp_path / "nowhere", head.embed_tokens, torch.device("cpu"), torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps(head.config.to_json()))
+    with pytest.raises(CheckpointError, match="no weights"):
+        Eagle3Head.load(tmp_path, head.embed_tokens, torch.device("cpu"), torch.float32)
+    head.save(tmp_path)
+    with pytest.raises(CheckpointError, match="target embedding has shape"):
+        Eagle3Head.load(tmp_path, torch.zeros(VOCAB + 1, HIDDEN), torch.device("cpu"), torch.float32)
+
+
+def test_full_vocab_head_without_maps_is_identity(tmp_path: Path) -> None:
+    head = random_head(draft_vocab=VOCAB)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
+    loaded = Eagle3Head.load(save_bin(head, tmp_path, state), head.embed_tokens, torch.device("cpu"), torch.float32)
+    ids = torch.arange(VOCAB)
+    assert torch.equal(loaded.to_target_ids(ids), ids)
+    assert bool(loaded.t2d.all())
+
+
+def test_vocab_map_round_trip() -> None:
+    counts = torch.zeros(VOCAB, dtype=torch.int64)
+    used = torch.tensor([3, 7, 8, 50, 95])
+    counts[used] = torch.tensor([10, 40, 30, 20, 99])
+    counts[60] = 10  # ties with id 3 at the cut: the lower id wins
+    d2t, t2d = build_vocab_map(counts, 5)
+    head = Eagle3Head(small_config(draft_vocab=5), torch.zeros(VOCAB, HIDDEN))
+    head.set_vocab_map(d2t, t2d)
+    assert head.to_target_ids(torch.arange(5)).tolist() == used.tolist()
+    assert t2d.nonzero().flatten().tolist() == used.tolist()
+    index = target_to_draft_index(t2d)
+    assert index[used].tolist() == [0, 1, 2, 3, 4]
+    assert int((index >= 0).sum()) == 5 and int(index[60]) == -1
+    d2t_full, t2d_full = build_vocab_map(counts, VOCAB)
+    assert not d2t_full.any() and t2d_full.all()
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int, scale: float) -> torch.Tensor:
+    """Query t over keys 0..t, query head h reading kv head h // group, spelt out per head."""
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    rows = []
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        weights = torch.softmax(k[: t + 1, kv] @ q[t, h] * scale, dim=0)
+        rows.append(weights @ v[: t + 1, kv])
+    return torch.stack(rows)
+
+
+def test_split_attention_matches_forward_dense() -> None:
+    """attention_inputs -> per-token attention over a growing KV -> attention_outputs == forward_dense."""
+    head = random_head()
+    seq = 9
+    token_ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
+    features = torch.randn(1, seq, 3 * HIDDEN, generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(5, 5 + seq).unsqueeze(0)  # rope must read the given positions
+    hidden = head.fuse(features)
+    with torch.no_grad():
+        dense = head.forward_dense(token_ids, hidden, positions)
+        q, k, v = head.attention_inputs(token_ids[0], hidden[0], positions[0])
+        attn = torch.stack([reference_attention(q, k, v, t, head.scale) for t in range(seq)])
+        split = head.attention_outputs(attn, hidden[0])
+        shifted = head.forward_dense(token_ids, hidden, positions + 3)
+        spread = head.forward_dense(token_ids, hidden, positions * 2)
+    assert q.shape == (seq, 4, 8) and k.shape == (seq, 2, 8)
+    torch.testing.assert_close(split, dense[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shifted, dense, rtol=1e-4, atol=1e-4)  # RoPE: only distances matter
+    assert not torch.allclose(spread, dense, atol=1e-3)  # ...and they do matter
+    logits = head.draft_logits(dense)
+    assert logits.dtype == torch.float32 and logits.shape == (1, seq, DRAFT_VOCAB)

@@ -1,0 +1,220 @@
+"""Tree attention: the PyTorch reference against a naive dense softmax (CPU), the Triton kernel against the reference (GPU)."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.attention_metadata import AttentionMetadata, causal_mask
+from kernels.tree_attention_ref import tree_attention_reference
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+
+@dataclass(frozen=True)
+class Case:
+    q_lens: tuple[int, ...]  # [batch] new tokens per sequence
+    context_lens: tuple[int, ...]  # [batch] committed tokens per sequence
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype = torch.float32
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"T{'-'.join(map(str, self.q_lens))}_L{'-'.join(map(str, self.context_lens))}"
+            f"_H{self.num_heads}/{self.num_kv_heads}_D{self.head_dim}_page{self.page_size}_{dtype}"
+        )
+
+
+@dataclass(frozen=True)
+class Inputs:
+    q: torch.Tensor  # [total_q, num_heads, head_dim]
+    k_new: torch.Tensor  # [total_q, num_kv_heads, head_dim]
+    v_new: torch.Tensor  # [total_q, num_kv_heads, head_dim]
+    k_pages: torch.Tensor  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: torch.Tensor  # [num_pages, page_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata
+    block_tables: list[list[int]]  # [batch][pages of the sequence]
+    masks: list[torch.Tensor]  # [batch] of [q_len, q_len] bool
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k_new, self.v_new, self.k_pages, self.v_pages
+
+
+def random_tree_mask(num_tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """[num_tokens, num_tokens] bool: token i sees itself and its ancestors; token j's parent is a random earlier token."""
+    parents = [-1] + [int(torch.randint(0, j, (1,), generator=generator)) for j in range(1, num_tokens)]
+    mask = torch.zeros(num_tokens, num_tokens, dtype=torch.bool)
+    for i in range(num_tokens):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def make_inputs(case: Case, device: str, seed: int) -> Inputs:
+    """Random (never zero) inputs; each sequence's pages are a random permutation of the pool, with spare pages."""
+    cpu = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-ctx // case.page_size) for ctx in case.context_lens]
+    num_pages = sum(pages_per_seq) + 3
+    order = torch.randperm(num_pages, generator=cpu).tolist()
+    block_tables, used = [], 0
+    for n in pages_per_seq:
+        block_tables.append(order[used : used + n])
+        used += n
+    masks = [random_tree_mask(q_len, cpu) for q_len in case.q_lens]
+    meta = AttentionMetadata.build(
+        list(case.q_lens), list(case.context_lens), block_tables, masks, case.page_size, torch.device(device)
+    )
+    gen = torch.Generator(device=device).manual_seed(seed)
+    total_q, kv_heads, dim = sum(case.q_lens), case.num_kv_heads, case.head_dim
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(case.dtype)
+
+    return Inputs(
+        q=randn(total_q, case.num_heads, dim),
+        k_new=randn(total_q, kv_heads, dim),
+        v_new=randn(total_q, kv_heads, dim),
+        k_pages=randn(num_pages, case.page_size, kv_heads, dim),
+        v_pages=randn(num_pages, case.page_size, kv_heads, dim),
+        meta=meta,
+        block_tables=block_tables,
+        masks=masks,
+    )
+
+
+def naive_tree_attention(inputs: Inputs, scale: float) -> torch.Tensor:
+    """float64, one (token, head) at a time: gather exactly the visible keys by position, softmax, weighted sum."""
+    q, k_new, v_new, k_pages, v_pages = (t.double() for t in inputs.tensors())
+    page_size, group = k_pages.shape[1], q.shape[1] // k_new.shape[1]
+    out = torch.empty_like(q)
+    row = 0
+    for table, ctx_len, mask in zip(inputs.block_tables, inputs.meta.context_lens, inputs.masks):
+        ctx_slots = [(table[pos // page_size], pos % page_size) for pos in range(ctx_len)]
+        for i in range(mask.shape[0]):
+            new_rows = [row + j for j in range(mask.shape[0]) if mask[i, j]]
+            keys = torch.stack([k_pages[p, o] for p, o in ctx_slots] + [k_new[r] for r in new_rows])  # [n, H_kv, D]
+            values = torch.stack([v_pages[p, o] for p, o in ctx_slots] + [v_new[r] for r in new_rows])
+            for h in range(q.shape[1]):
+                probs = torch.softmax(keys[:, h // group] @ q[row + i, h] * scale, dim=0)
+                out[row + i, h] = probs @ values[:, h // group]
+        row += mask.shape[0]
+    return out
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# -- CPU: the reference itself ------------------------------------------------------------------------
+
+REFERENCE_CASES = [
+    Case((1,), (0,), num_heads=2, num_kv_heads=2, head_dim=8, page_size=4),
+    Case((5,), (1,), num_heads=4, num_kv_heads=2, head_dim=8, page_size=4),
+    Case((7,), (17,), num_heads=4, num_kv_heads=1, head_dim=16, page_size=16),
+    Case((6,), (100,), num_heads=8, num_kv_heads=2, head_dim=8, page_size=1),
+    Case((3, 1, 8), (0, 100, 1), num_heads=4, num_kv_heads=4, head_dim=8, page_size=4),
+    Case((4, 9), (17, 0), num_heads=8, num_kv_heads=2, head_dim=16, page_size=16),
+    Case((2, 5), (100, 17), num_heads=4, num_kv_heads=1, head_dim=8, page_size=8),
+]
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=str)
+def test_reference_matches_naive_softmax(case: Case) -> None:
+    inputs = make_inputs(case, "cpu", seed=zlib.crc32(str(case).encode()))
+    out = tree_attention_reference(*inputs.tensors(), inputs.meta, scale=0.3)
+    assert relative_error(out, naive_tree_attention(inputs, scale=0.3)) < 1e-5
+
+
+def test_reference_root_token_without_context_returns_its_value() -> None:
+    """One new token, no context, seeing only itself: softmax over one key is 1."""
+    inputs = make_inputs(Case((1,), (0,), 4, 2, 8, 4), "cpu", seed=0)
+    out = tree_attention_reference(*inputs.tensors(), inputs.meta, scale=1.0)
+    assert torch.allclose(out, inputs.v_new.repeat_interleave(2, dim=1))
+
+
+def test_reference_chain_equals_causal_dense_attention() -> None:
+    """A chain tree is a causal prefill chunk: compare with SDPA over the gathered sequence."""
+    case = Case((6,), (10,), num_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
+    inputs = make_inputs(case, "cpu", seed=1)
+    meta = AttentionMetadata.build([6], [10], inputs.block_tables, [causal_mask(6)], 4, torch.device("cpu"))
+    out = tree_attention_reference(*inputs.tensors(), meta, scale=0.5)
+    slots = [(inputs.block_tables[0][p // 4], p % 4) for p in range(10)]
+    keys = torch.cat([torch.stack([inputs.k_pages[p, o] for p, o in slots]), inputs.k_new])  # [16, 2, 8]
+    values = torch.cat([torch.stack([inputs.v_pages[p, o] for p, o in slots]), inputs.v_new])
+    visible = torch.ones(6, 16, dtype=torch.bool).tril(diagonal=10)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        inputs.q.transpose(0, 1),
+        keys.repeat_interleave(2, dim=1).transpose(0, 1),
+        values.repeat_interleave(2, dim=1).transpose(0, 1),
+        attn_mask=visible,
+        scale=0.5,
+    ).transpose(0, 1)
+    assert relative_error(out, dense) < 1e-5
+
+
+# -- GPU: the Triton kernel against the reference -----------------------------------------------------
+
+B16, F16 = torch.bfloat16, torch.float16
+TRITON_CASES = [
+    Case((1,), (1,), num_heads=8, num_kv_heads=8, head_dim=64, page_size=16, dtype=B16),
+    Case((1, 1, 1), (17, 1000, 4096), num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=B16),
+    Case((8,), (17,), num_heads=4, num_kv_heads=4, head_dim=128, page_size=64, dtype=F16),
+    Case((8, 3), (1000, 0), num_heads=32, num_kv_heads=4, head_dim=64, page_size=16, dtype=B16),
+    Case((8,), (0,), num_heads=32, num_kv_heads=8, head_dim=64, page_size=16, dtype=B16),
+    Case((32,), (4096,), num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=B16),
+    Case((32, 17, 5), (1000, 17, 4096), num_heads=8, num_kv_heads=8, head_dim=64, page_size=64, dtype=F16),
+    Case((64,), (65536,), num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=B16),
+    Case((64, 2), (4096, 1), num_heads=16, num_kv_heads=2, head_dim=128, page_size=64, dtype=B16),
+    Case((128,), (1000,), num_heads=32, num_kv_heads=4, head_dim=64, page_size=16, dtype=F16),
+    Case((128, 64), (17, 4096), num_heads=4, num_kv_heads=4, head_dim=128, page_size=16, dtype=B16),
+    Case((16,), (65536,), num_heads=64, num_kv_heads=8, head_dim=128, page_size=64, dtype=F16),
+    Case((1, 8, 64), (65536, 1000, 17), num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=B16),
+    Case((128,), (65536,), num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=B16),
+    Case((1,), (131072,), num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=B16),
+    Case((64,), (131072,), num_heads=3, num_kv_heads=3, head_dim=128, page_size=64, dtype=B16),
+    Case((8, 32), (131072, 4096), num_heads=32, num_kv_heads=4, head_dim=64, page_size=64, dtype=F16),
+]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("case", TRITON_CASES, ids=str)
+def test_triton_matches_reference(case: Case) -> None:
+    triton_attention = pytest.importorskip("kernels.tree_attention_triton")
+    inputs = make_inputs(case, "cuda", seed=zlib.crc32(str(case).encode()))
+    scale = case.head_dim**-0.5
+    ref = tree_attention_reference(*(t.float() for t in inputs.tensors()), inputs.meta, scale)
+    plan = triton_attention.default_plan(inputs.q, inputs.k_new, inputs.meta)
+    outs = []
+    for _ in range(2):  # twice into NaN-poisoned buffers: every element written, bitwise the same both times
+        out = torch.full_like(inputs.q, float("nan"))
+        triton_attention.run_tree_attention(*inputs.tensors(), inputs.meta, scale, plan, out)
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+    assert relative_error(outs[0], ref) < 1e-2
+    assert torch.equal(triton_attention.tree_attention_triton(*inputs.tensors(), inputs.meta, scale), outs[0])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("num_splits", [1, 7, 64])
+def test_triton_any_split_count_matches_reference(num_splits: int) -> None:
+    """Split count changes only the order of summation: empty splits (64 over 300 keys) and one split both work."""
+    triton_attention = pytest.importorskip("kernels.tree_attention_triton")
+    case = Case((5, 12), (300, 45), num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=B16)
+    inputs = make_inputs(case, "cuda", seed=num_splits)
+    ref = tree_attention_reference(*(t.float() for t in inputs.tensors()), inputs.meta, 0.125)
+    plan = triton_attention.TreeAttentionPlan(block_m=16, block_n=64, num_splits=num_splits, num_warps=4, num_stages=2)
+    out = torch.full_like(inputs.q, float("nan"))
+    triton_attention.run_tree_attention(*inputs.tensors(), inputs.meta, 0.125, plan, out)
+    assert relative_error(out, ref) < 1e-2
