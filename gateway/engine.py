@@ -16,6 +16,7 @@ from typing import AsyncIterator
 
 from diffspec.errors import DiffSpecError, InvalidRequest
 from draft_service.backend import DraftBackend
+from draft_service.runtime import validate_options
 from gateway.detokenizer import IncrementalDetokenizer, Tokenizer
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
 from target_service.backend import TargetBackend, TargetInfo, VerifyResult
@@ -58,6 +59,8 @@ class SpeculativeEngine:
             )
         if request.max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if request.draft is not None:
+            validate_options(request.draft)
 
 
 class _Generation:

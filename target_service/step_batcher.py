@@ -25,18 +25,20 @@ class StepBatcher:
     def __init__(self, runtime: TargetRuntime, max_batch_tokens: int) -> None:
         self.runtime = runtime
         self.max_batch_tokens = max_batch_tokens
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Pending] | None = None  # made in the event loop that uses it
         self._worker: asyncio.Task[None] | None = None
         self.batch_sizes: list[int] = []  # sessions per forward, for stats and tests
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() if self._queue is not None else 0
 
     async def submit(self, step: VerifyStep) -> VerifyResult:
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.get_running_loop().create_task(self._run())
-        future: asyncio.Future[VerifyResult] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            self._queue = asyncio.Queue()
+            self._worker = loop.create_task(self._run(self._queue))
+        future: asyncio.Future[VerifyResult] = loop.create_future()
         await self._queue.put(_Pending(step, future))
         return await future
 
@@ -45,14 +47,14 @@ class StepBatcher:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
 
-    async def _run(self) -> None:
+    async def _run(self, queue: asyncio.Queue[_Pending]) -> None:
         while True:
-            batch = [await self._queue.get()]
+            batch = [await queue.get()]
             tokens = batch[0].step.tree.num_nodes
-            while not self._queue.empty():
-                nxt = self._queue.get_nowait()
+            while not queue.empty():
+                nxt = queue.get_nowait()
                 if tokens + nxt.step.tree.num_nodes > self.max_batch_tokens:
-                    self._queue.put_nowait(nxt)  # goes to the back; it leads the next batch soon enough
+                    queue.put_nowait(nxt)  # goes to the back; it leads the next batch soon enough
                     break
                 batch.append(nxt)
                 tokens += nxt.step.tree.num_nodes

@@ -1,0 +1,41 @@
+"""The draft's own KV over committed positions (its single layer), growing geometrically.
+
+With salience off the draft attends to all of it (the EAGLE-3 baseline); with salience on
+it attends to the working set staged in the chunk arena instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DraftKV:
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 1024):
+        self.keys = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)  # [capacity, kv_heads, hd]
+        self.values = torch.empty_like(self.keys)
+        self.length = 0  # committed positions held
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n, kv_heads, hd] for the next n positions."""
+        needed = self.length + k.shape[0]
+        if needed > self.keys.shape[0]:
+            capacity = max(needed, 2 * self.keys.shape[0])
+            self.keys = _grown(self.keys, capacity, self.length)
+            self.values = _grown(self.values, capacity, self.length)
+        self.keys[self.length : needed] = k
+        self.values[self.length : needed] = v
+        self.length = needed
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[length, kv_heads, hd] keys and values of every committed position."""
+        return self.keys[: self.length], self.values[: self.length]
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+def _grown(buffer: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
+    grown = torch.empty(capacity, *buffer.shape[1:], dtype=buffer.dtype, device=buffer.device)
+    grown[:used] = buffer[:used]
+    return grown

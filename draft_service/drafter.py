@@ -1,0 +1,163 @@
+"""EAGLE-3 drafting for one session: the draft KV over committed tokens, and tree expansion.
+
+Entries. The draft's KV entry at position t pairs the target's feature at t with the token at
+t + 1; its output predicts the token at t + 2. After the prompt, entries 0..n-1 exist (the last
+one pairs f[n-1] with the first generated token, the tree's root at position n).
+
+Trees. A depth-d node's entry sits at position n - 1 + d and pairs its parent's draft output
+(the draft's stand-in for the target feature it has not seen) with the node's token; it sees
+every committed entry plus its ancestors' entries. Each depth runs the head once for all
+nodes it expands.
+
+Accept. Verification commits the root and the accepted nodes; their target features pair with
+the emitted tokens (accepted drafts then the bonus) as the next committed entries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from diffspec.tree import DraftTree
+from draft_service.draft_attention import draft_attention
+from draft_service.draft_kv import DraftKV
+from draft_service.eagle3_head import Eagle3Head
+from draft_service.tree_budget import DepthPlan, TreeBudget
+
+EXTEND_CHUNK = 2048  # committed entries per head forward when ingesting a long prompt
+
+
+@dataclass
+class DraftSession:
+    kv: DraftKV
+    last_output: torch.Tensor  # [hidden] draft output of the last committed entry
+    num_entries: int  # committed entries = position of the root token
+    root_token: int  # last emitted token (target id)
+
+
+@dataclass
+class _Expansion:
+    """Nodes of a tree under construction (index 0 = root)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    log_probs: list[float]  # cumulative draft log-probability from the root
+    own_probs: list[float]  # draft probability of the node given its parent
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> draft output of its entry
+    entry_of: dict[int, int] = field(default_factory=dict)  # node -> row in the tree KV
+    tree_k: list[torch.Tensor] = field(default_factory=list)  # [1, kv_heads, hd] per expanded node
+    tree_v: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, token: int, parent: int, log_prob: float) -> None:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.log_probs.append(self.log_probs[parent] + log_prob)
+        self.own_probs.append(math.exp(log_prob))
+
+    def ancestors(self, node: int) -> list[int]:
+        chain = []
+        while node > 0:
+            chain.append(node)
+            node = self.parents[node]
+        return chain
+
+
+class Drafter:
+    """Stateless over sessions: the head and the rules that use it."""
+
+    def __init__(self, head: Eagle3Head) -> None:
+        self.head = head
+
+    @torch.no_grad()
+    def start(self, prompt_ids: list[int], features: torch.Tensor, first_token: int) -> DraftSession:
+        """Build the draft KV over the prompt: entries pair f[t] with token t + 1."""
+        c = self.head.config
+        kv = DraftKV(c.num_kv_heads, c.head_dim, self.head.fc.weight.dtype, self.head.fc.weight.device)
+        session = DraftSession(kv=kv, last_output=torch.empty(0), num_entries=0, root_token=first_token)
+        self.extend(session, features, [*prompt_ids[1:], first_token])
+        return session
+
+    @torch.no_grad()
+    def extend(self, session: DraftSession, features: torch.Tensor, next_tokens: list[int]) -> None:
+        """Commit entries (features[i], next_tokens[i]) at the next positions, chunk by chunk."""
+        device = self.head.fc.weight.device
+        features = features.to(device=device, dtype=self.head.fc.weight.dtype)
+        for start in range(0, len(next_tokens), EXTEND_CHUNK):
+            stop = min(start + EXTEND_CHUNK, len(next_tokens))
+            hidden = self.head.fuse(features[start:stop])
+            tokens = torch.tensor(next_tokens[start:stop], device=device)
+            positions = torch.arange(session.num_entries, session.num_entries + stop - start, device=device)
+            q, k, v = self.head.attention_inputs(tokens, hidden, positions)
+            ctx_k, ctx_v = session.kv.view()
+            causal = torch.ones(stop - start, stop - start, dtype=torch.bool, device=device).tril()
+            attn = draft_attention(q, ctx_k, ctx_v, k, v, causal, self.head.scale)
+            session.last_output = self.head.attention_outputs(attn, hidden)[-1]
+            session.kv.append(k, v)
+            session.num_entries += stop - start
+        session.root_token = next_tokens[-1]
+
+    @torch.no_grad()
+    def propose(self, session: DraftSession, plan: list[DepthPlan], budget: TreeBudget) -> DraftTree:
+        """Grow a tree depth by depth as ``plan`` says, then keep the best ``budget.total_tokens`` nodes."""
+        tree = _Expansion([session.root_token], [-1], [0], [0.0], [1.0])
+        tree.outputs[0] = session.last_output
+        min_log_prob = math.log(budget.threshold) if budget.threshold > 0 else -math.inf
+        frontier = [0]
+        for depth, step in enumerate(plan[: budget.depth]):
+            if depth > 0:
+                self._run_entries(session, tree, frontier)
+            outputs = torch.stack([tree.outputs[n] for n in frontier])
+            log_probs = torch.log_softmax(self.head.draft_logits(outputs), dim=-1)
+            top_lp, top_ids = log_probs.topk(step.children, dim=-1)
+            top_tokens = self.head.to_target_ids(top_ids)
+            for row, parent in enumerate(frontier):
+                for lp, token in zip(top_lp[row].tolist(), top_tokens[row].tolist()):
+                    if tree.log_probs[parent] + lp >= min_log_prob:
+                        tree.add(token, parent, lp)
+            if depth + 1 >= len(plan[: budget.depth]):
+                break
+            candidates = [n for n in range(len(tree.tokens)) if tree.depths[n] == depth + 1]
+            frontier = sorted(candidates, key=lambda n: -tree.log_probs[n])[: plan[depth + 1].expand]
+            if not frontier:
+                break
+        return _select(tree, budget.total_tokens)
+
+    def _run_entries(self, session: DraftSession, tree: _Expansion, nodes: list[int]) -> None:
+        """One head forward for the entries of ``nodes`` (same depth) over context + ancestors."""
+        device = self.head.fc.weight.device
+        tokens = torch.tensor([tree.tokens[n] for n in nodes], device=device)
+        hidden = torch.stack([tree.outputs[tree.parents[n]] for n in nodes])
+        positions = torch.full((len(nodes),), session.num_entries - 1 + tree.depths[nodes[0]], device=device)
+        q, k, v = self.head.attention_inputs(tokens, hidden, positions)
+        base = len(tree.tree_k)
+        for i, n in enumerate(nodes):
+            tree.entry_of[n] = base + i
+            tree.tree_k.append(k[i : i + 1])
+            tree.tree_v.append(v[i : i + 1])
+        mask = torch.zeros(len(nodes), len(tree.tree_k), dtype=torch.bool, device=device)
+        for i, n in enumerate(nodes):
+            mask[i, [tree.entry_of[a] for a in tree.ancestors(n)]] = True
+        ctx_k, ctx_v = session.kv.view()
+        attn = draft_attention(q, ctx_k, ctx_v, torch.cat(tree.tree_k), torch.cat(tree.tree_v), mask, self.head.scale)
+        for n, out in zip(nodes, self.head.attention_outputs(attn, hidden)):
+            tree.outputs[n] = out
+
+
+def _select(tree: _Expansion, total_tokens: int) -> DraftTree:
+    """The root plus the best ``total_tokens - 1`` nodes by cumulative log-prob, in creation order.
+
+    A child's cumulative log-prob never exceeds its parent's, and ties go to the earlier node,
+    so the kept set always contains every kept node's parent.
+    """
+    ranked = sorted(range(1, len(tree.tokens)), key=lambda n: (-tree.log_probs[n], n))
+    kept = sorted([0, *ranked[: total_tokens - 1]])
+    new_index = {old: new for new, old in enumerate(kept)}
+    return DraftTree(
+        tokens=torch.tensor([tree.tokens[n] for n in kept], dtype=torch.long),
+        parents=torch.tensor([new_index[tree.parents[n]] if n else -1 for n in kept], dtype=torch.long),
+        draft_probs=torch.tensor([tree.own_probs[n] for n in kept], dtype=torch.float32),
+    )
