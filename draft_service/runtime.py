@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,7 +14,11 @@ from diffspec.tree import DraftTree
 from draft_service.backend import DraftOptions, DraftStats
 from draft_service.drafter import Drafter, DraftSession
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.tree_budget import DepthPlan, TreeBudget, TreePolicy
+from draft_service.hazard import HazardProfile, StepCostModel, plan_tree, widths_to_plan
+from draft_service.tree_budget import MAX_DEPTH, DepthPlan, TreeBudget, TreePolicy
+
+REQUEST_DECAY = 0.9  # a request's hazard forgets old steps fast: it follows the text
+GLOBAL_DECAY = 0.995  # the global prior moves slowly
 
 
 @dataclass
@@ -21,6 +26,10 @@ class _SessionState:
     drafter_state: DraftSession
     policy: TreePolicy
     budget: TreeBudget
+    hazard: HazardProfile
+    widths: list[int] = field(default_factory=list)  # children per depth of the last proposal
+    last_tree: DraftTree | None = None
+    proposed_at: float = 0.0  # perf_counter when the last tree left; accept() measures the verify
 
 
 def validate_options(options: DraftOptions) -> tuple[TreePolicy, TreeBudget]:
@@ -46,6 +55,8 @@ class DraftRuntime:
         self.head = head
         self.drafter = Drafter(head)
         self.sessions: dict[str, _SessionState] = {}
+        self.global_hazard = HazardProfile(MAX_DEPTH, GLOBAL_DECAY)
+        self.step_cost = StepCostModel()  # time from a proposal leaving to its accept arriving
         self._lock = threading.Lock()
 
     def start(
@@ -59,23 +70,60 @@ class DraftRuntime:
             raise InvalidRequest(f"draft session {session_id!r} already exists")
         with self._lock:
             state = self.drafter.start(prompt_ids, features, first_token)
-            self.sessions[session_id] = _SessionState(state, policy, budget)
+            hazard = HazardProfile(MAX_DEPTH, REQUEST_DECAY, prior=self.global_hazard)
+            self.sessions[session_id] = _SessionState(state, policy, budget, hazard)
 
     def propose(self, session_id: str) -> DraftTree:
         session = self._session(session_id)
         with self._lock:
-            return self.drafter.propose(session.drafter_state, depth_plan(session.policy, session.budget), session.budget)
+            if session.policy.name == "online":
+                session.widths = plan_tree(
+                    session.hazard, self.step_cost, session.budget.total_tokens, session.budget.depth, session.widths
+                )
+                plan = widths_to_plan(session.widths)
+            else:
+                plan = depth_plan(session.policy, session.budget)
+                session.widths = [step.children for step in plan]
+            started = time.perf_counter()
+            tree = self.drafter.propose(session.drafter_state, plan, session.budget)
+            session.proposed_at = time.perf_counter()
+            self.step_cost.observe_draft(len(plan), session.proposed_at - started)
+            session.last_tree = tree
+            return tree
 
     def accept(self, session_id: str, emitted_tokens: list[int], features: torch.Tensor) -> None:
         session = self._session(session_id)
         if not emitted_tokens or features.shape[0] != len(emitted_tokens):
             raise InvalidRequest(f"{len(emitted_tokens)} emitted tokens but features for {features.shape[0]} positions")
         with self._lock:
+            if session.last_tree is not None:
+                self._observe_step(session, emitted_tokens[:-1])
             self.drafter.extend(session.drafter_state, features, emitted_tokens)
 
+    def _observe_step(self, session: _SessionState, accepted: list[int]) -> None:
+        """Feed the hazard profile (sibling rank passed per depth) and the verify cost model."""
+        tree = session.last_tree
+        assert tree is not None
+        self.step_cost.observe_verify(tree.num_nodes, time.perf_counter() - session.proposed_at)
+        children, tokens = tree.children(), tree.tokens.tolist()
+        node, ranks = 0, []
+        for token in accepted:
+            match = [rank for rank, child in enumerate(children[node]) if tokens[child] == token]
+            if not match:
+                break  # the target accepted a path the draft did not propose: a foreign tree
+            ranks.append(match[0])
+            node = children[node][match[0]]
+        session.hazard.observe(ranks, stop_width=len(children[node]))
+        session.last_tree = None
+
     def stats(self, session_id: str) -> DraftStats:
-        state = self._session(session_id).drafter_state
-        return DraftStats(working_set_tokens=state.kv.length, context_tokens=state.num_entries)
+        session = self._session(session_id)
+        state = session.drafter_state
+        return DraftStats(
+            hazard=session.hazard.hazard(session.widths),
+            working_set_tokens=state.kv.length,
+            context_tokens=state.num_entries,
+        )
 
     def release(self, session_id: str) -> None:
         with self._lock:

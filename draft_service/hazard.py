@@ -1,0 +1,187 @@
+"""The hazard profile: where accepted paths stop, and the tree budget that follows from it.
+
+Terms. Per verification step the *stop depth* s is the number of accepted draft tokens. A
+path *reaches* depth d (1-based draft depth) when s >= d - 1; it *passes* d when the target
+accepts one of the node's children there. The hazard h(d) = P(stop at d | reached d) and the
+survival S(d) = prod_{k<d} (1 - h(k)) = P(reach d). A step whose path ran off the end of the
+tree is censored at the tree's depth (it did not stop; the tree ended).
+
+Estimates. Children are proposed best-first, so at a node the target tries sibling rank 0,
+then 1, ... For every depth and rank r we count, with exponential decay (so estimates follow
+the text when it changes regime), how often rank r was tried and how often it failed too; the
+failure rate f_r is smoothed toward a prior (the global profile, which every request feeds, and
+before any data a fixed guess) worth a few pseudo-observations, and clamped to [EPS, 1 - EPS],
+so it never reaches 0 or 1 and one noisy step moves it little. Then
+    P(pass d | width w) = 1 - prod_{r<w} f_r(d),     h(d) = 1 - P(pass d | w_d).
+A rank never tried keeps its prior, so a wider fan is predicted to help in proportion to the
+top-1 hazard, and the prediction is corrected once wider trees are verified.
+
+Budget rule. A plan gives each depth d a width w_d (children per expanded node; the best
+w_{d-1} nodes of depth d-1 are expanded). The expected tokens per step are
+    E(w) = 1 + sum_d prod_{j<=d} P(pass j | w_j)        (the 1 is the bonus token)
+and a step costs  T(w) = D * t_draft + c(N(w)),  N(w) = 1 + w_1 + sum_{d>=2} w_{d-1} w_d,
+with c(N) the verification cost measured as a function of tree size (a running least-squares
+line) and t_draft the measured draft time per depth. Starting from a one-token chain, the
+plan greedily takes whichever single change (one more child at some depth, or one more depth)
+raises E/T most, and stops when none does or the token budget is spent. Widths therefore grow
+where the hazard is high (a wider fan there saves the path most often) and depth stops where
+S(d) is too small for another level to pay for itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draft_service.tree_budget import DepthPlan
+
+EPS = 0.02
+MAX_WIDTH = 10
+PRIOR_TOP1_FAIL = 0.4  # before any data: P(the best child is rejected)
+PRIOR_NEXT_FAIL = 0.75  # before any data: P(the next sibling is rejected too)
+PRIOR_WEIGHT = 4.0  # pseudo-observations a prior is worth
+
+
+@dataclass
+class DepthCounts:
+    tried: list[float] = field(default_factory=lambda: [0.0] * MAX_WIDTH)  # decayed tries per sibling rank
+    failed: list[float] = field(default_factory=lambda: [0.0] * MAX_WIDTH)  # decayed failures per sibling rank
+
+
+class HazardProfile:
+    """Decayed per-depth, per-rank counts; ``prior`` (another profile) smooths this one's estimates."""
+
+    def __init__(self, max_depth: int, decay: float, prior: HazardProfile | None = None) -> None:
+        self.max_depth = max_depth
+        self.decay = decay
+        self.prior = prior
+        self.depths = [DepthCounts() for _ in range(max_depth)]
+
+    def observe(self, passed_ranks: list[int], stop_width: int) -> None:
+        """One verification step.
+
+        ``passed_ranks[d-1]`` is the sibling rank of the accepted child at depth d; at the next
+        depth the path stopped after all ``stop_width`` children failed (0: the path reached a
+        leaf, so the step is censored there).
+        """
+        for counts in self.depths:
+            counts.tried = [c * self.decay for c in counts.tried]
+            counts.failed = [c * self.decay for c in counts.failed]
+        outcomes = [(rank, True) for rank in passed_ranks] + [(stop_width, False)]
+        for counts, (rank, passed) in zip(self.depths, outcomes):
+            for r in range(min(rank + 1 if passed else rank, MAX_WIDTH)):
+                counts.tried[r] += 1
+                counts.failed[r] += 0 if passed and r == rank else 1
+        if self.prior is not None:
+            self.prior.observe(passed_ranks, stop_width)
+
+    def fail_rate(self, depth: int, rank: int) -> float:
+        """f_r(d): P(sibling ``rank`` is rejected | all better siblings were), depth 1-based."""
+        if self.prior is not None:
+            prior = self.prior.fail_rate(depth, rank)
+        else:
+            prior = PRIOR_TOP1_FAIL if rank == 0 else PRIOR_NEXT_FAIL
+        if depth > self.max_depth or rank >= MAX_WIDTH:
+            return prior
+        counts = self.depths[depth - 1]
+        estimate = (counts.failed[rank] + PRIOR_WEIGHT * prior) / (counts.tried[rank] + PRIOR_WEIGHT)
+        return max(EPS, min(1.0 - EPS, estimate))
+
+    def pass_probability(self, depth: int, width: int) -> float:
+        """P(the path passes ``depth`` | it reached it with ``width`` children proposed)."""
+        all_fail = 1.0
+        for rank in range(max(1, min(width, MAX_WIDTH))):
+            all_fail *= self.fail_rate(depth, rank)
+        return 1.0 - all_fail
+
+    def hazard(self, widths: list[int]) -> list[float]:
+        """h(d) for d = 1..len(widths) at the given widths."""
+        return [1.0 - self.pass_probability(d, w) for d, w in enumerate(widths, start=1)]
+
+    def survival(self, widths: list[int]) -> list[float]:
+        """S(d) = P(reach d) for d = 1..len(widths) + 1."""
+        alive, out = 1.0, []
+        for d, w in enumerate(widths, start=1):
+            out.append(alive)
+            alive *= self.pass_probability(d, w)
+        return [*out, alive]
+
+
+@dataclass
+class StepCostModel:
+    """Running least-squares line c(N) = a + b N for verification, plus draft time per depth.
+
+    Seconds are as measured by whoever feeds it; before any measurement the defaults make a
+    verification of N tokens cost like N/100 extra decode steps and a draft depth 5% of one.
+    """
+
+    decay: float = 0.98
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed n, sum N, sum N^2, sum c, sum N c
+    draft_seconds_per_depth: float = 0.05
+    default_intercept: float = 1.0
+    default_slope: float = 0.01
+
+    def observe_verify(self, tree_tokens: int, seconds: float) -> None:
+        self.sums = [s * self.decay for s in self.sums]
+        for i, value in enumerate((1.0, tree_tokens, tree_tokens**2, seconds, tree_tokens * seconds)):
+            self.sums[i] += value
+
+    def observe_draft(self, depths: int, seconds: float) -> None:
+        if depths > 0:
+            self.draft_seconds_per_depth = 0.9 * self.draft_seconds_per_depth + 0.1 * seconds / depths
+
+    def verify_seconds(self, tree_tokens: int) -> float:
+        n, sx, sxx, sy, sxy = self.sums
+        if n < 1.0:
+            return self.default_intercept + self.default_slope * tree_tokens
+        spread = n * sxx - sx * sx
+        slope = (n * sxy - sx * sy) / spread if spread > 1e-9 * max(1.0, n * sxx) else 0.0
+        slope = max(slope, 0.0)
+        intercept = max((sy - slope * sx) / n, 1e-9)
+        return intercept + slope * tree_tokens
+
+
+def tree_size(widths: list[int]) -> int:
+    """Nodes of a tree whose depth d expands the best w_{d-1} nodes into w_d children each."""
+    total, expanded = 1, 1
+    for w in widths:
+        total += expanded * w
+        expanded = w
+    return total
+
+
+PLAN_HYSTERESIS = 0.03  # a new plan must beat the current one by 3% to replace it
+
+
+def plan_tree(
+    profile: HazardProfile, cost: StepCostModel, max_tokens: int, max_depth: int, current: list[int] | None = None
+) -> list[int]:
+    """Widths per depth maximising expected tokens per second (the module docstring's rule).
+
+    The ``current`` plan is kept unless the new one is clearly better, so estimation noise
+    does not flip the tree shape back and forth between near-equal plans.
+    """
+
+    def value(widths: list[int]) -> float:
+        expected = sum(profile.survival(widths)[1:]) + 1.0
+        seconds = len(widths) * cost.draft_seconds_per_depth + cost.verify_seconds(tree_size(widths))
+        return expected / seconds
+
+    widths, best = [1], value([1])
+    while True:
+        options = [widths[:d] + [widths[d] + 1] + widths[d + 1 :] for d in range(len(widths)) if widths[d] < MAX_WIDTH]
+        if len(widths) < max_depth:
+            options.append([*widths, 1])
+        scored = [(value(o), o) for o in options if tree_size(o) <= max_tokens]
+        if not scored:
+            break
+        top_value, top = max(scored, key=lambda item: item[0])
+        if top_value <= best * (1 + 1e-4):
+            break
+        widths, best = top, top_value
+    fits = current and len(current) <= max_depth and tree_size(current) <= max_tokens
+    return current if fits and value(current) * (1 + PLAN_HYSTERESIS) >= best else widths
+
+
+def widths_to_plan(widths: list[int]) -> list[DepthPlan]:
+    """Depth d expands the best w_{d-1} nodes (the root at depth 1) into w_d children each."""
+    return [DepthPlan(expand=widths[d - 1] if d else 1, children=w) for d, w in enumerate(widths)]

@@ -1,0 +1,109 @@
+"""Hazard estimates on synthetic stop-depth streams, and the tree budget they imply."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from draft_service.hazard import EPS, HazardProfile, StepCostModel, plan_tree, tree_size, widths_to_plan
+
+
+def simulate_step(rng: random.Random, rank_probs: list[list[float]], widths: list[int]) -> tuple[list[int], int]:
+    """(ranks passed per depth, children at the stop) for a path drawn from true rank distributions."""
+    ranks = []
+    for depth, width in enumerate(widths):
+        probs = rank_probs[min(depth, len(rank_probs) - 1)]
+        draw, rank = rng.random(), None
+        for r, p in enumerate(probs):
+            draw -= p
+            if draw < 0:
+                rank = r
+                break
+        if rank is None or rank >= width:
+            return ranks, width
+        ranks.append(rank)
+    return ranks, 0
+
+
+EASY = [0.9, 0.05, 0.02]  # top-1 almost always right
+HARD = [0.35, 0.2, 0.15, 0.1, 0.08]  # top-1 often wrong, lower ranks rescue the path
+
+
+def run_stream(profile, cost, rank_probs, steps, seed=0, history=None):
+    rng = random.Random(seed)
+    widths = None
+    for _ in range(steps):
+        widths = plan_tree(profile, cost, max_tokens=64, max_depth=8, current=widths)
+        if history is not None:
+            history.append(widths)
+        profile.observe(*simulate_step(rng, rank_probs, widths))
+    return plan_tree(profile, cost, max_tokens=64, max_depth=8, current=widths)
+
+
+def test_width_moves_to_the_hard_depth_and_converges():
+    profile = HazardProfile(max_depth=16, decay=0.97, prior=HazardProfile(16, 0.999))
+    history: list[list[int]] = []
+    widths = run_stream(profile, StepCostModel(), [EASY, HARD, EASY, EASY, EASY], 600, history=history)
+    assert len(widths) >= 3
+    assert widths[1] > widths[0] and widths[1] > widths[2], widths
+    assert all(h == history[-1] for h in history[-40:]), "the plan keeps changing under a stationary stream"
+    hazard = profile.hazard(widths)
+    assert hazard[1] == max(hazard[:3]) or widths[1] == 10
+
+
+def test_depth_stops_where_survival_no_longer_pays():
+    cost = StepCostModel(default_intercept=1.0, default_slope=0.05, draft_seconds_per_depth=0.2)
+    profile = HazardProfile(max_depth=16, decay=0.97)
+    cliff = [EASY, EASY, [0.05, 0.02]]  # past depth 2, drafts are almost never accepted
+    widths = run_stream(profile, cost, cliff, 400)
+    assert len(widths) <= 3, widths
+
+
+def test_estimates_adapt_to_a_regime_change():
+    profile = HazardProfile(max_depth=16, decay=0.95)
+    run_stream(profile, StepCostModel(), [EASY], 300, seed=1)
+    easy_hazard = profile.hazard([1])[0]
+    run_stream(profile, StepCostModel(), [HARD], 100, seed=2)
+    assert profile.hazard([1])[0] > easy_hazard + 0.3
+
+
+@pytest.mark.parametrize("outcome", ["always-pass", "always-stop"])
+def test_estimates_never_reach_zero_or_one(outcome):
+    profile = HazardProfile(max_depth=4, decay=0.99)
+    for _ in range(2000):
+        profile.observe(*(([0, 0, 0, 0], 0) if outcome == "always-pass" else ([], 3)))
+    for d in range(1, 6):
+        assert EPS <= profile.pass_probability(d, 1) <= 1 - EPS
+
+
+def test_prior_weighs_in_until_the_request_has_evidence():
+    prior = HazardProfile(max_depth=8, decay=1.0)
+    for _ in range(500):
+        prior.observe([], stop_width=1)  # the global stream: depth 1 always fails
+    fresh = HazardProfile(max_depth=8, decay=0.9, prior=prior)
+    assert fresh.hazard([1])[0] > 0.9
+    for _ in range(60):
+        fresh.observe([0, 0], stop_width=0)  # this request: depth 1 always passes
+    assert fresh.hazard([1])[0] < 0.3
+
+
+def test_censored_steps_do_not_count_as_stops():
+    profile = HazardProfile(max_depth=4, decay=1.0)
+    for _ in range(100):
+        profile.observe([0, 0], stop_width=0)  # ran off the end of a depth-2 tree
+    assert sum(profile.depths[2].tried) == 0 and profile.depths[1].failed[0] == 0
+
+
+def test_cost_model_fits_a_line():
+    cost = StepCostModel(decay=1.0)
+    for n in (1, 8, 16, 32, 64):
+        cost.observe_verify(n, 0.002 + 0.0001 * n)
+    assert cost.verify_seconds(100) == pytest.approx(0.012, rel=1e-6)
+
+
+def test_plan_shapes():
+    assert tree_size([1, 1, 1]) == 4
+    assert tree_size([4, 2]) == 1 + 4 + 8
+    plan = widths_to_plan([4, 2, 1])
+    assert [(p.expand, p.children) for p in plan] == [(1, 4), (4, 2), (2, 1)]
