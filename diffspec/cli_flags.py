@@ -53,7 +53,7 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ski
             f"--{name.replace('_', '-')}",
             dest=name,
             default=None,
-            help=f"{field.description or ''} (default: {field.default})",
+            help=f"{field.description or ''} (default: {field.get_default(call_default_factory=True)})",
             **_flag_type(field.annotation),
         )
 

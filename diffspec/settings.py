@@ -51,6 +51,8 @@ class DiffSpecSettings(BaseSettings):
     salience: bool = Field(False, description="Draft attends to a salience-selected working set of chunks.")
     chunk_size: int = Field(64, ge=1, description="Context tokens per salience chunk.")
     working_set_tokens: int = Field(2048, ge=64, description="Token budget of the draft's working set.")
+    salience_recent_tokens: int = Field(256, ge=1, description="Most recent context tokens always in the working set.")
+    salience_reselect_every: int = Field(8, ge=1, description="Draft steps between scheduled working-set re-selections.")
 
     # Generation defaults
     max_new_tokens: int = Field(128, ge=1, description="Default number of tokens to generate.")
@@ -63,6 +65,16 @@ class DiffSpecSettings(BaseSettings):
     max_sessions: int = Field(64, ge=1, description="Concurrent generations admitted before RESOURCE_EXHAUSTED.")
     max_batch_tokens: int = Field(4096, ge=1, description="Tokens per coalesced target forward.")
     metrics_port: int = Field(0, ge=0, description="Prometheus metrics HTTP port (0 = off).")
+    keepalive_seconds: float = Field(
+        30.0, gt=0, description="HTTP/2 keepalive ping interval on servers and channels (finds dead peers on idle links)."
+    )
+    keepalive_timeout_seconds: float = Field(10.0, gt=0, description="A keepalive ping unanswered this long drops the link.")
+    shutdown_grace_seconds: float = Field(
+        10.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight streams may finish before they are cancelled."
+    )
+    peer_wait_seconds: float = Field(
+        120.0, gt=0, description="How long a starting gateway waits for a remote target to answer before giving up."
+    )
 
     @field_validator("feature_layers")
     @classmethod

@@ -22,16 +22,17 @@ import torch
 
 from diffspec.tree import DraftTree
 from draft_service.draft_attention import draft_attention
-from draft_service.draft_kv import DraftKV
+from draft_service.draft_context import DraftContext
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.tree_budget import DepthPlan, TreeBudget
+from draft_service.working_set import WorkingSetConfig
 
-EXTEND_CHUNK = 2048  # committed entries per head forward when ingesting a long prompt
+EXTEND_CHUNK = 4096  # committed entries per projection when ingesting a long prompt
 
 
 @dataclass
 class DraftSession:
-    kv: DraftKV
+    context: DraftContext  # committed draft KV and what of it the draft attends to
     last_output: torch.Tensor  # [hidden] draft output of the last committed entry
     num_entries: int  # committed entries = position of the root token
     root_token: int  # last emitted token (target id)
@@ -73,31 +74,42 @@ class Drafter:
         self.head = head
 
     @torch.no_grad()
-    def start(self, prompt_ids: list[int], features: torch.Tensor, first_token: int) -> DraftSession:
+    def start(
+        self,
+        prompt_ids: list[int],
+        features: torch.Tensor,
+        first_token: int,
+        salience: WorkingSetConfig | None = None,
+    ) -> DraftSession:
         """Build the draft KV over the prompt: entries pair f[t] with token t + 1."""
-        c = self.head.config
-        kv = DraftKV(c.num_kv_heads, c.head_dim, self.head.fc.weight.dtype, self.head.fc.weight.device)
-        session = DraftSession(kv=kv, last_output=torch.empty(0), num_entries=0, root_token=first_token)
+        c, weight = self.head.config, self.head.fc.weight
+        context = DraftContext(c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience)
+        session = DraftSession(context=context, last_output=torch.empty(0), num_entries=0, root_token=first_token)
         self.extend(session, features, [*prompt_ids[1:], first_token])
         return session
 
     @torch.no_grad()
     def extend(self, session: DraftSession, features: torch.Tensor, next_tokens: list[int]) -> None:
-        """Commit entries (features[i], next_tokens[i]) at the next positions, chunk by chunk."""
-        device = self.head.fc.weight.device
-        features = features.to(device=device, dtype=self.head.fc.weight.dtype)
+        """Commit entries (features[i], next_tokens[i]) at the next positions.
+
+        A one-layer draft's keys and values do not depend on its attention, so only the last
+        entry attends (its output predicts the next tree): ingesting a prompt is O(length).
+        """
+        device, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
+        features = features.to(device=device, dtype=dtype)
+        tokens = torch.tensor(next_tokens, device=device)
         for start in range(0, len(next_tokens), EXTEND_CHUNK):
             stop = min(start + EXTEND_CHUNK, len(next_tokens))
             hidden = self.head.fuse(features[start:stop])
-            tokens = torch.tensor(next_tokens[start:stop], device=device)
             positions = torch.arange(session.num_entries, session.num_entries + stop - start, device=device)
-            q, k, v = self.head.attention_inputs(tokens, hidden, positions)
-            ctx_k, ctx_v = session.kv.view()
-            causal = torch.ones(stop - start, stop - start, dtype=torch.bool, device=device).tril()
-            attn = draft_attention(q, ctx_k, ctx_v, k, v, causal, self.head.scale)
-            session.last_output = self.head.attention_outputs(attn, hidden)[-1]
-            session.kv.append(k, v)
+            q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, positions)
+            session.context.append(k, v)
             session.num_entries += stop - start
+        session.context.refresh(q[-1])
+        ctx_k, ctx_v = session.context.view()
+        no_new = torch.zeros(1, 0, dtype=torch.bool, device=device)
+        attn = draft_attention(q[-1:], ctx_k, ctx_v, k[:0], v[:0], no_new, self.head.scale)
+        session.last_output = self.head.attention_outputs(attn, hidden[-1:])[0]
         session.root_token = next_tokens[-1]
 
     @torch.no_grad()
@@ -141,7 +153,7 @@ class Drafter:
         mask = torch.zeros(len(nodes), len(tree.tree_k), dtype=torch.bool, device=device)
         for i, n in enumerate(nodes):
             mask[i, [tree.entry_of[a] for a in tree.ancestors(n)]] = True
-        ctx_k, ctx_v = session.kv.view()
+        ctx_k, ctx_v = session.context.view()
         attn = draft_attention(q, ctx_k, ctx_v, torch.cat(tree.tree_k), torch.cat(tree.tree_v), mask, self.head.scale)
         for n, out in zip(nodes, self.head.attention_outputs(attn, hidden)):
             tree.outputs[n] = out

@@ -203,7 +203,8 @@ class Eagle3Head(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, target_embedding.device)
         device = target_embedding.device
         # Until a map is set, draft id i is target id i (the identity when the vocabularies match).
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64, device=device))  # [draft_vocab]
+        d2t = torch.zeros(config.draft_vocab_size, dtype=torch.int64, device=device)
+        self.register_buffer("d2t", d2t)  # [draft_vocab]
         t2d = torch.arange(config.vocab_size, device=device) < config.draft_vocab_size
         self.register_buffer("t2d", t2d)  # [vocab] bool
         # The target's own embedding, frozen and never saved.
@@ -218,7 +219,8 @@ class Eagle3Head(nn.Module):
     def attention_inputs(
         self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """token_ids [..., T], hidden [..., T, hidden], positions [..., T] -> roped q [..., T, heads, hd], k, v [..., T, kv_heads, hd]."""
+        """token_ids [..., T], hidden [..., T, hidden], positions [..., T]
+        -> roped q [..., T, heads, hd], roped k [..., T, kv_heads, hd], v [..., T, kv_heads, hd]."""
         c, layer = self.config, self.midlayer
         token = layer.input_layernorm(F.embedding(token_ids, self.embed_tokens))
         x = torch.cat([token, layer.hidden_norm(hidden)], dim=-1)
@@ -229,7 +231,7 @@ class Eagle3Head(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def attention_outputs(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """attn [..., T, heads, hd], residual hidden [..., T, hidden] -> the draft's output [..., T, hidden] (pre-norm)."""
+        """attn [..., T, heads, hd], residual hidden [..., T, hidden] -> draft output [..., T, hidden] (pre-norm)."""
         layer = self.midlayer
         x = hidden + layer.self_attn.o_proj(attn.flatten(-2))
         return x + layer.mlp(layer.post_attention_layernorm(x))
@@ -242,7 +244,8 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def forward_dense(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention over whole sequences: token_ids [B, S], hidden [B, S, h], positions [B, S] -> [B, S, h]."""
+        """Causal self-attention over whole sequences: token_ids [B, S], hidden [B, S, h], positions [B, S]
+        -> output [B, S, h]."""
         q, k, v = self.attention_inputs(token_ids, hidden, positions)
         group = self.config.num_heads // self.config.num_kv_heads
         q, k, v = (t.transpose(-3, -2) for t in (q, k, v))  # [B, heads, S, hd]
@@ -269,7 +272,9 @@ class Eagle3Head(nn.Module):
         self.t2d.copy_(t2d)
 
     @classmethod
-    def load(cls, head_dir: Path, target_embedding: torch.Tensor, device: torch.device, dtype: torch.dtype) -> Eagle3Head:
+    def load(
+        cls, head_dir: Path, target_embedding: torch.Tensor, device: torch.device, dtype: torch.dtype
+    ) -> Eagle3Head:
         """A head directory (config.json + pytorch_model.bin or safetensors) onto ``device`` in ``dtype``."""
         head_dir = Path(head_dir)
         config = Eagle3Config.from_json(read_config(head_dir))

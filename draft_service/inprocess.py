@@ -12,6 +12,16 @@ from diffspec.tree import DraftTree
 from draft_service.backend import DraftOptions, DraftStats
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.runtime import DraftRuntime
+from draft_service.working_set import WorkingSetConfig
+
+
+def working_set_config(settings: DiffSpecSettings) -> WorkingSetConfig:
+    return WorkingSetConfig(
+        chunk_size=settings.chunk_size,
+        budget_tokens=settings.working_set_tokens,
+        recent_chunks=max(1, settings.salience_recent_tokens // settings.chunk_size),
+        reselect_every=settings.salience_reselect_every,
+    )
 from draft_service.target_embedding import load_target_embedding
 
 
@@ -28,7 +38,8 @@ class InProcessDraft:
         embedding = runtime.model.embed_tokens if runtime is not None else None
         if embedding is None:
             embedding = load_target_embedding(settings.base_model, device, dtype)
-        return cls(DraftRuntime(Eagle3Head.load(settings.draft_model, embedding, device, dtype)))
+        head = Eagle3Head.load(settings.draft_model, embedding, device, dtype)
+        return cls(DraftRuntime(head, working_set_config(settings)))
 
     async def start(
         self, session_id: str, prompt_ids: list[int], features: torch.Tensor, first_token: int, options: DraftOptions

@@ -16,6 +16,7 @@ from draft_service.drafter import Drafter, DraftSession
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.hazard import HazardProfile, StepCostModel, plan_tree, widths_to_plan
 from draft_service.tree_budget import MAX_DEPTH, DepthPlan, TreeBudget, TreePolicy
+from draft_service.working_set import WorkingSetConfig
 
 REQUEST_DECAY = 0.9  # a request's hazard forgets old steps fast: it follows the text
 GLOBAL_DECAY = 0.995  # the global prior moves slowly
@@ -51,8 +52,9 @@ def depth_plan(policy: TreePolicy, budget: TreeBudget) -> list[DepthPlan]:
 class DraftRuntime:
     """Thread-safe: one lock serialises head forwards."""
 
-    def __init__(self, head: Eagle3Head) -> None:
+    def __init__(self, head: Eagle3Head, working_set: WorkingSetConfig = WorkingSetConfig()) -> None:
         self.head = head
+        self.working_set = working_set
         self.drafter = Drafter(head)
         self.sessions: dict[str, _SessionState] = {}
         self.global_hazard = HazardProfile(MAX_DEPTH, GLOBAL_DECAY)
@@ -69,7 +71,8 @@ class DraftRuntime:
         if session_id in self.sessions:
             raise InvalidRequest(f"draft session {session_id!r} already exists")
         with self._lock:
-            state = self.drafter.start(prompt_ids, features, first_token)
+            salience = self.working_set if options.salience else None
+            state = self.drafter.start(prompt_ids, features, first_token, salience)
             hazard = HazardProfile(MAX_DEPTH, REQUEST_DECAY, prior=self.global_hazard)
             self.sessions[session_id] = _SessionState(state, policy, budget, hazard)
 
@@ -121,7 +124,7 @@ class DraftRuntime:
         state = session.drafter_state
         return DraftStats(
             hazard=session.hazard.hazard(session.widths),
-            working_set_tokens=state.kv.length,
+            working_set_tokens=state.context.attended_tokens,
             context_tokens=state.num_entries,
         )
 

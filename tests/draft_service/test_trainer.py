@@ -41,6 +41,15 @@ class {name}Store:
 '''
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These runs are tiny: one thread is as fast as two and does not thrash when the machine is busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A few small Python modules, plus files the corpus rules must skip."""
@@ -124,13 +133,15 @@ def _config(corpus_dir: Path, out_dir: Path, **overrides) -> TrainConfig:
     return TrainConfig(**(values | overrides))
 
 
-def test_training_reduces_loss_and_writes_a_loadable_head(corpus_dir: Path, tiny_target_dir: Path, tmp_path: Path) -> None:
+def test_training_reduces_loss_and_writes_a_loadable_head(
+    corpus_dir: Path, tiny_target_dir: Path, tmp_path: Path
+) -> None:
     summary = train_draft(_config(corpus_dir, tmp_path))
     assert summary.steps == 30 and len(summary.losses) == 30 and len(summary.step_accuracy) == 3
     assert summary.tokens_seen == 30 * 4 * 64
     first, last = sum(summary.losses[:5]) / 5, sum(summary.losses[-5:]) / 5
-    assert last < 0.8 * first, summary.losses
-    assert summary.step_accuracy[0] > 0.1
+    assert last < 0.6 * first, summary.losses
+    assert summary.step_accuracy[0] > 0.4
 
     target = LlamaModel.from_pretrained(tiny_target_dir, torch.device("cpu"), torch.float32)
     head = Eagle3Head.load(tmp_path, target.embed_tokens, torch.device("cpu"), torch.float32)

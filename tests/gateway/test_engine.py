@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest, GenerationStats
 from target_service.inprocess import InProcessTarget
 from target_service.runtime import TargetRuntime
+from diffspec.settings import SHARED_DIR
+from draft_service.working_set import WorkingSetConfig
 from tests.conftest import short_prompts
 
 CODE_PROMPTS = [
@@ -26,7 +29,15 @@ CODE_PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
     "def fibonacci(n):",
 ]
-POLICIES = ["chain", "uniform4", "full"]
+VARIANTS = [
+    DraftOptions("chain", "24:0.0:5"),
+    DraftOptions("uniform4", "24:0.0:5"),
+    DraftOptions("full", "24:0.0:5"),
+    DraftOptions("online", "24:0.0:5"),
+    DraftOptions("full", "24:0.0:5", salience=True),
+    DraftOptions("online", "64:0.0:8", salience=True),
+]
+LONG_PROMPTS = SHARED_DIR / "data" / "longctx_eval.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +56,8 @@ def random_head_engine(target, tokenizer) -> SpeculativeEngine:
     rt = target.runtime
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config.for_target(rt.model.config, 4096, rt.feature_layers), rt.model.embed_tokens)
-    return SpeculativeEngine(target, InProcessDraft(DraftRuntime(head)), tokenizer)
+    working_set = WorkingSetConfig(chunk_size=32, budget_tokens=256, recent_chunks=2)
+    return SpeculativeEngine(target, InProcessDraft(DraftRuntime(head, working_set)), tokenizer)
 
 
 def collect(engine: SpeculativeEngine, request: GenerationRequest) -> tuple[list[int], str, GenerationStats]:
@@ -65,16 +77,30 @@ def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_speculative_greedy_equals_auto(random_head_engine, tokenizer, policy):
+@pytest.mark.parametrize("options", VARIANTS, ids=lambda o: f"{o.policy}-salience-{o.salience}")
+def test_speculative_greedy_equals_auto(random_head_engine, tokenizer, options):
     for ids in prompts(tokenizer):
         auto_ids, auto_text, _ = collect(random_head_engine, GenerationRequest(ids, 128))
-        spec_ids, spec_text, stats = collect(
-            random_head_engine, GenerationRequest(ids, 128, draft=DraftOptions(policy, "24:0.0:5"))
-        )
+        spec_ids, spec_text, stats = collect(random_head_engine, GenerationRequest(ids, 128, draft=options))
         assert spec_ids == auto_ids and spec_text == auto_text
         assert stats.steps == sum(stats.stop_depth_histogram) and stats.new_tokens == len(spec_ids)
+        if options.salience:
+            assert 0 < stats.working_set_tokens <= 256
+        if options.policy == "online":
+            assert stats.hazard and all(0 < h < 1 for h in stats.hazard)
     assert asyncio.run(random_head_engine.target.info()).active_sessions == 0
+
+
+def test_long_prompt_greedy_equals_auto(random_head_engine, tokenizer):
+    if not LONG_PROMPTS.exists():
+        pytest.skip(f"{LONG_PROMPTS} not present")
+    text = json.loads(LONG_PROMPTS.read_text().splitlines()[0])["text"]
+    ids = tokenizer(text)["input_ids"][-8000:]
+    auto_ids, _, _ = collect(random_head_engine, GenerationRequest(ids, 48))
+    for options in (DraftOptions("full", "32:0.0:6"), DraftOptions("online", "32:0.0:6", salience=True)):
+        spec_ids, _, stats = collect(random_head_engine, GenerationRequest(ids, 48, draft=options))
+        assert spec_ids == auto_ids
+        assert stats.working_set_tokens <= (256 if options.salience else 8100)
 
 
 def test_sampling_with_a_seed_is_reproducible(random_head_engine, tokenizer):

@@ -1,4 +1,4 @@
-"""Tree attention: the PyTorch reference against a naive dense softmax (CPU), the Triton kernel against the reference (GPU)."""
+"""Tree attention: the PyTorch reference against a naive softmax (CPU), the Triton kernel against the reference (GPU)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class Inputs:
 
 
 def random_tree_mask(num_tokens: int, generator: torch.Generator) -> torch.Tensor:
-    """[num_tokens, num_tokens] bool: token i sees itself and its ancestors; token j's parent is a random earlier token."""
+    """[num_tokens, num_tokens] bool: token i sees itself and its ancestors; each parent is a random earlier token."""
     parents = [-1] + [int(torch.randint(0, j, (1,), generator=generator)) for j in range(1, num_tokens)]
     mask = torch.zeros(num_tokens, num_tokens, dtype=torch.bool)
     for i in range(num_tokens):

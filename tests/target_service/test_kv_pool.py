@@ -148,6 +148,25 @@ def test_handing_out_a_cached_page_drops_its_prefix():
     assert pool.block_table("d") == [0, 2, 3]
 
 
+@pytest.mark.parametrize(
+    "release_first_holder, expected_table_c, expected_refcounts",
+    [
+        (False, [0, 3], [2, 1, 1, 1]),  # page 0 is live: it keeps the entry, page 2 stays unregistered
+        (True, [2, 3], [0, 0, 2, 1]),  # page 0 is free: the live page 2 takes the entry, no revival needed
+    ],
+)
+def test_prefix_entry_prefers_a_live_page(release_first_holder, expected_table_c, expected_refcounts):
+    pool = PagedKVPool(num_pages=8, page_size=PAGE_SIZE)
+    prefill(pool, "a", [1, 2, 3, 4, 5])  # page 0 = [1, 2, 3, 4] registered
+    if release_first_holder:
+        pool.release("a")
+    assert prefill(pool, "b", [1, 2, 3, 4]) == 0  # last token never cached: same KV again in page 2
+    assert pool.block_table("b") == [2]
+    assert pool.allocate("c", [1, 2, 3, 4, 9]) == 4
+    assert pool.block_table("c") == expected_table_c
+    assert [pool.refcount(p) for p in range(4)] == expected_refcounts
+
+
 # ---- fork and copy-on-write ----
 
 
@@ -276,12 +295,12 @@ def fake_kv(token_ids: list[int]) -> list[Kv]:
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Prefill, decode steps with partial acceptance, fork and release on a 12-page pool with a
+    """Prefill, decode steps with partial acceptance, fork and release on a 10-page pool with a
     3-token alphabet, so prefixes collide often."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = PagedKVPool(num_pages=12, page_size=PAGE_SIZE)
+        self.pool = PagedKVPool(num_pages=10, page_size=PAGE_SIZE)
         self.storage: dict[int, Kv] = {}  # slot -> fake KV written there: the KV tensors' stand-in
         self.expected: dict[str, list[int]] = {}  # seq_id -> committed token ids
         self.seen_token_ids: list[list[int]] = []  # committed token ids of every sequence so far, to reuse as prefixes

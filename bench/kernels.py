@@ -1,0 +1,298 @@
+"""Tree-attention kernel benchmark: Triton vs the PyTorch reference vs SDPA, at long context.
+
+Run from the repo root on a GPU: ``PYTHONPATH=. python3 bench/kernels.py [--out PATH] [--sweep]``.
+
+For each attention shape, context length L and tree size T (batch 1, page 16, bf16): the median
+time of one layer's tree attention, the KV bytes it must read over that time as a fraction of the
+device-to-device copy bandwidth measured in the same run (bytes read + written / time), its speedup
+over ``tree_attention_reference`` and over SDPA on a contiguous copy of the same keys/values with a
+dense bool mask, and time(T) / time(T=1). The Triton kernel is timed as it is served, in CUDA-graph
+replays of back-to-back calls that rotate among KV copies larger than L2 together (cold L2 for every
+call, no launch gaps); also with ``triton.testing.do_bench``, which zeroes 256 MB before every call
+and so makes each call pay the write-back of that buffer's dirty L2 lines. ``--sweep`` also times
+alternative launch plans at L = 64K, to tune ``plan_tree_attention``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import pathlib
+import sys
+from dataclasses import dataclass
+
+# Run as a script, this file's folder heads sys.path and its name would shadow the `kernels` package.
+sys.path = [p for p in sys.path if pathlib.Path(p or ".").resolve() != pathlib.Path(__file__).resolve().parent]
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.tree_attention_ref import gather_context, tree_attention_reference
+from kernels.tree_attention_triton import TreeAttentionPlan, default_plan, run_tree_attention
+
+PAGE_SIZE = 16
+CONTEXT_LENS = (4096, 16384, 65536, 131072)
+TREE_SIZES = (1, 16, 64)
+SWEEP_CONTEXT_LEN = 65536
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+SHAPES = (Shape("llama-3.1-8b", 32, 8, 128), Shape("bench-code", 3, 3, 128))
+
+
+@dataclass(frozen=True)
+class Problem:
+    q: torch.Tensor  # [T, num_heads, head_dim]
+    k_new: torch.Tensor  # [T, num_kv_heads, head_dim]
+    v_new: torch.Tensor  # [T, num_kv_heads, head_dim]
+    k_pages: torch.Tensor  # [num_pages, PAGE_SIZE, num_kv_heads, head_dim]
+    v_pages: torch.Tensor  # [num_pages, PAGE_SIZE, num_kv_heads, head_dim]
+    meta: AttentionMetadata
+    mask: torch.Tensor  # [T, T] bool tree mask
+    scale: float
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k_new, self.v_new, self.k_pages, self.v_pages
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of committed K and V the kernel must read (the new tokens' are negligible)."""
+        ctx = self.meta.context_lens[0]
+        return 2 * ctx * self.k_pages.shape[2] * self.k_pages.shape[3] * self.k_pages.element_size()
+
+
+def random_tree_mask(num_tokens: int, generator: torch.Generator) -> torch.Tensor:
+    parents = [-1] + [int(torch.randint(0, j, (1,), generator=generator)) for j in range(1, num_tokens)]
+    mask = torch.zeros(num_tokens, num_tokens, dtype=torch.bool)
+    for i in range(num_tokens):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def make_problem(shape: Shape, context_len: int, tree_size: int, seed: int = 0) -> Problem:
+    cpu = torch.Generator().manual_seed(seed)
+    num_pages = context_len // PAGE_SIZE
+    table = torch.randperm(num_pages, generator=cpu).tolist()
+    mask = random_tree_mask(tree_size, cpu)
+    device = torch.device("cuda")
+    meta = AttentionMetadata.build([tree_size], [context_len], [table], [mask], PAGE_SIZE, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*dims: int) -> torch.Tensor:
+        return torch.randn(*dims, generator=gen, device=device, dtype=torch.bfloat16)
+
+    kv = (shape.num_kv_heads, shape.head_dim)
+    return Problem(
+        q=randn(tree_size, shape.num_heads, shape.head_dim),
+        k_new=randn(tree_size, *kv),
+        v_new=randn(tree_size, *kv),
+        k_pages=randn(num_pages, PAGE_SIZE, *kv),
+        v_pages=randn(num_pages, PAGE_SIZE, *kv),
+        meta=meta,
+        mask=mask.to(device),
+        scale=shape.head_dim**-0.5,
+    )
+
+
+def median_ms(fn, rep_ms: int = 100) -> float:
+    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 1 GiB of random data: (bytes read + bytes written) / s.
+
+    Not graph-captured: captured, copy_ became a memcpy node that ran at 2.77 TB/s on an H200, against
+    4.25 TB/s launched directly (the L2 flush is noise beside 2 GiB of traffic).
+    """
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def sdpa_inputs(problem: Problem) -> tuple[torch.Tensor, ...]:
+    """q [1, H, T, D] and contiguous K/V [1, H, L + T, D] (kv heads repeated for the group), mask [T, L + T]."""
+    ctx, tree = problem.meta.context_lens[0], problem.q.shape[0]
+    group = problem.q.shape[1] // problem.k_new.shape[1]
+
+    def dense(pages: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        full = torch.cat([gather_context(pages, problem.meta.block_tables[0], ctx), new])  # [L + T, H_kv, D]
+        return full.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+
+    visible = torch.ones(tree, ctx + tree, dtype=torch.bool, device=problem.q.device)
+    visible[:, ctx:] = problem.mask
+    q = problem.q.transpose(0, 1).unsqueeze(0).contiguous()
+    return q, dense(problem.k_pages, problem.k_new), dense(problem.v_pages, problem.v_new), visible
+
+
+def time_triton(problem: Problem, plan: TreeAttentionPlan, rep_ms: int = 20) -> float:
+    """Median per-call time of CUDA-graph replays of back-to-back calls (as served), rotating among copies of
+    the KV pages that together exceed L2 three times over, so every call reads its KV from device memory."""
+    l2_bytes = getattr(torch.cuda.get_device_properties(), "L2_cache_size", 60 << 20)
+    num_copies = max(2, -(-3 * l2_bytes // problem.kv_bytes))
+    copies = [(problem.k_pages, problem.v_pages)]
+    copies += [(problem.k_pages.clone(), problem.v_pages.clone()) for _ in range(num_copies - 1)]
+    rotation = itertools.cycle(copies)
+    out = torch.empty_like(problem.q)
+
+    def call() -> None:
+        k_pages, v_pages = next(rotation)
+        new_kv = (problem.q, problem.k_new, problem.v_new)
+        run_tree_attention(*new_kv, k_pages, v_pages, problem.meta, problem.scale, plan, out)
+
+    return do_bench_cudagraph(call, rep=rep_ms, return_mode="median")
+
+
+def time_triton_l2_flushed(problem: Problem, plan: TreeAttentionPlan) -> float:
+    """do_bench's own way: one launch at a time after zeroing 256 MB, whose dirty lines L2 then writes back
+    during the timed call (about +50 MB of traffic, which weighs on the short calls)."""
+    out = torch.empty_like(problem.q)
+    return median_ms(lambda: run_tree_attention(*problem.tensors(), problem.meta, problem.scale, plan, out))
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_case(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s: float) -> dict:
+    problem = make_problem(shape, context_len, tree_size)
+    plan = default_plan(problem.q, problem.k_new, problem.meta)
+    triton_ms = time_triton(problem, plan)
+    flushed_ms = time_triton_l2_flushed(problem, plan)
+    out = torch.empty_like(problem.q)
+    run_tree_attention(*problem.tensors(), problem.meta, problem.scale, plan, out)
+    ref_ms = median_ms(lambda: tree_attention_reference(*problem.tensors(), problem.meta, problem.scale), rep_ms=50)
+    ref = tree_attention_reference(*(t.float() for t in problem.tensors()), problem.meta, problem.scale)
+    q, k, v, visible = sdpa_inputs(problem)
+    sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=problem.scale), 50)
+    sdpa_out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=problem.scale)[0].transpose(0, 1)
+    bytes_per_s = problem.kv_bytes / (triton_ms * 1e-3)
+    return {
+        "shape": shape.name,
+        "num_heads": shape.num_heads,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "context_len": context_len,
+        "tree_size": tree_size,
+        "plan": dataclasses.asdict(plan),
+        "kv_bytes": problem.kv_bytes,
+        "triton_us": triton_ms * 1e3,
+        "triton_us_l2_flushed": flushed_ms * 1e3,
+        "kv_read_gb_per_s": bytes_per_s / 1e9,
+        "fraction_of_copy_bw": bytes_per_s / copy_bytes_per_s,
+        "reference_us": ref_ms * 1e3,
+        "speedup_vs_reference": ref_ms / triton_ms,
+        "sdpa_us": sdpa_ms * 1e3,
+        "speedup_vs_sdpa": sdpa_ms / triton_ms,
+        "rel_err_vs_fp32_reference": relative_error(out, ref),
+        "rel_err_sdpa_vs_fp32_reference": relative_error(sdpa_out, ref),
+        "tflop_per_s": 4 * tree_size * shape.num_heads * shape.head_dim * context_len / (triton_ms * 1e-3) / 1e12,
+    }
+
+
+def sweep_plans(shape: Shape, tree_size: int, copy_bytes_per_s: float) -> list[dict]:
+    """Time launch-plan variants around the default one at SWEEP_CONTEXT_LEN."""
+    problem = make_problem(shape, SWEEP_CONTEXT_LEN, tree_size)
+    base = default_plan(problem.q, problem.k_new, problem.meta)
+    block_ns = (32, 64, 128) if base.block_m >= 128 else (64, 128)
+    split_counts = sorted({max(1, base.num_splits // 2), base.num_splits, 2 * base.num_splits})
+    results = []
+    for block_n, num_stages, num_splits in itertools.product(block_ns, (2, 3, 4), split_counts):
+        plan = dataclasses.replace(base, block_n=block_n, num_stages=num_stages, num_splits=num_splits)
+        result = {"shape": shape.name, "tree_size": tree_size, "plan": dataclasses.asdict(plan)}
+        result["is_default"] = plan == base
+        try:
+            ms = time_triton(problem, plan)
+        except triton.runtime.errors.OutOfResources as error:
+            results.append({**result, "error": str(error)})
+            continue
+        fraction = problem.kv_bytes / (ms * 1e-3) / copy_bytes_per_s
+        results.append({**result, "triton_us": ms * 1e3, "fraction_of_copy_bw": fraction})
+    return results
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (
+        f"{'shape':<13}{'L':>7}{'T':>4}{'splits':>7}{'triton_us':>10}{'GB/s':>7}{'%copy':>7}{'flush_us':>9}"
+        f"{'ref_us':>10}{'x_ref':>7}{'sdpa_us':>10}{'x_sdpa':>7}{'T/T1':>6}{'TF/s':>6}{'err':>9}"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{r['shape']:<13}{r['context_len']:>7}{r['tree_size']:>4}{r['plan']['num_splits']:>7}"
+            f"{r['triton_us']:>10.1f}{r['kv_read_gb_per_s']:>7.0f}{100 * r['fraction_of_copy_bw']:>6.1f}%"
+            f"{r['triton_us_l2_flushed']:>9.1f}"
+            f"{r['reference_us']:>10.0f}{r['speedup_vs_reference']:>7.1f}{r['sdpa_us']:>10.0f}"
+            f"{r['speedup_vs_sdpa']:>7.1f}{r['time_vs_tree_size_1']:>6.2f}{r['tflop_per_s']:>6.0f}"
+            f"{r['rel_err_vs_fp32_reference']:>9.1e}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results/kernels.json"))
+    parser.add_argument("--sweep", action="store_true", help=f"also time launch-plan variants at L={SWEEP_CONTEXT_LEN}")
+    args = parser.parse_args()
+
+    copy_bytes_per_s = copy_bandwidth()
+    rows = []
+    for shape in SHAPES:
+        for context_len in CONTEXT_LENS:
+            for tree_size in TREE_SIZES:
+                rows.append(bench_case(shape, context_len, tree_size, copy_bytes_per_s))
+                base = next(r for r in rows if r["shape"] == shape.name and r["context_len"] == context_len)
+                rows[-1]["time_vs_tree_size_1"] = rows[-1]["triton_us"] / base["triton_us"]
+                torch.cuda.empty_cache()
+    sweep = []
+    if args.sweep:
+        for shape in SHAPES:
+            for tree_size in TREE_SIZES:
+                sweep += sweep_plans(shape, tree_size, copy_bytes_per_s)
+        for shape_name, tree_size in {(s["shape"], s["tree_size"]) for s in sweep}:
+            timed = [s for s in sweep if s["shape"] == shape_name and s["tree_size"] == tree_size and "triton_us" in s]
+            best = min(timed, key=lambda s: s["triton_us"])
+            default = next(s for s in timed if s["is_default"])
+            print(
+                f"sweep {shape_name} T={tree_size}: default {default['triton_us']:.1f} us, "
+                f"best {best['triton_us']:.1f} us {best['plan']}"
+            )
+
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bytes_per_s / 1e12:.2f} TB/s (read + write)")
+    print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "page_size": PAGE_SIZE,
+        "dtype": "bfloat16",
+        "copy_bandwidth_tb_per_s": copy_bytes_per_s / 1e12,
+        "timing": (
+            "triton_us: median of do_bench_cudagraph replays, KV rotated among copies > 3x L2; triton_us_l2_flushed, "
+            "reference_us, sdpa_us: do_bench median, L2 flushed before each call; SDPA on KV heads repeated to the "
+            "query heads, its default backend"
+        ),
+        "rows": rows,
+        "sweep": sweep,
+    }
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

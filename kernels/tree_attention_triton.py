@@ -1,0 +1,358 @@
+"""Triton tree attention over paged KV: split-KV over the committed prefix, a masked new-token block, an LSE merge.
+
+Same function as ``kernels.tree_attention_ref.tree_attention_reference``. Two launches:
+
+1. ``_tree_attention_partials_kernel``, grid (row tiles, num_splits + 1, batch * kv heads). A program
+   owns one (sequence, kv head) and one tile of its query rows; a query row is one (new token, query
+   head of that kv head's group), so all T x group rows of a kv head share each KV tile it loads and
+   each KV byte is read once per row tile. Programs with split < num_splits walk their slice of the
+   committed prefix with no mask (paged, through the block table); the program with split ==
+   num_splits attends to the sequence's own new tokens under ``new_token_mask``. Each writes an fp32
+   partial output, normalised, and its log-sum-exp (base 2).
+2. ``_merge_partials_kernel``: one program per (new token, query head) merges the num_splits + 1
+   partials in fp32 and writes the output dtype.
+
+The launch plan (tile sizes, split count) depends only on batch size, head counts, max_q_len and the
+block-table width, never on the context lengths, so a padded bucket keeps one plan and a CUDA graph
+can capture it; each program reads its sequence's context length on the device and takes an equal
+share of it (a split past the end is empty and merges with weight 0).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_metadata import AttentionMetadata
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_LOG2_E = 1.4426950408889634
+# Split heuristic: enough programs to fill the chip, no split shorter than this many keys.
+_PROGRAMS_PER_SM = 2
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TreeAttentionPlan:
+    """How the partials kernel is launched; fixed for a padded batch bucket."""
+
+    block_m: int  # query rows (new tokens x query heads of one kv head) per program, >= 16 for tl.dot
+    block_n: int  # keys per inner-loop tile
+    num_splits: int  # programs along the committed prefix per (sequence, kv head, row tile)
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the Triton interpreter on CPU: any value is correct
+
+
+def plan_tree_attention(
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    max_q_len: int,
+    max_context_len: int,  # block-table capacity in tokens, not the live lengths
+    head_dim: int,
+    num_sms: int,
+) -> TreeAttentionPlan:
+    rows = max_q_len * group
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    row_tiles = triton.cdiv(rows, block_m)
+    programs_per_split = num_seqs * num_kv_heads * row_tiles  # the new-token programs are one more such set
+    num_splits = min(
+        (_PROGRAMS_PER_SM * num_sms) // programs_per_split - 1,  # rounded down: no straggler wave
+        triton.cdiv(max(max_context_len, 1), _MIN_KEYS_PER_SPLIT),
+        _MAX_SPLITS,
+    )
+    # Measured on an H200 at L = 64K, head_dim 128 (bench/kernels.py --sweep): two stages beat three or four
+    # everywhere (less shared memory, more programs resident); 128-key tiles beat 64 except at 64 rows.
+    return TreeAttentionPlan(
+        block_m=block_m,
+        block_n=64 if block_m == 64 and head_dim >= 128 else 128,
+        num_splits=max(1, num_splits),
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=2,
+    )
+
+
+@triton.jit
+def _online_softmax_update(acc, m_i, l_i, qk, v, qk_scale):
+    """Fold one tile in: q.k dot products qk [BLOCK_M, BLOCK_N] (-inf where hidden), values v [BLOCK_N, D].
+
+    m_i and the partial's lse are in base-2 units of the scaled scores (qk * qk_scale).
+    """
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    # A row with nothing visible yet keeps m = -inf; shift by 0 instead so no -inf - -inf NaN appears.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk * qk_scale - m_shift[:, None])  # one FMA per score
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_context_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_pages_ptr,  # [num_pages, PAGE_SIZE, num_kv_heads, HEAD_DIM]
+    v_pages_ptr,  # [num_pages, PAGE_SIZE, num_kv_heads, HEAD_DIM]
+    block_table_ptr,  # [max_pages_per_seq] int32, this sequence's row
+    tile_start,
+    end,
+    head_offset,
+    qk_scale,
+    num_kv_heads,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        valid = pos < end
+        page = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=valid, other=0)
+    else:
+        page = tl.load(block_table_ptr + pos // PAGE_SIZE)
+    token_stride = num_kv_heads * HEAD_DIM
+    slot_offset = page.to(tl.int64) * (PAGE_SIZE * token_stride) + (pos % PAGE_SIZE) * token_stride + head_offset
+    offsets = slot_offset[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
+    if MASKED:
+        k = tl.load(k_pages_ptr + offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(v_pages_ptr + offsets, mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_pages_ptr + offsets)
+        v = tl.load(v_pages_ptr + offsets)
+    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if MASKED:
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+    return _online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
+
+
+@triton.jit
+def _tree_attention_partials_kernel(
+    q_ptr,  # [total_q, num_kv_heads * group, HEAD_DIM]
+    k_new_ptr,  # [total_q, num_kv_heads, HEAD_DIM]
+    v_new_ptr,  # [total_q, num_kv_heads, HEAD_DIM]
+    k_pages_ptr,  # [num_pages, PAGE_SIZE, num_kv_heads, HEAD_DIM]
+    v_pages_ptr,  # [num_pages, PAGE_SIZE, num_kv_heads, HEAD_DIM]
+    cu_q_lens_ptr,  # [batch + 1] int32
+    context_lens_ptr,  # [batch] int32
+    block_tables_ptr,  # [batch, max_pages_per_seq] int32
+    new_token_mask_ptr,  # [total_q, max_q_len] uint8 (the bool mask viewed as bytes)
+    partial_out_ptr,  # [total_q, num_kv_heads * group, num_splits + 1, HEAD_DIM] fp32, normalised
+    partial_lse_ptr,  # [total_q, num_kv_heads * group, num_splits + 1] fp32, log2-sum-exp2 of base-2 scores
+    qk_scale,  # softmax scale * log2(e)
+    num_kv_heads,
+    group,
+    num_splits,
+    max_pages_per_seq,
+    max_q_len,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    row_tile = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2) // num_kv_heads
+    kv_head = tl.program_id(2) % num_kv_heads
+
+    q_start = tl.load(cu_q_lens_ptr + seq)
+    q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_start
+    if row_tile * BLOCK_M >= q_len * group:
+        return
+
+    num_heads = num_kv_heads * group
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # row = token * group + head within the group
+    row_valid = rows < q_len * group
+    token = q_start + rows // group  # [BLOCK_M] index into total_q
+    head = kv_head * group + rows % group  # [BLOCK_M] query head
+    dims = tl.arange(0, HEAD_DIM)
+    q_offsets = (token.to(tl.int64) * num_heads + head) * HEAD_DIM
+    q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    head_offset = kv_head * HEAD_DIM
+
+    if split < num_splits:
+        # Committed prefix: an equal, BLOCK_N-aligned share of this sequence's context, no mask.
+        context_len = tl.load(context_lens_ptr + seq)
+        chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+        start = tl.minimum(split * chunk, context_len)  # a split past the end is empty: start == end
+        end = tl.minimum(start + chunk, context_len)
+        num_full_tiles = (end - start) // BLOCK_N
+        block_table_ptr = block_tables_ptr + seq.to(tl.int64) * max_pages_per_seq
+        for tile in range(num_full_tiles):
+            acc, m_i, l_i = _attend_context_tile(
+                acc, m_i, l_i, q, k_pages_ptr, v_pages_ptr, block_table_ptr, start + tile * BLOCK_N, end,
+                head_offset, qk_scale, num_kv_heads, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED=False,
+            )
+        tail_start = start + num_full_tiles * BLOCK_N
+        if tail_start < end:
+            acc, m_i, l_i = _attend_context_tile(
+                acc, m_i, l_i, q, k_pages_ptr, v_pages_ptr, block_table_ptr, tail_start, end,
+                head_offset, qk_scale, num_kv_heads, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED=True,
+            )
+    else:
+        # The sequence's own new tokens, under its new-token mask (a tree: ancestors and self).
+        for key_start in range(0, q_len, BLOCK_N):
+            keys = key_start + tl.arange(0, BLOCK_N)
+            key_valid = keys < q_len
+            key_offsets = (q_start + keys).to(tl.int64) * num_kv_heads * HEAD_DIM + head_offset
+            kv_offsets = key_offsets[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
+            k = tl.load(k_new_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)
+            v = tl.load(v_new_ptr + kv_offsets, mask=key_valid[:, None], other=0.0)
+            mask_offsets = token.to(tl.int64)[:, None] * max_q_len + keys[None, :]
+            visible = tl.load(
+                new_token_mask_ptr + mask_offsets, mask=row_valid[:, None] & key_valid[None, :], other=0
+            )
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            qk = tl.where(visible != 0, qk, float("-inf"))
+            acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
+
+    # Nothing visible (empty split, or a fully masked row): output 0 with lse -inf, which merges with weight 0.
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    part = (token.to(tl.int64) * num_heads + head) * (num_splits + 1) + split
+    tl.store(partial_lse_ptr + part, lse, mask=row_valid)
+    tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
+
+
+@triton.jit
+def _merge_partials_kernel(
+    partial_out_ptr,  # [total_q * num_heads, num_parts, HEAD_DIM] fp32
+    partial_lse_ptr,  # [total_q * num_heads, num_parts] fp32, base 2
+    out_ptr,  # [total_q * num_heads, HEAD_DIM] output dtype
+    num_parts,
+    BLOCK_P: tl.constexpr,  # >= num_parts
+    PART_CHUNK: tl.constexpr,  # partials summed per step
+    HEAD_DIM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    all_parts = tl.arange(0, BLOCK_P)
+    lse = tl.load(partial_lse_ptr + row * num_parts + all_parts, mask=all_parts < num_parts, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.sum(tl.math.exp2(lse - lse_shift), 0)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for first in range(0, num_parts, PART_CHUNK):
+        parts = first + tl.arange(0, PART_CHUNK)
+        chunk_lse = tl.load(partial_lse_ptr + row * num_parts + parts, mask=parts < num_parts, other=float("-inf"))
+        weight = tl.math.exp2(chunk_lse - lse_shift)  # 0 for empty parts, which are not read at all
+        partial = tl.load(
+            partial_out_ptr + (row * num_parts + parts)[:, None] * HEAD_DIM + dims[None, :],
+            mask=(weight > 0.0)[:, None],
+            other=0.0,
+        )
+        acc += tl.sum(weight[:, None] * partial, 0)
+    out = acc / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def _check_inputs(q, k_new, v_new, k_pages, v_pages, meta: AttentionMetadata) -> None:
+    tensors = {"q": q, "k_new": k_new, "v_new": v_new, "k_pages": k_pages, "v_pages": v_pages}
+    for name, tensor in tensors.items():
+        if tensor.dtype != q.dtype or q.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"{name} is {tensor.dtype}; all inputs must share one of {_SUPPORTED_DTYPES}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
+    total_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    if k_new.shape != (total_q, num_kv_heads, head_dim) or v_new.shape != k_new.shape:
+        raise ValueError(f"k_new/v_new must be [{total_q}, kv_heads, {head_dim}], got {k_new.shape}, {v_new.shape}")
+    if k_pages.shape != v_pages.shape or k_pages.shape[1:] != (meta.page_size, num_kv_heads, head_dim):
+        raise ValueError(f"k_pages/v_pages must be [pages, {meta.page_size}, {num_kv_heads}, {head_dim}]")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if meta.page_size & (meta.page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {meta.page_size}")
+    if sum(meta.q_lens) != total_q or tuple(meta.new_token_mask.shape) != (total_q, meta.max_q_len):
+        raise ValueError("meta.q_lens / new_token_mask do not match q")
+    for name in ("cu_q_lens", "context_lens_t", "block_tables"):
+        tensor = getattr(meta, name)
+        if tensor.dtype != torch.int32 or not tensor.is_contiguous():
+            raise TypeError(f"meta.{name} must be contiguous int32")
+
+
+def run_tree_attention(
+    q: torch.Tensor,  # [total_q, num_heads, head_dim]
+    k_new: torch.Tensor,  # [total_q, num_kv_heads, head_dim]
+    v_new: torch.Tensor,  # [total_q, num_kv_heads, head_dim]
+    k_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    plan: TreeAttentionPlan,
+    out: torch.Tensor,  # [total_q, num_heads, head_dim], q's dtype, written
+) -> torch.Tensor:  # out
+    """Launch with an explicit plan and output buffer (tests and benchmarks); inputs are assumed checked."""
+    total_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    num_parts = plan.num_splits + 1
+    partial_out = torch.empty(total_q, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(total_q, num_heads, num_parts, dtype=torch.float32, device=q.device)
+    if total_q == 0:
+        return out
+    group = num_heads // num_kv_heads
+    row_tiles = triton.cdiv(meta.max_q_len * group, plan.block_m)
+    grid = (row_tiles, num_parts, meta.batch_size * num_kv_heads)
+    _tree_attention_partials_kernel[grid](
+        q, k_new, v_new, k_pages, v_pages,
+        meta.cu_q_lens, meta.context_lens_t, meta.block_tables, meta.new_token_mask.view(torch.uint8),
+        partial_out, partial_lse,
+        scale * _LOG2_E, num_kv_heads, group, plan.num_splits, meta.block_tables.shape[1], meta.max_q_len,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HEAD_DIM=head_dim, PAGE_SIZE=meta.page_size,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    _merge_partials_kernel[(total_q * num_heads,)](
+        partial_out, partial_lse, out, num_parts,
+        BLOCK_P=triton.next_power_of_2(num_parts), PART_CHUNK=16, HEAD_DIM=head_dim, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def default_plan(q: torch.Tensor, k_new: torch.Tensor, meta: AttentionMetadata) -> TreeAttentionPlan:
+    return plan_tree_attention(
+        num_seqs=meta.batch_size,
+        num_kv_heads=k_new.shape[1],
+        group=q.shape[1] // k_new.shape[1],
+        max_q_len=meta.max_q_len,
+        max_context_len=meta.block_tables.shape[1] * meta.page_size,
+        head_dim=q.shape[2],
+        num_sms=_num_sms(q.device),
+    )
+
+
+def tree_attention_triton(
+    q: torch.Tensor,  # [total_q, num_heads, head_dim]
+    k_new: torch.Tensor,  # [total_q, num_kv_heads, head_dim]
+    v_new: torch.Tensor,  # [total_q, num_kv_heads, head_dim]
+    k_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [total_q, num_heads, head_dim]
+    _check_inputs(q, k_new, v_new, k_pages, v_pages, meta)
+    plan = default_plan(q, k_new, meta)
+    return run_tree_attention(q, k_new, v_new, k_pages, v_pages, meta, scale, plan, torch.empty_like(q))
