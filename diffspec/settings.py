@@ -41,6 +41,7 @@ class DiffSpecSettings(BaseSettings):
     num_pages: int = Field(4096, ge=1, description="Pages in the target's KV pool.")
     max_context: int = Field(0, ge=0, description="Longest prompt + generation in tokens; 0 = the model's limit.")
     prefill_chunk: int = Field(2048, ge=1, description="Prompt tokens per prefill forward (bounds activation memory).")
+    bundle_trees: bool = Field(True, description="Verify trees in bundle order (shared paths contiguous).")
     attention_backend: Literal["torch", "triton", "flash-attn"] = Field(
         "torch", description="Attention implementation for the target's paged KV."
     )

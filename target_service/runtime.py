@@ -9,7 +9,7 @@ so rejected tree nodes never touch the pages.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +22,7 @@ from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata, causal_mask
 from target_service.attention_backends import attention_backend
 from target_service.backend import PrefillProgress, PrefillResult, TargetInfo, VerifyResult
+from target_service.bundle_scheduler import BundleLayout, schedule
 from target_service.kv_cache import PagedKVCache
 from target_service.kv_pool import PagedKVPool
 from target_service.llama import LlamaModel, PagedForwardOutput
@@ -58,6 +59,7 @@ class TargetRuntime:
         self.pool = PagedKVPool(settings.num_pages, settings.page_size)
         self.cache = PagedKVCache(config, settings.num_pages, settings.page_size, dtype, self.device)
         self.backend = attention_backend(settings.attention_backend)
+        self.bundle_trees = settings.bundle_trees
         self.sessions: dict[str, TargetSession] = {}
         self._lock = threading.Lock()
 
@@ -129,6 +131,11 @@ class TargetRuntime:
         """Verify several sessions' trees in one forward and commit each accepted path."""
         for step in steps:
             self._check_tree(step.session_id, step.tree)
+        layouts: list[BundleLayout | None] = [None] * len(steps)
+        if self.bundle_trees:  # depth-first order: each bundle's shared path is a contiguous run
+            scheduled = [schedule(step.tree) for step in steps]
+            steps = [VerifyStep(step.session_id, tree) for step, (tree, _) in zip(steps, scheduled)]
+            layouts = [layout for _, layout in scheduled]
         with self._lock:
             for step in steps:  # pages for the longest possible path, before any compute
                 depth = int(step.tree.depths().max())
@@ -137,7 +144,10 @@ class TargetRuntime:
                 [
                     (s.session_id, s.tree.num_nodes, self.pool.num_committed(s.session_id), s.tree.ancestor_mask())
                     for s in steps
-                ]
+                ],
+                bundles=tuple(
+                    tuple((b.branch_node, *b.rows) for b in layout.bundles) if layout else () for layout in layouts
+                ),
             )
             positions = torch.cat(
                 [s.tree.depths() + self.pool.num_committed(s.session_id) for s in steps]
@@ -154,9 +164,12 @@ class TargetRuntime:
             )
             logits = self.model.logits(out.hidden)
             results, offset = [], 0
-            for step in steps:
+            for step, layout in zip(steps, layouts):
                 n = step.tree.num_nodes
-                results.append(self._accept_and_commit(step, out, logits[offset : offset + n], offset))
+                result = self._accept_and_commit(step, out, logits[offset : offset + n], offset)
+                if layout is not None:
+                    result = replace(result, accepted_nodes=layout.to_original(result.accepted_nodes))
+                results.append(result)
                 offset += n
             return results
 
@@ -233,7 +246,9 @@ class TargetRuntime:
         self.cache.write(torch.tensor(slots, device=self.device), out.new_k[:, index], out.new_v[:, index])
         self.pool.commit(session_id, tokens)
 
-    def _metadata(self, seqs: list[tuple[str, int, int, torch.Tensor]]) -> AttentionMetadata:
+    def _metadata(
+        self, seqs: list[tuple[str, int, int, torch.Tensor]], bundles: tuple = ()
+    ) -> AttentionMetadata:
         """seqs: (session id, new tokens, context length, new-token mask) per sequence."""
         return AttentionMetadata.build(
             q_lens=[q for _, q, _, _ in seqs],
@@ -242,6 +257,7 @@ class TargetRuntime:
             masks=[mask for _, _, _, mask in seqs],
             page_size=self.pool.page_size,
             device=self.device,
+            bundles=bundles,
         )
 
     def _session(self, session_id: str) -> TargetSession:
