@@ -12,11 +12,24 @@ import torch
 from kernels.chunk_scoring_ref import chunk_scores_reference
 
 
+def _scorer():  # noqa: ANN202 - one of two functions of the same signature
+    """The Triton scorer where a GPU and Triton are present, else the PyTorch reference."""
+    if torch.cuda.is_available():
+        try:
+            from kernels.chunk_scoring_triton import chunk_scores_triton
+
+            return chunk_scores_triton
+        except ImportError:
+            pass
+    return chunk_scores_reference
+
+
 class ChunkIndex:
     def __init__(self, chunk_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.chunk_size = chunk_size
         self.key_min = torch.empty(0, num_kv_heads, head_dim, dtype=dtype, device=device)  # [chunks, kv_heads, hd]
         self.key_max = torch.empty_like(self.key_min)
+        self._score = _scorer() if device.type == "cuda" else chunk_scores_reference
 
     @property
     def num_chunks(self) -> int:
@@ -34,4 +47,4 @@ class ChunkIndex:
 
     def scores(self, q: torch.Tensor) -> torch.Tensor:
         """[num_chunks] float32 upper bounds of q . k per chunk (q [heads, hd])."""
-        return chunk_scores_reference(q, self.key_min, self.key_max)
+        return self._score(q, self.key_min, self.key_max)

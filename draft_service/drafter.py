@@ -113,50 +113,103 @@ class Drafter:
         session.root_token = next_tokens[-1]
 
     @torch.no_grad()
-    def propose(self, session: DraftSession, plan: list[DepthPlan], budget: TreeBudget) -> DraftTree:
-        """Grow a tree depth by depth as ``plan`` says, then keep the best ``budget.total_tokens`` nodes."""
-        tree = _Expansion([session.root_token], [-1], [0], [0.0], [1.0])
-        tree.outputs[0] = session.last_output
-        min_log_prob = math.log(budget.threshold) if budget.threshold > 0 else -math.inf
-        frontier = [0]
-        for depth, step in enumerate(plan[: budget.depth]):
-            if depth > 0:
-                self._run_entries(session, tree, frontier)
-            outputs = torch.stack([tree.outputs[n] for n in frontier])
-            log_probs = torch.log_softmax(self.head.draft_logits(outputs), dim=-1)
-            top_lp, top_ids = log_probs.topk(step.children, dim=-1)
-            top_tokens = self.head.to_target_ids(top_ids)
-            for row, parent in enumerate(frontier):
-                for lp, token in zip(top_lp[row].tolist(), top_tokens[row].tolist()):
-                    if tree.log_probs[parent] + lp >= min_log_prob:
-                        tree.add(token, parent, lp)
-            if depth + 1 >= len(plan[: budget.depth]):
-                break
-            candidates = [n for n in range(len(tree.tokens)) if tree.depths[n] == depth + 1]
-            frontier = sorted(candidates, key=lambda n: -tree.log_probs[n])[: plan[depth + 1].expand]
-            if not frontier:
-                break
-        return _select(tree, budget.total_tokens)
+    def propose_many(self, requests: list[ProposalRequest]) -> list[DraftTree]:
+        """Grow one tree per session depth by depth, all sessions' nodes of a depth in one head pass.
 
-    def _run_entries(self, session: DraftSession, tree: _Expansion, nodes: list[int]) -> None:
-        """One head forward for the entries of ``nodes`` (same depth) over context + ancestors."""
+        Each tree follows its own plan; at the end each keeps its best ``total_tokens`` nodes.
+        """
+        growing = [_Growth.start(r) for r in requests]
+        depth = 0
+        while any(g.frontier for g in growing):
+            active = [g for g in growing if g.frontier]
+            if depth > 0:
+                self._run_entries(active)
+            outputs = torch.stack([g.tree.outputs[n] for g in active for n in g.frontier])
+            log_probs = torch.log_softmax(self.head.draft_logits(outputs), dim=-1)
+            widest = max(g.plan[depth].children for g in active)
+            top_lp, top_ids = log_probs.topk(widest, dim=-1)
+            top_lp, top_tokens = top_lp.tolist(), self.head.to_target_ids(top_ids).tolist()
+            row = 0
+            for g in active:
+                for parent in g.frontier:
+                    g.add_children(parent, top_lp[row], top_tokens[row], g.plan[depth].children)
+                    row += 1
+                g.advance(depth)
+            depth += 1
+        return [_select(g.tree, g.request.budget.total_tokens) for g in growing]
+
+    def _run_entries(self, growing: list[_Growth]) -> None:
+        """One head pass for every frontier node of every session (one depth), each over its context + ancestors."""
         device = self.head.fc.weight.device
-        tokens = torch.tensor([tree.tokens[n] for n in nodes], device=device)
-        hidden = torch.stack([tree.outputs[tree.parents[n]] for n in nodes])
-        positions = torch.full((len(nodes),), session.num_entries - 1 + tree.depths[nodes[0]], device=device)
+        nodes = [(g, n) for g in growing for n in g.frontier]
+        tokens = torch.tensor([g.tree.tokens[n] for g, n in nodes], device=device)
+        hidden = torch.stack([g.tree.outputs[g.tree.parents[n]] for g, n in nodes])
+        positions = torch.tensor(
+            [g.request.session.num_entries - 1 + g.tree.depths[n] for g, n in nodes], device=device
+        )
         q, k, v = self.head.attention_inputs(tokens, hidden, positions)
+        attn = torch.empty_like(q)
+        row = 0
+        for g in growing:
+            rows = slice(row, row + len(g.frontier))
+            attn[rows] = self._attend_tree(g, q[rows], k[rows], v[rows])
+            row += len(g.frontier)
+        for (g, n), out in zip(nodes, self.head.attention_outputs(attn, hidden)):
+            g.tree.outputs[n] = out
+
+    def _attend_tree(self, g: _Growth, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of one session's frontier entries over its context and their ancestors' entries."""
+        tree = g.tree
         base = len(tree.tree_k)
-        for i, n in enumerate(nodes):
+        for i, n in enumerate(g.frontier):
             tree.entry_of[n] = base + i
             tree.tree_k.append(k[i : i + 1])
             tree.tree_v.append(v[i : i + 1])
-        mask = torch.zeros(len(nodes), len(tree.tree_k), dtype=torch.bool, device=device)
-        for i, n in enumerate(nodes):
+        mask = torch.zeros(len(g.frontier), len(tree.tree_k), dtype=torch.bool, device=q.device)
+        for i, n in enumerate(g.frontier):
             mask[i, [tree.entry_of[a] for a in tree.ancestors(n)]] = True
-        ctx_k, ctx_v = session.context.view()
-        attn = draft_attention(q, ctx_k, ctx_v, torch.cat(tree.tree_k), torch.cat(tree.tree_v), mask, self.head.scale)
-        for n, out in zip(nodes, self.head.attention_outputs(attn, hidden)):
-            tree.outputs[n] = out
+        ctx_k, ctx_v = g.request.session.context.view()
+        return draft_attention(q, ctx_k, ctx_v, torch.cat(tree.tree_k), torch.cat(tree.tree_v), mask, self.head.scale)
+
+
+@dataclass(frozen=True)
+class ProposalRequest:
+    session: DraftSession
+    plan: list[DepthPlan]  # per depth: frontier nodes expanded, children each
+    budget: TreeBudget
+
+
+@dataclass
+class _Growth:
+    """One session's tree while it grows."""
+
+    request: ProposalRequest
+    tree: _Expansion
+    plan: list[DepthPlan]  # the request's plan cut to the budget's depth
+    frontier: list[int]  # nodes to expand at the current depth
+    min_log_prob: float
+
+    @staticmethod
+    def start(request: ProposalRequest) -> _Growth:
+        session, budget = request.session, request.budget
+        tree = _Expansion([session.root_token], [-1], [0], [0.0], [1.0])
+        tree.outputs[0] = session.last_output
+        plan = request.plan[: budget.depth]
+        min_log_prob = math.log(budget.threshold) if budget.threshold > 0 else -math.inf
+        return _Growth(request, tree, plan, [0] if plan else [], min_log_prob)
+
+    def add_children(self, parent: int, log_probs: list[float], tokens: list[int], count: int) -> None:
+        for lp, token in zip(log_probs[:count], tokens[:count]):
+            if self.tree.log_probs[parent] + lp >= self.min_log_prob:
+                self.tree.add(token, parent, lp)
+
+    def advance(self, depth: int) -> None:
+        """Pick the next depth's frontier: its best nodes by cumulative log-prob."""
+        if depth + 1 >= len(self.plan):
+            self.frontier = []
+            return
+        candidates = [n for n in range(len(self.tree.tokens)) if self.tree.depths[n] == depth + 1]
+        self.frontier = sorted(candidates, key=lambda n: -self.tree.log_probs[n])[: self.plan[depth + 1].expand]
 
 
 def _select(tree: _Expansion, total_tokens: int) -> DraftTree:

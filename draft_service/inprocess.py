@@ -6,6 +6,7 @@ import asyncio
 
 import torch
 
+from diffspec.coalescer import Coalescer
 from diffspec.devices import resolve_device, resolve_dtype
 from diffspec.settings import DiffSpecSettings
 from diffspec.tree import DraftTree
@@ -26,8 +27,11 @@ from draft_service.target_embedding import load_target_embedding
 
 
 class InProcessDraft:
-    def __init__(self, runtime: DraftRuntime) -> None:
+    def __init__(self, runtime: DraftRuntime, max_batch_sessions: int = 64) -> None:
         self.runtime = runtime
+        self.batcher: Coalescer[str, DraftTree] = Coalescer(
+            runtime.propose_batch, weight=lambda _: 1, max_weight=max_batch_sessions
+        )
 
     @classmethod
     def from_settings(cls, settings: DiffSpecSettings, target: object | None = None) -> InProcessDraft:
@@ -39,7 +43,7 @@ class InProcessDraft:
         if embedding is None:
             embedding = load_target_embedding(settings.base_model, device, dtype)
         head = Eagle3Head.load(settings.draft_model, embedding, device, dtype)
-        return cls(DraftRuntime(head, working_set_config(settings)))
+        return cls(DraftRuntime(head, working_set_config(settings)), settings.max_sessions)
 
     async def start(
         self, session_id: str, prompt_ids: list[int], features: torch.Tensor, first_token: int, options: DraftOptions
@@ -47,7 +51,7 @@ class InProcessDraft:
         await asyncio.to_thread(self.runtime.start, session_id, prompt_ids, features, first_token, options)
 
     async def propose(self, session_id: str) -> DraftTree:
-        return await asyncio.to_thread(self.runtime.propose, session_id)
+        return await self.batcher.submit(session_id)
 
     async def accept(self, session_id: str, emitted_tokens: list[int], features: torch.Tensor) -> None:
         await asyncio.to_thread(self.runtime.accept, session_id, emitted_tokens, features)

@@ -12,7 +12,7 @@ import torch
 from diffspec.errors import InvalidRequest
 from diffspec.tree import DraftTree
 from draft_service.backend import DraftOptions, DraftStats
-from draft_service.drafter import Drafter, DraftSession
+from draft_service.drafter import Drafter, DraftSession, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.hazard import HazardProfile, StepCostModel, plan_tree, widths_to_plan
 from draft_service.tree_budget import MAX_DEPTH, DepthPlan, TreeBudget, TreePolicy
@@ -77,22 +77,30 @@ class DraftRuntime:
             self.sessions[session_id] = _SessionState(state, policy, budget, hazard)
 
     def propose(self, session_id: str) -> DraftTree:
-        session = self._session(session_id)
+        return self.propose_batch([session_id])[0]
+
+    def propose_batch(self, session_ids: list[str]) -> list[DraftTree]:
+        """Trees for several sessions, grown together (one head pass per depth for all)."""
+        sessions = [self._session(sid) for sid in session_ids]
         with self._lock:
-            if session.policy.name == "online":
-                session.widths = plan_tree(
-                    session.hazard, self.step_cost, session.budget.total_tokens, session.budget.depth, session.widths
-                )
-                plan = widths_to_plan(session.widths)
-            else:
-                plan = depth_plan(session.policy, session.budget)
-                session.widths = [step.children for step in plan]
+            requests = [ProposalRequest(s.drafter_state, self._plan(s), s.budget) for s in sessions]
             started = time.perf_counter()
-            tree = self.drafter.propose(session.drafter_state, plan, session.budget)
-            session.proposed_at = time.perf_counter()
-            self.step_cost.observe_draft(len(plan), session.proposed_at - started)
-            session.last_tree = tree
-            return tree
+            trees = self.drafter.propose_many(requests)
+            finished = time.perf_counter()
+            self.step_cost.observe_draft(max(len(r.plan) for r in requests), finished - started)
+            for session, tree in zip(sessions, trees):
+                session.proposed_at, session.last_tree = finished, tree
+            return trees
+
+    def _plan(self, session: _SessionState) -> list[DepthPlan]:
+        if session.policy.name == "online":
+            session.widths = plan_tree(
+                session.hazard, self.step_cost, session.budget.total_tokens, session.budget.depth, session.widths
+            )
+            return widths_to_plan(session.widths)
+        plan = depth_plan(session.policy, session.budget)
+        session.widths = [step.children for step in plan]
+        return plan
 
     def accept(self, session_id: str, emitted_tokens: list[int], features: torch.Tensor) -> None:
         session = self._session(session_id)

@@ -8,13 +8,15 @@ from diffspec.sampling import SamplingParams
 from diffspec.tree import DraftTree
 from target_service.backend import PrefillProgress, PrefillResult, TargetInfo, VerifyResult
 from target_service.runtime import TargetRuntime, VerifyStep
-from target_service.step_batcher import StepBatcher
+from diffspec.coalescer import Coalescer
 
 
 class InProcessTarget:
     def __init__(self, runtime: TargetRuntime, max_batch_tokens: int = 4096) -> None:
         self.runtime = runtime
-        self.batcher = StepBatcher(runtime, max_batch_tokens)
+        self.batcher: Coalescer[VerifyStep, VerifyResult] = Coalescer(
+            runtime.verify_batch, weight=lambda step: step.tree.num_nodes, max_weight=max_batch_tokens
+        )
 
     async def prefill(
         self,

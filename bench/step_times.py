@@ -1,0 +1,144 @@
+"""Per-step time of the full target forward: Auto decode (T=1) and tree verification (T=16, 64).
+
+The KV pages of one sequence are filled with random values for each context length (timing
+does not need a real prefill), then one forward of T new tokens over them is timed with CUDA
+events (median of several), for each attention backend. Models: a checkpoint (bench-code) and
+a randomly initialised Llama-3.1-8B-shaped model (timing only, no checkpoint needed).
+
+    python -m bench.step_times --base-model ../shared/models/bench-code --out bench/results/step_times.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from target_service.attention_backends import attention_backend
+from target_service.checkpoint import parse_llama_config
+from target_service.llama import LlamaModel
+
+LLAMA_8B = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+PAGE = 16
+
+
+def random_model(raw: dict, device: torch.device) -> LlamaModel:
+    """A Llama with N(0, 0.02) weights built straight on the device."""
+    c = parse_llama_config(raw)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,),
+              "lm_head.weight": (c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (c.hidden_size,), p + "post_attention_layernorm.weight": (c.hidden_size,),
+            p + "self_attn.q_proj.weight": (q, c.hidden_size), p + "self_attn.k_proj.weight": (kv, c.hidden_size),
+            p + "self_attn.v_proj.weight": (kv, c.hidden_size), p + "self_attn.o_proj.weight": (c.hidden_size, q),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        }
+    state = {name: torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02 for name, shape in shapes.items()}
+    return LlamaModel(c, state, device)
+
+
+def random_tree_mask(num_nodes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestor mask, depths) of a random tree."""
+    parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, num_nodes)]
+    mask = torch.eye(num_nodes, dtype=torch.bool)
+    depths = torch.zeros(num_nodes, dtype=torch.long)
+    for i in range(1, num_nodes):
+        mask[i] |= mask[parents[i]]
+        depths[i] = depths[parents[i]] + 1
+    return mask, depths
+
+
+def time_step(model: LlamaModel, backend_name: str, context: int, tree: int, reps: int) -> float:
+    """Median milliseconds of one forward of ``tree`` new tokens after ``context`` tokens."""
+    c, device = model.config, model.device
+    pages = (context + PAGE - 1) // PAGE + 1
+    shape = (c.num_layers, pages, PAGE, c.num_kv_heads, c.head_dim)
+    k_pages = torch.randn(shape, device=device, dtype=model.dtype)
+    v_pages = torch.randn(shape, device=device, dtype=model.dtype)
+    gen = torch.Generator().manual_seed(context + tree)
+    mask, depths = random_tree_mask(tree, gen)
+    table = torch.randperm(pages, generator=gen).tolist()
+    meta = AttentionMetadata.build([tree], [context], [table], [mask], PAGE, device)
+    ids = torch.randint(3, c.vocab_size, (tree,), device=device)
+    positions = (depths + context).to(device)
+    backend = attention_backend(backend_name)
+
+    def step() -> None:
+        out = model.forward_paged(ids, positions, k_pages, v_pages, meta, backend)
+        model.logits(out.hidden)
+
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    del k_pages, v_pages
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-model", type=Path, required=True)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
+    parser.add_argument("--trees", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--backends", nargs="+", default=["torch", "triton"])
+    parser.add_argument("--reference-max-context", type=int, default=65536, help="skip the slow torch backend above")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    models = {
+        "bench-code": lambda: LlamaModel.from_pretrained(args.base_model, device, torch.bfloat16),
+        "llama-3.1-8b-shaped (random)": lambda: random_model(LLAMA_8B, device),
+    }
+    rows = []
+    for name, build in models.items():
+        model = build()
+        for context in args.contexts:
+            for backend in args.backends:
+                if backend == "torch" and context > args.reference_max_context:
+                    continue
+                for tree in args.trees:
+                    ms = time_step(model, backend, context, tree, reps=5 if backend == "torch" else 20)
+                    rows.append({"model": name, "backend": backend, "context": context, "tree_tokens": tree, "ms": round(ms, 3)})
+                    print(f"{name:30} {backend:7} ctx={context:6} T={tree:3} {ms:9.3f} ms", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    for row in rows:
+        base = next(r["ms"] for r in rows if r["model"] == row["model"] and r["backend"] == row["backend"]
+                    and r["context"] == row["context"] and r["tree_tokens"] == 1)
+        row["vs_decode"] = round(row["ms"] / base, 3)
+    result = {
+        "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+        "note": "eager forward (no CUDA graphs); random KV of the given context; median of CUDA-event timings",
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
