@@ -12,6 +12,8 @@ from diffspec.settings import DiffSpecSettings
 from draft_service.backend import DraftOptions
 from gateway.assembly import build_engine
 from gateway.request import GenerationRequest
+from kernels.attention_metadata import AttentionMetadata, causal_mask
+from target_service.attention_backends import attention_backend
 from target_service.runtime import TargetRuntime
 
 pytestmark = pytest.mark.gpu
@@ -24,17 +26,34 @@ def _greedy(runtime: TargetRuntime, prompt: list[int], steps: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_triton_backend_greedy_equals_reference_over_256_steps(tiny_target_dir, dtype):
+def test_triton_backend_greedy_equals_reference_over_256_steps(tiny_target_dir):
     prompt = torch.randint(3, 8192, (1500,), generator=torch.Generator().manual_seed(0)).tolist()
-    common = dict(base_model=tiny_target_dir, device="cuda", dtype=dtype, num_pages=512, prefill_chunk=512)
+    common = dict(base_model=tiny_target_dir, device="cuda", dtype="float32", num_pages=512, prefill_chunk=512)
     ref = _greedy(TargetRuntime(DiffSpecSettings(attention_backend="torch", **common)), prompt, 256)
     got = _greedy(TargetRuntime(DiffSpecSettings(attention_backend="triton", **common)), prompt, 256)
-    if dtype == "float32":
-        assert got == ref
-    else:  # bf16 rounding may flip a near-tie late on; the runs must agree for a long prefix
-        same = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
-        assert same >= 64, f"diverged at step {same}"
+    assert got == ref
+
+
+def test_triton_backend_bf16_logits_match_reference(tiny_target_dir):
+    """In bf16 the two backends round differently, so free-running greedy runs may part at a
+    near-tie; on the same context their logits must agree to bf16 precision."""
+    runtime = TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, device="cuda", dtype="bfloat16", num_pages=512))
+    prompt = torch.randint(3, 8192, (2000,), generator=torch.Generator().manual_seed(1)).tolist()
+    runtime.prefill("ctx", prompt[:1936], SamplingParams(), want_features=False)
+    tail = torch.tensor(prompt[1936:], device="cuda")
+    meta = AttentionMetadata.build(
+        [64], [1936], [runtime.pool.block_table("ctx")], [causal_mask(64)], runtime.pool.page_size, runtime.device
+    )
+    positions = torch.arange(1936, 2000, device="cuda")
+    logits = {}
+    for name in ("torch", "triton"):
+        out = runtime.model.forward_paged(
+            tail, positions, runtime.cache.k_pages, runtime.cache.v_pages, meta, attention_backend(name)
+        )
+        logits[name] = runtime.model.logits(out.hidden)
+    error = (logits["triton"] - logits["torch"]).norm() / logits["torch"].norm()
+    assert error < 2e-2
+    assert (logits["triton"].argmax(-1) == logits["torch"].argmax(-1)).float().mean() > 0.9
 
 
 def test_speculative_with_triton_equals_auto(tiny_target_dir):
