@@ -21,11 +21,12 @@ w_{d-1} nodes of depth d-1 are expanded). The expected tokens per step are
     E(w) = 1 + sum_d prod_{j<=d} P(pass j | w_j)        (the 1 is the bonus token)
 and a step costs  T(w) = D * t_draft + c(N(w)),  N(w) = 1 + w_1 + sum_{d>=2} w_{d-1} w_d,
 with c(N) the verification cost measured as a function of tree size (a running least-squares
-line) and t_draft the measured draft time per depth. Starting from a one-token chain, the
-plan greedily takes whichever single change (one more child at some depth, or one more depth)
-raises E/T most, and stops when none does or the token budget is spent. Widths therefore grow
-where the hazard is high (a wider fan there saves the path most often) and depth stops where
-S(d) is too small for another level to pay for itself.
+line) and t_draft the measured draft time per depth. For every depth D the plan starts as a
+chain of D tokens and greedily takes whichever single extra child (at any depth) raises E/T
+most, until none does or the token budget is spent; the best of these plans wins. Widths
+therefore grow where the hazard is high (a wider fan there saves the path most often), and the
+depth stops where S(d) is too small for another level to pay for itself; trying every D keeps
+one hard depth from hiding profitable depths behind it.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from draft_service.tree_budget import DepthPlan
 
 EPS = 0.02
 MAX_WIDTH = 10
-PRIOR_TOP1_FAIL = 0.4  # before any data: P(the best child is rejected)
-PRIOR_NEXT_FAIL = 0.75  # before any data: P(the next sibling is rejected too)
-PRIOR_WEIGHT = 4.0  # pseudo-observations a prior is worth
+PRIOR_TOP1_FAIL = 0.25  # before any data: P(the best child is rejected); optimistic, so unseen depths get explored
+PRIOR_NEXT_FAIL = 0.7  # before any data: P(the next sibling is rejected too)
+PRIOR_WEIGHT = 3.0  # pseudo-observations a prior is worth
 
 
 @dataclass
@@ -116,9 +117,10 @@ class StepCostModel:
 
     decay: float = 0.98
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed n, sum N, sum N^2, sum c, sum N c
-    draft_seconds_per_depth: float = 0.05
+    draft_seconds_per_depth: float = 0.05  # replaced by the first measurement, then a running average
     default_intercept: float = 1.0
     default_slope: float = 0.01
+    draft_measured: bool = False
 
     def observe_verify(self, tree_tokens: int, seconds: float) -> None:
         self.sums = [s * self.decay for s in self.sums]
@@ -126,7 +128,11 @@ class StepCostModel:
             self.sums[i] += value
 
     def observe_draft(self, depths: int, seconds: float) -> None:
-        if depths > 0:
+        if depths <= 0:
+            return
+        if not self.draft_measured:  # the default is in relative units: never average it with seconds
+            self.draft_seconds_per_depth, self.draft_measured = seconds / depths, True
+        else:
             self.draft_seconds_per_depth = 0.9 * self.draft_seconds_per_depth + 0.1 * seconds / depths
 
     def verify_seconds(self, tree_tokens: int) -> float:
@@ -166,18 +172,20 @@ def plan_tree(
         seconds = len(widths) * cost.draft_seconds_per_depth + cost.verify_seconds(tree_size(widths))
         return expected / seconds
 
-    widths, best = [1], value([1])
-    while True:
-        options = [widths[:d] + [widths[d] + 1] + widths[d + 1 :] for d in range(len(widths)) if widths[d] < MAX_WIDTH]
-        if len(widths) < max_depth:
-            options.append([*widths, 1])
-        scored = [(value(o), o) for o in options if tree_size(o) <= max_tokens]
-        if not scored:
-            break
-        top_value, top = max(scored, key=lambda item: item[0])
-        if top_value <= best * (1 + 1e-4):
-            break
-        widths, best = top, top_value
+    def widen(widths: list[int]) -> list[int]:
+        """Greedily add the one child (at any depth) that raises the value most, until none does."""
+        best = value(widths)
+        while True:
+            options = [widths[:d] + [w + 1] + widths[d + 1 :] for d, w in enumerate(widths) if w < MAX_WIDTH]
+            scored = [(value(o), o) for o in options if tree_size(o) <= max_tokens]
+            if not scored or max(scored)[0] <= best * (1 + 1e-4):
+                return widths
+            best, widths = max(scored)
+
+    # Every depth is tried as a chain then widened: a hard depth can hide a profitable one after it.
+    candidates = [widen([1] * depth) for depth in range(1, max_depth + 1) if depth + 1 <= max_tokens]
+    widths = max(candidates, key=value)
+    best = value(widths)
     fits = current and len(current) <= max_depth and tree_size(current) <= max_tokens
     return current if fits and value(current) * (1 + PLAN_HYSTERESIS) >= best else widths
 

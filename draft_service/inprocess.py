@@ -8,6 +8,7 @@ import torch
 
 from diffspec.coalescer import Coalescer
 from diffspec.devices import resolve_device, resolve_dtype
+from diffspec.errors import CheckpointError
 from diffspec.settings import DiffSpecSettings
 from diffspec.tree import DraftTree
 from draft_service.backend import DraftOptions, DraftStats
@@ -43,6 +44,12 @@ class InProcessDraft:
         if embedding is None:
             embedding = load_target_embedding(settings.base_model, device, dtype)
         head = Eagle3Head.load(settings.draft_model, embedding, device, dtype)
+        trained_on, serving = head.config.feature_layers, getattr(runtime, "feature_layers", None)
+        if trained_on and serving is not None and tuple(trained_on) != tuple(serving):
+            raise CheckpointError(
+                f"draft head {settings.draft_model} was trained on target layers {list(trained_on)}, "
+                f"but the target extracts features from layers {list(serving)} (set DIFFSPEC_FEATURE_LAYERS)"
+            )
         return cls(DraftRuntime(head, working_set_config(settings)), settings.max_sessions)
 
     async def start(
