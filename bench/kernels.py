@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
+from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata
 from kernels.tree_attention_ref import gather_context, tree_attention_reference
 from kernels.tree_attention_triton import TreeAttentionPlan, default_plan, run_tree_attention
@@ -73,22 +74,11 @@ class Problem:
         return 2 * ctx * self.k_pages.shape[2] * self.k_pages.shape[3] * self.k_pages.element_size()
 
 
-def random_tree_mask(num_tokens: int, generator: torch.Generator) -> torch.Tensor:
-    parents = [-1] + [int(torch.randint(0, j, (1,), generator=generator)) for j in range(1, num_tokens)]
-    mask = torch.zeros(num_tokens, num_tokens, dtype=torch.bool)
-    for i in range(num_tokens):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
 def make_problem(shape: Shape, context_len: int, tree_size: int, seed: int = 0) -> Problem:
     cpu = torch.Generator().manual_seed(seed)
     num_pages = context_len // PAGE_SIZE
     table = torch.randperm(num_pages, generator=cpu).tolist()
-    mask = random_tree_mask(tree_size, cpu)
+    mask = DraftTree.random(tree_size, cpu).ancestor_mask()
     device = torch.device("cuda")
     meta = AttentionMetadata.build([tree_size], [context_len], [table], [mask], PAGE_SIZE, device)
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata
 from target_service.attention_backends import attention_backend
 from target_service.checkpoint import parse_llama_config
@@ -54,17 +55,6 @@ def random_model(raw: dict, device: torch.device) -> LlamaModel:
     return LlamaModel(c, state, device)
 
 
-def random_tree_mask(num_nodes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ancestor mask, depths) of a random tree."""
-    parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, num_nodes)]
-    mask = torch.eye(num_nodes, dtype=torch.bool)
-    depths = torch.zeros(num_nodes, dtype=torch.long)
-    for i in range(1, num_nodes):
-        mask[i] |= mask[parents[i]]
-        depths[i] = depths[parents[i]] + 1
-    return mask, depths
-
-
 def time_step(model: LlamaModel, backend_name: str, context: int, tree: int, reps: int) -> float:
     """Median milliseconds of one forward of ``tree`` new tokens after ``context`` tokens."""
     c, device = model.config, model.device
@@ -73,7 +63,8 @@ def time_step(model: LlamaModel, backend_name: str, context: int, tree: int, rep
     k_pages = torch.randn(shape, device=device, dtype=model.dtype)
     v_pages = torch.randn(shape, device=device, dtype=model.dtype)
     gen = torch.Generator().manual_seed(context + tree)
-    mask, depths = random_tree_mask(tree, gen)
+    draft = DraftTree.random(tree, gen)
+    mask, depths = draft.ancestor_mask(), draft.depths()
     table = torch.randperm(pages, generator=gen).tolist()
     meta = AttentionMetadata.build([tree], [context], [table], [mask], PAGE, device)
     ids = torch.randint(3, c.vocab_size, (tree,), device=device)

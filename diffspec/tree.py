@@ -47,6 +47,13 @@ class DraftTree:
             draft_probs=torch.ones(n),
         )
 
+    @staticmethod
+    def random(num_nodes: int, generator: torch.Generator, vocab_size: int = 2, root: int = 0) -> DraftTree:
+        """A tree whose every parent is a random earlier node (test and benchmark shapes)."""
+        parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, num_nodes)]
+        tokens = [root] + torch.randint(0, vocab_size, (num_nodes - 1,), generator=generator).tolist()
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.ones(num_nodes))
+
     @property
     def num_nodes(self) -> int:
         return self.tokens.numel()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata, causal_mask
 from kernels.tree_attention_ref import tree_attention_reference
 
@@ -47,18 +48,6 @@ class Inputs:
         return self.q, self.k_new, self.v_new, self.k_pages, self.v_pages
 
 
-def random_tree_mask(num_tokens: int, generator: torch.Generator) -> torch.Tensor:
-    """[num_tokens, num_tokens] bool: token i sees itself and its ancestors; each parent is a random earlier token."""
-    parents = [-1] + [int(torch.randint(0, j, (1,), generator=generator)) for j in range(1, num_tokens)]
-    mask = torch.zeros(num_tokens, num_tokens, dtype=torch.bool)
-    for i in range(num_tokens):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
 def make_inputs(case: Case, device: str, seed: int) -> Inputs:
     """Random (never zero) inputs; each sequence's pages are a random permutation of the pool, with spare pages."""
     cpu = torch.Generator().manual_seed(seed)
@@ -69,7 +58,7 @@ def make_inputs(case: Case, device: str, seed: int) -> Inputs:
     for n in pages_per_seq:
         block_tables.append(order[used : used + n])
         used += n
-    masks = [random_tree_mask(q_len, cpu) for q_len in case.q_lens]
+    masks = [DraftTree.random(q_len, cpu).ancestor_mask() for q_len in case.q_lens]
     meta = AttentionMetadata.build(
         list(case.q_lens), list(case.context_lens), block_tables, masks, case.page_size, torch.device(device)
     )

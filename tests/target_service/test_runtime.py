@@ -55,19 +55,12 @@ def test_chunked_prefill_features_equal_dense_forward(runtime):
     runtime.release("feat")
 
 
-def _random_tree(root: int, num_nodes: int, seed: int) -> DraftTree:
-    gen = torch.Generator().manual_seed(seed)
-    parents = [-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, num_nodes)]
-    tokens = [root] + torch.randint(3, 8192, (num_nodes - 1,), generator=gen).tolist()
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.ones(num_nodes))
-
-
 @pytest.mark.parametrize("num_nodes, seed", [(1, 0), (9, 1), (40, 2)])
 def test_tree_logits_equal_sequential_path_decoding(runtime, num_nodes, seed):
     prompt = torch.randint(3, 8192, (53,), generator=torch.Generator().manual_seed(seed)).tolist()
     sid = f"tree-{seed}"
     first = runtime.prefill(sid, prompt, GREEDY, want_features=False).first_token
-    tree = _random_tree(first, num_nodes, seed)
+    tree = DraftTree.random(num_nodes, torch.Generator().manual_seed(seed), vocab_size=8192, root=first)
     ctx = runtime.committed_length(sid)
     meta = AttentionMetadata.build(
         [num_nodes], [ctx], [runtime.pool.block_table(sid)], [tree.ancestor_mask()], runtime.pool.page_size, runtime.device
