@@ -13,6 +13,8 @@ from diffspec.cli_flags import add_model_flags, model_from_flags, parse_switch
 from diffspec.errors import DiffSpecError
 from diffspec.settings import DiffSpecSettings
 
+SERVE_ROLES = ("all", "target", "draft", "gateway")  # all = the three in one process, on one port
+
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate a continuation, streaming it to the terminal")
@@ -33,7 +35,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the gRPC services (default: all in one process)")
-    p.add_argument("role", nargs="?", default="all", choices=["all", "target", "draft", "gateway"])
+    p.add_argument("role", nargs="?", default="all", choices=SERVE_ROLES)
     p.add_argument("--target", dest="target_address", default=None, help="target service host:port")
     p.add_argument("--draft", dest="draft_address", default=None, help="draft service host:port")
     add_model_flags(p, DiffSpecSettings, skip={"target_address", "draft_address"})

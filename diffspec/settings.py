@@ -67,9 +67,11 @@ class DiffSpecSettings(BaseSettings):
     max_batch_tokens: int = Field(4096, ge=1, description="Tokens per coalesced target forward.")
     metrics_port: int = Field(0, ge=0, description="Prometheus metrics HTTP port (0 = off).")
     keepalive_seconds: float = Field(
-        30.0, gt=0, description="HTTP/2 keepalive ping interval on servers and channels (finds dead peers on idle links)."
+        30.0, gt=0, description="HTTP/2 keepalive ping interval of servers and channels (finds dead idle peers)."
     )
-    keepalive_timeout_seconds: float = Field(10.0, gt=0, description="A keepalive ping unanswered this long drops the link.")
+    keepalive_timeout_seconds: float = Field(
+        10.0, gt=0, description="A keepalive ping unanswered this long drops the link."
+    )
     shutdown_grace_seconds: float = Field(
         10.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight streams may finish before they are cancelled."
     )

@@ -1,0 +1,178 @@
+"""What every DiffSpec server shares: one grpc.aio server with health checking, reflection,
+keepalive and message-size options, Prometheus metrics, typed errors mapped to status codes,
+and a life cycle of load -> serve -> drain on SIGTERM/SIGINT.
+
+Health is NOT_SERVING while the models load and from the moment a drain starts; in between
+it is SERVING. A drain stops accepting calls, gives in-flight streams
+``shutdown_grace_seconds`` to finish, then cancels them, which releases their sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any, Awaitable, Callable, Generic, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from diffspec.errors import DiffSpecError, InvalidRequest, PeerUnavailable
+from diffspec.grpc_options import server_options
+from diffspec.metrics import ServingMetrics
+from diffspec.rpc_status import status_for
+from diffspec.settings import DiffSpecSettings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+OWN_METHODS = "/diffspec.v1."
+_HANDLER_FACTORIES = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+class Loading(Generic[T]):
+    """A model the server loads after it starts answering health checks; calls before then get UNAVAILABLE."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._value: T | None = None
+
+    def set(self, value: T) -> None:
+        self._value = value
+
+    def get(self) -> T:
+        if self._value is None:
+            raise PeerUnavailable(f"{self.what} is still loading")
+        return self._value
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Maps errors raised by the project's handlers to status codes and counts every call.
+
+    Handlers must be coroutines (streaming ones use ``context.read``/``context.write``), so a
+    cancellation always lands inside the handler and its ``finally`` blocks run at once.
+    """
+
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(OWN_METHODS):
+            return handler
+        for kind, factory in _HANDLER_FACTORIES.items():
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                # A unary request is parsed inside the guard, so an undecodable one is INVALID_ARGUMENT;
+                # streamed requests are parsed by context.read(), which runs inside the guard anyway.
+                unary_request = kind.startswith("unary_")
+                return factory(
+                    self._guard(details.method, behavior, handler.request_deserializer if unary_request else None),
+                    request_deserializer=None if unary_request else handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+    def _guard(self, method: str, behavior: Behavior, parse: Callable[[bytes], Any] | None) -> Behavior:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            code = grpc.StatusCode.OK
+            try:
+                return await behavior(parse(request) if parse is not None else request, context)
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except DecodeError as bad:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, f"malformed request message: {bad}")
+            except DiffSpecError as failure:
+                code = status_for(failure)
+                await context.abort(code, str(failure))
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as failure:  # noqa: BLE001 - one request's bug must not take the server down
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed", method)
+                await context.abort(code, f"internal error in {method}: {type(failure).__name__}: {failure}")
+            finally:
+                self.metrics.requests.labels(method, code.name).inc()
+
+        return guarded
+
+
+class ServiceHost:
+    """One server process: its services on ``settings.listen``, plus health, reflection and metrics."""
+
+    def __init__(self, settings: DiffSpecSettings, role: str) -> None:
+        self.settings = settings
+        self.role = role  # for the startup line: all, target, draft, gateway
+        self.metrics = ServingMetrics()
+        self.server = grpc.aio.server(interceptors=[StatusInterceptor(self.metrics)], options=server_options(settings))
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names: list[str] = []
+        self.address = settings.listen  # host:port, the port known once bound
+
+    def add(self, servicer: object, add_to_server: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
+        add_to_server(servicer, self.server)
+        self.service_names.append(service_name)
+
+    async def run(self, load: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]]) -> None:
+        """Start, load (NOT_SERVING meanwhile), serve until SIGTERM/SIGINT, drain, then ``close``."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self._start()
+        loading = asyncio.ensure_future(load())
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if loading.done():
+                loading.result()  # a failed load raises here
+                await self._set_status(health_pb2.HealthCheckResponse.SERVING)
+                log.info("diffspec %s serving on %s", self.role, self.address)
+                await stopping
+        finally:
+            stopping.cancel()
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(self.settings.shutdown_grace_seconds)
+            if loading.done() and loading.exception() is None:
+                await close()
+
+    async def _start(self) -> None:
+        names = [
+            *self.service_names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
+        reflection.enable_server_reflection(names, self.server)
+        host = self.settings.listen.rsplit(":", 1)[0].strip("[]")
+        try:
+            port = self.server.add_insecure_port(self.settings.listen)
+        except RuntimeError as bad:
+            raise InvalidRequest(f"cannot listen on {self.settings.listen}: {bad}") from None
+        await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        if self.settings.metrics_port:
+            self.metrics.serve_http(host, self.settings.metrics_port)
+        self.address = f"{host}:{port}"
+        # the one line on stdout: with --listen HOST:0, this is how a caller learns the port
+        print(f"diffspec {self.role} listening on {self.address}", flush=True)
+
+    async def _set_status(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)

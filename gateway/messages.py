@@ -1,0 +1,133 @@
+"""Gateway messages <-> the engine's request/chunk/stats dataclasses, with the request checks.
+
+Every check that needs no model runs here, before the target or the draft sees the request,
+so a bad request costs no prefill and gets INVALID_ARGUMENT with a message saying what to fix.
+"""
+
+from __future__ import annotations
+
+from diffspec.errors import InvalidRequest
+from diffspec.sampling import SamplingParams
+from diffspec.settings import DiffSpecSettings
+from diffspec.v1 import gateway_pb2
+from draft_service.backend import DraftOptions
+from draft_service.runtime import validate_options
+from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
+from target_service.backend import TargetInfo
+
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+
+
+def prompt_text(message: gateway_pb2.GenerateRequest) -> str | None:
+    """The prompt text, or None when the request carries token ids; a request with neither is rejected."""
+    which = message.WhichOneof("prompt")
+    if which is None:
+        raise InvalidRequest("the request has no prompt: set text or token_ids")
+    if which == "text":
+        if not message.text:
+            raise InvalidRequest("the prompt is empty")
+        return message.text
+    return None
+
+
+def generation_request(
+    message: gateway_pb2.GenerateRequest, prompt_ids: list[int], info: TargetInfo, defaults: DiffSpecSettings
+) -> GenerationRequest:
+    """The engine request for ``message``; unset fields take the server's defaults."""
+    _check_prompt(prompt_ids, info)
+    max_new_tokens = message.max_new_tokens if message.HasField("max_new_tokens") else defaults.max_new_tokens
+    if not 1 <= max_new_tokens <= info.max_context:
+        raise InvalidRequest(f"max_new_tokens must be in [1, {info.max_context}] (the context), got {max_new_tokens}")
+    stops = tuple(message.stop)
+    if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidRequest(f"at most {MAX_STOP_SEQUENCES} stop sequences of at most {MAX_STOP_CHARS} characters")
+    sampling = SamplingParams(
+        temperature=message.temperature,
+        top_p=message.top_p if message.HasField("top_p") else 1.0,
+        seed=message.seed if message.HasField("seed") else None,
+    )
+    return GenerationRequest(
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop_sequences=stops,
+        draft=_draft_options(message, defaults),
+    )
+
+
+def _check_prompt(prompt_ids: list[int], info: TargetInfo) -> None:
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty")
+    if len(prompt_ids) >= info.max_context:
+        raise InvalidRequest(
+            f"prompt of {len(prompt_ids)} tokens does not fit the context of {info.max_context} tokens"
+        )
+    bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise InvalidRequest(f"token ids out of the vocabulary [0, {info.vocab_size}): {bad[:5]}")
+
+
+def _draft_options(message: gateway_pb2.GenerateRequest, defaults: DiffSpecSettings) -> DraftOptions | None:
+    """None for Auto; raises InvalidRequest for an unknown policy or a bad tree config."""
+    policy = message.policy or defaults.policy
+    if policy == "auto":
+        return None
+    options = DraftOptions(
+        policy=policy,
+        tree_config=message.tree_config or defaults.tree_config,
+        salience=message.salience if message.HasField("salience") else defaults.salience,
+    )
+    validate_options(options)
+    return options
+
+
+def chunk_to_proto(chunk: GenerationChunk) -> gateway_pb2.GenerateResponse:
+    response = gateway_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
+    if chunk.stats is not None:
+        response.stats.CopyFrom(stats_to_proto(chunk.stats))
+    return response
+
+
+def chunk_from_proto(response: gateway_pb2.GenerateResponse) -> GenerationChunk:
+    stats = stats_from_proto(response.stats) if response.HasField("stats") else None
+    return GenerationChunk(token_ids=list(response.token_ids), text=response.text, stats=stats)
+
+
+def stats_to_proto(stats: GenerationStats) -> gateway_pb2.GenerationStats:
+    return gateway_pb2.GenerationStats(
+        prompt_tokens=stats.prompt_tokens,
+        new_tokens=stats.new_tokens,
+        steps=stats.steps,
+        accepted_drafts=stats.accepted_drafts,
+        mean_accepted_length=stats.mean_accepted_length,
+        stop_depth_histogram=stats.stop_depth_histogram,
+        prefill_seconds=stats.prefill_seconds,
+        draft_seconds=stats.draft_seconds,
+        verify_seconds=stats.verify_seconds,
+        decode_seconds=stats.decode_seconds,
+        decode_tokens_per_second=stats.decode_tokens_per_second,
+        finish_reason=stats.finish_reason,
+        fell_back_to_auto=stats.fell_back_to_auto,
+        hazard=stats.hazard,
+        working_set_tokens=stats.working_set_tokens,
+    )
+
+
+def stats_from_proto(message: gateway_pb2.GenerationStats) -> GenerationStats:
+    """The engine's stats again (the derived tau and tokens/s recompute to the same values)."""
+    return GenerationStats(
+        prompt_tokens=message.prompt_tokens,
+        new_tokens=message.new_tokens,
+        steps=message.steps,
+        accepted_drafts=message.accepted_drafts,
+        stop_depth_histogram=list(message.stop_depth_histogram),
+        prefill_seconds=message.prefill_seconds,
+        draft_seconds=message.draft_seconds,
+        verify_seconds=message.verify_seconds,
+        decode_seconds=message.decode_seconds,
+        finish_reason=message.finish_reason,
+        fell_back_to_auto=message.fell_back_to_auto,
+        hazard=list(message.hazard),
+        working_set_tokens=message.working_set_tokens,
+    )

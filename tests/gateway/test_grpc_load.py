@@ -1,0 +1,62 @@
+"""``diffspec serve`` under a short headless Locust run, then its Prometheus metrics."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import urllib.request
+
+from diffspec.settings import REPO_ROOT
+
+
+def test_headless_locust_run_has_no_failures(embedded_server, tmp_path):
+    env = {**os.environ, "DIFFSPEC_LOCUST_MAX_NEW_TOKENS": "24", "DIFFSPEC_LOCUST_PROMPT_CHARS": "600"}
+    command = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(REPO_ROOT / "bench" / "locustfile.py"),
+        "--headless",
+        "-u",
+        "2",
+        "-r",
+        "2",
+        "-t",
+        "15s",
+        "--host",
+        embedded_server.address,
+        "--csv",
+        str(tmp_path / "load"),
+        "--exit-code-on-error",
+        "1",
+        "--only-summary",
+    ]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(tmp_path / "load_stats.csv") as stats:
+        rows = {row["Name"]: row for row in csv.DictReader(stats)}
+    assert int(rows["Generate"]["Request Count"]) >= 4
+    assert all(int(row["Failure Count"]) == 0 for row in rows.values())
+    for name in ("time_to_first_token", "inter_token_latency", "tokens_per_second"):
+        assert float(rows[name]["Average Response Time"]) > 0
+
+
+def test_prometheus_metrics_cover_requests_tokens_tau_and_the_kv_pool(embedded_server):
+    with urllib.request.urlopen(f"http://127.0.0.1:{embedded_server.metrics_port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples['diffspec_kv_pages{state="total"}'] == 1024
+    assert samples['diffspec_kv_pages{state="free"}'] == 1024  # nothing in flight
+    assert samples["diffspec_step_queue_depth"] == 0
+    assert samples['diffspec_requests_total{code="OK",method="/diffspec.v1.Gateway/Generate"}'] >= 1
+    assert samples["diffspec_generated_tokens_total"] >= 24
+    assert samples["diffspec_mean_accepted_length_count"] >= 1
+    assert samples["diffspec_stop_depth_count"] >= 1
+    assert samples["diffspec_step_seconds_count"] >= 1 and samples["diffspec_prefill_seconds_count"] >= 1

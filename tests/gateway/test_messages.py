@@ -1,0 +1,74 @@
+"""Gateway messages: request defaults and checks, stats round trip with every field carried."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from diffspec.errors import InvalidRequest
+from diffspec.settings import DiffSpecSettings
+from diffspec.v1 import gateway_pb2
+from draft_service.backend import DraftOptions
+from gateway.messages import generation_request, prompt_text, stats_from_proto, stats_to_proto
+from gateway.request import GenerationStats
+from target_service.backend import TargetInfo
+
+INFO = TargetInfo("m", 100, 8, 2, (0, 1, 1), (1,), 64, 16, 8, 8, 0, "cpu", "float32")
+DEFAULTS = DiffSpecSettings(policy="chain", tree_config="8:0.1:4", max_new_tokens=12)
+
+
+def test_unset_fields_take_the_server_defaults():
+    request = generation_request(gateway_pb2.GenerateRequest(text="x"), [0, 5], INFO, DEFAULTS)
+    assert request.max_new_tokens == 12 and request.sampling.top_p == 1.0 and request.sampling.seed is None
+    assert request.draft == DraftOptions("chain", "8:0.1:4", False)
+    explicit = gateway_pb2.GenerateRequest(
+        text="x", max_new_tokens=3, top_p=0.5, seed=0, policy="auto", temperature=0.7, stop=["\n"]
+    )
+    request = generation_request(explicit, [0, 5], INFO, DEFAULTS)
+    assert request.max_new_tokens == 3 and request.sampling.top_p == 0.5 and request.sampling.seed == 0
+    assert request.draft is None and request.stop_sequences == ("\n",) and request.sampling.temperature == 0.7
+
+
+@pytest.mark.parametrize(
+    "fields, ids, message",
+    [
+        ({"max_new_tokens": 65}, [0], "max_new_tokens must be in \\[1, 64\\]"),
+        ({}, [0] * 64, "does not fit"),
+        ({}, [0, 100], "out of the vocabulary"),
+        ({"policy": "uniform"}, [0], "policy"),
+        ({"stop": ["y" * 257]}, [0], "stop sequences"),
+    ],
+)
+def test_requests_the_target_could_not_serve_are_rejected_up_front(fields, ids, message):
+    with pytest.raises(InvalidRequest, match=message):
+        generation_request(gateway_pb2.GenerateRequest(text="x", **fields), ids, INFO, DEFAULTS)
+
+
+def test_prompt_text_needs_a_prompt():
+    assert prompt_text(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=[1]))) is None
+    with pytest.raises(InvalidRequest, match="no prompt"):
+        prompt_text(gateway_pb2.GenerateRequest())
+
+
+def test_stats_round_trip_carries_every_field():
+    stats = GenerationStats(
+        prompt_tokens=7,
+        new_tokens=30,
+        steps=9,
+        accepted_drafts=21,
+        stop_depth_histogram=[1, 0, 3, 5],
+        prefill_seconds=0.125,
+        draft_seconds=0.5,
+        verify_seconds=0.25,
+        decode_seconds=1.5,
+        finish_reason="eos",
+        fell_back_to_auto=True,
+        hazard=[0.1, 0.2],
+        working_set_tokens=2048,
+    )
+    assert {f.name for f in dataclasses.fields(GenerationStats)} <= set(
+        gateway_pb2.GenerationStats.DESCRIPTOR.fields_by_name
+    )
+    back = stats_from_proto(gateway_pb2.GenerationStats.FromString(stats_to_proto(stats).SerializeToString()))
+    assert back == stats and back.to_dict() == stats.to_dict()
