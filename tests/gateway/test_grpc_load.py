@@ -3,16 +3,34 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
 import urllib.request
 
+import grpc
+
 from diffspec.settings import REPO_ROOT
+from diffspec.v1 import gateway_pb2_grpc
+from tests.gateway.conftest import generate
+
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv):",
+    "class Stack:\n    def __init__(self):\n        self.items = []",
+    "def fibonacci(n):",
+]
 
 
 def test_headless_locust_run_has_no_failures(embedded_server, tmp_path):
-    env = {**os.environ, "DIFFSPEC_LOCUST_MAX_NEW_TOKENS": "24", "DIFFSPEC_LOCUST_PROMPT_CHARS": "600"}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in PROMPTS))
+    env = {
+        **os.environ,
+        "DIFFSPEC_LOCUST_PROMPTS": str(prompts),
+        "DIFFSPEC_LOCUST_MAX_NEW_TOKENS": "24",
+        "DIFFSPEC_LOCUST_PROMPT_CHARS": "600",
+    }
     command = [
         sys.executable,
         "-m",
@@ -45,6 +63,8 @@ def test_headless_locust_run_has_no_failures(embedded_server, tmp_path):
 
 
 def test_prometheus_metrics_cover_requests_tokens_tau_and_the_kv_pool(embedded_server):
+    with grpc.insecure_channel(embedded_server.address) as channel:
+        generate(gateway_pb2_grpc.GatewayStub(channel), text=PROMPTS[2], max_new_tokens=24, policy="full")
     with urllib.request.urlopen(f"http://127.0.0.1:{embedded_server.metrics_port}/metrics", timeout=10) as page:
         text = page.read().decode()
     samples = {}
