@@ -9,12 +9,10 @@ from typing import Callable, Iterator
 
 import grpc
 import pytest
-import torch
 from transformers import AutoTokenizer
 
-from diffspec.settings import DiffSpecSettings
+from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
-from draft_service.eagle3_head import Eagle3Config, Eagle3Head
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest
 from target_service.inprocess import InProcessTarget
@@ -41,17 +39,9 @@ def tokenizer(tiny_target_dir):
 
 
 @pytest.fixture(scope="session")
-def draft_head_dir(reference_target, tmp_path_factory) -> Path:
-    """The bundled head when present, else a random head for tiny-code saved in the published layout."""
-    configured = DiffSpecSettings().draft_model
-    if configured.exists():
-        return configured
-    runtime = reference_target.runtime
-    torch.manual_seed(0)
-    config = Eagle3Config.for_target(runtime.model.config, 4096, runtime.feature_layers)
-    head_dir = tmp_path_factory.mktemp("tiny-code-eagle3")
-    Eagle3Head(config, runtime.model.embed_tokens).save(head_dir)
-    return head_dir
+def draft_head_dir() -> Path:
+    """The shipped head for the bundled target (the servers' default draft model)."""
+    return BUNDLED_DRAFT
 
 
 @pytest.fixture(scope="session")

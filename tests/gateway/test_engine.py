@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from diffspec.errors import InvalidRequest, PeerUnavailable
 from diffspec.sampling import SamplingParams
@@ -20,7 +19,7 @@ from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest, GenerationStats
 from target_service.inprocess import InProcessTarget
 from target_service.runtime import TargetRuntime
-from diffspec.settings import SHARED_DIR
+from diffspec.settings import BUNDLED_DRAFT, SHARED_DIR
 from draft_service.working_set import WorkingSetConfig
 from tests.conftest import short_prompts
 
@@ -43,11 +42,6 @@ LONG_PROMPTS = SHARED_DIR / "data" / "longctx_eval.jsonl"
 @pytest.fixture(scope="module")
 def target(tiny_target_dir) -> InProcessTarget:
     return InProcessTarget(TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=2048)))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_target_dir):
-    return AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +83,24 @@ def test_speculative_greedy_equals_auto(random_head_engine, tokenizer, options):
         if options.policy == "online":
             assert stats.hazard and all(0 < h < 1 for h in stats.hazard)
     assert asyncio.run(random_head_engine.target.info()).active_sessions == 0
+
+
+@pytest.fixture(scope="module")
+def shipped_head_engine(target, tokenizer) -> SpeculativeEngine:
+    """The trained demo head: long accepted paths, the other half of the losslessness story."""
+    settings = DiffSpecSettings(draft_model=BUNDLED_DRAFT)
+    return SpeculativeEngine(target, InProcessDraft.from_settings(settings, target), tokenizer)
+
+
+@pytest.mark.parametrize("options", [DraftOptions("full"), DraftOptions("online", salience=True)], ids=str)
+def test_trained_head_greedy_equals_auto(shipped_head_engine, tokenizer, options):
+    accepted = 0
+    for ids in prompts(tokenizer):
+        auto_ids, _, _ = collect(shipped_head_engine, GenerationRequest(ids, 128))
+        spec_ids, _, stats = collect(shipped_head_engine, GenerationRequest(ids, 128, draft=options))
+        assert spec_ids == auto_ids
+        accepted += stats.accepted_drafts
+    assert accepted > 100, "the trained head should have drafts accepted"
 
 
 def test_long_prompt_greedy_equals_auto(random_head_engine, tokenizer):
