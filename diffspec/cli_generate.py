@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from tqdm import tqdm
+
 from diffspec.errors import InvalidRequest
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
@@ -29,6 +31,21 @@ def draft_options(settings: DiffSpecSettings) -> DraftOptions | None:
     return DraftOptions(policy=settings.policy, tree_config=settings.tree_config, salience=settings.salience)
 
 
+class PrefillBar:
+    """A progress bar on stderr for prompts that take more than one prefill chunk."""
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None and done < total:
+            self.bar = tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, leave=False)
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            if done >= total:
+                self.bar.close()
+
+
 async def run_generate(args: argparse.Namespace, settings: DiffSpecSettings) -> int:
     text = read_prompt(args)
     if args.gateway:
@@ -40,6 +57,7 @@ async def run_generate(args: argparse.Namespace, settings: DiffSpecSettings) -> 
 
         options = draft_options(settings)
         engine = build_engine(settings, with_draft=options is not None)
+        engine.prefill_progress = PrefillBar()
         request = GenerationRequest(
             prompt_ids=engine.tokenizer(text)["input_ids"],
             max_new_tokens=settings.max_new_tokens,

@@ -19,16 +19,23 @@ from draft_service.backend import DraftBackend
 from draft_service.runtime import validate_options
 from gateway.detokenizer import IncrementalDetokenizer, Tokenizer
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
-from target_service.backend import TargetBackend, TargetInfo, VerifyResult
+from target_service.backend import PrefillProgress, TargetBackend, TargetInfo, VerifyResult
 
 log = logging.getLogger(__name__)
 
 
 class SpeculativeEngine:
-    def __init__(self, target: TargetBackend, draft: DraftBackend | None, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        target: TargetBackend,
+        draft: DraftBackend | None,
+        tokenizer: Tokenizer,
+        prefill_progress: PrefillProgress | None = None,  # told (done, total) tokens while a prompt prefills
+    ) -> None:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
+        self.prefill_progress = prefill_progress
         self._target_info: TargetInfo | None = None
 
     async def target_info(self) -> TargetInfo:
@@ -83,7 +90,9 @@ class _Generation:
         target, draft, req = self.engine.target, self.engine.draft, self.request
         start = time.perf_counter()
         self.target_started = True
-        prefill = await target.prefill(self.session_id, req.prompt_ids, req.sampling, want_features=self.drafting)
+        prefill = await target.prefill(
+            self.session_id, req.prompt_ids, req.sampling, self.drafting, self.engine.prefill_progress
+        )
         first_token_at = time.perf_counter()
         self.stats.prefill_seconds = first_token_at - start
         chunk = self._emit([prefill.first_token])
