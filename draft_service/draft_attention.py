@@ -1,8 +1,11 @@
 """Attention of draft queries over a committed context plus masked new entries (float32 softmax).
 
 One function serves the three places the draft attends: extending its KV with committed
-entries (new entries causal), expanding a tree (new entries = ancestors and self), and the
-salience path (the context is the working set instead of the whole history).
+entries, expanding a tree (new entries = ancestors and self), and the salience path (the
+context is the working set instead of the whole history). The context and the new entries
+are scored separately and joined by one softmax over both, so the context (up to the whole
+history for the EAGLE-3 baseline) is never copied; query heads are grouped per KV head
+instead of repeating keys.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ def draft_attention(
     new_mask: torch.Tensor,  # [n, m] bool: query i sees new entry j
     scale: float,
 ) -> torch.Tensor:  # [n, heads, hd] in q's dtype
-    group = q.shape[1] // new_k.shape[1]
-    keys = torch.cat([ctx_k, new_k]).repeat_interleave(group, dim=1)  # [ctx + m, heads, hd]
-    values = torch.cat([ctx_v, new_v]).repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,khd->hnk", q, keys).float() * scale
-    visible = torch.cat([torch.ones(q.shape[0], ctx_k.shape[0], dtype=torch.bool, device=q.device), new_mask], dim=1)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.einsum("hnk,khd->nhd", probs.to(values.dtype), values)
+    n, heads, hd = q.shape
+    kv_heads = ctx_k.shape[1]
+    grouped = q.view(n, kv_heads, heads // kv_heads, hd)  # [n, kv_heads, group, hd]
+    ctx_scores = torch.einsum("nkgd,ckd->kgnc", grouped, ctx_k).float() * scale  # [kv_heads, group, n, ctx]
+    new_scores = torch.einsum("nkgd,mkd->kgnm", grouped, new_k).float() * scale  # [kv_heads, group, n, m]
+    new_scores = new_scores.masked_fill(~new_mask, float("-inf"))
+    probs = torch.softmax(torch.cat([ctx_scores, new_scores], dim=-1), dim=-1).to(q.dtype)
+    ctx_probs, new_probs = probs.split([ctx_k.shape[0], new_k.shape[0]], dim=-1)
+    out = torch.einsum("kgnc,ckd->nkgd", ctx_probs, ctx_v) + torch.einsum("kgnm,mkd->nkgd", new_probs, new_v)
+    return out.reshape(n, heads, hd)

@@ -165,9 +165,10 @@ class Drafter:
             tree.entry_of[n] = base + i
             tree.tree_k.append(k[i : i + 1])
             tree.tree_v.append(v[i : i + 1])
-        mask = torch.zeros(len(g.frontier), len(tree.tree_k), dtype=torch.bool, device=q.device)
+        mask = torch.zeros(len(g.frontier), len(tree.tree_k), dtype=torch.bool)  # built on the host, one copy
         for i, n in enumerate(g.frontier):
             mask[i, [tree.entry_of[a] for a in tree.ancestors(n)]] = True
+        mask = mask.to(q.device, non_blocking=True)
         ctx_k, ctx_v = g.request.session.context.view()
         return draft_attention(q, ctx_k, ctx_v, torch.cat(tree.tree_k), torch.cat(tree.tree_v), mask, self.head.scale)
 
