@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
-from diffspec.cli_flags import add_model_flags, model_from_flags, parse_switch
+from diffspec.cli_flags import add_model_flags, model_from_flags
 from diffspec.errors import DiffSpecError
 from diffspec.settings import DiffSpecSettings
 
@@ -69,14 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         from draft_service.trainer import TrainConfig, train_draft
 
         summary = train_draft(model_from_flags(TrainConfig, args))
-        print(json.dumps(summary.__dict__ if hasattr(summary, "__dict__") else summary, default=str))
+        print(json.dumps(dataclasses.asdict(summary)))
         return 0
     except DiffSpecError as failure:
         print(f"diffspec: error: {failure}", file=sys.stderr)
         return 2
-
-
-__all__ = ["main", "parse_switch"]
 
 
 if __name__ == "__main__":
