@@ -30,10 +30,6 @@ class DraftKV:
         """[length, kv_heads, hd] keys and values of every committed position."""
         return self.keys[: self.length], self.values[: self.length]
 
-    @property
-    def num_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
-
 
 def _grown(buffer: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
     grown = torch.empty(capacity, *buffer.shape[1:], dtype=buffer.dtype, device=buffer.device)

@@ -39,7 +39,6 @@ class WorkingSetSelector:
         self.config = config
         self.scored: list[int] = []  # chunks chosen by score (not sinks or recent)
         self.steps_since = 0
-        self.reselections = 0
 
     def select(self, scores: torch.Tensor) -> list[int]:
         """All chunk ids of the working set, ascending, for scores [num_chunks]."""
@@ -56,6 +55,5 @@ class WorkingSetSelector:
         if self.steps_since >= c.reselect_every or overlap < c.min_overlap or len(kept) < len(fresh):
             kept = fresh
             self.steps_since = 0
-            self.reselections += 1
         self.scored = kept
         return sorted(set(forced) | set(kept))

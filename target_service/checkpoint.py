@@ -46,11 +46,6 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes per token per dtype byte (multiply by the element size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def _rope_config(raw: dict) -> RopeConfig:
     # transformers 5 writes "rope_parameters"; Llama-3.1 checkpoints carry "rope_scaling" + "rope_theta".

@@ -21,10 +21,6 @@ class PagedKVCache:
         self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
 
-    @property
-    def num_bytes(self) -> int:
-        return 2 * self.k_pages.numel() * self.k_pages.element_size()
-
     def write(self, slots: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """slots [n] int64 (page * page_size + offset); new_k/new_v [layers, n, kv_heads, head_dim]."""
         flat_k = self.k_pages.view(self.k_pages.shape[0], -1, *self.k_pages.shape[3:])
