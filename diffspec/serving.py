@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import uuid
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import grpc
@@ -37,6 +38,32 @@ _HANDLER_FACTORIES = {
     "stream_unary": grpc.stream_unary_rpc_method_handler,
     "stream_stream": grpc.stream_stream_rpc_method_handler,
 }
+
+
+SessionStep = Callable[[Any, str, Any, grpc.aio.ServicerContext], Awaitable[None]]
+
+
+async def serve_session(
+    context: grpc.aio.ServicerContext,
+    backend: Any,
+    steps: dict[str, SessionStep],
+    release: Callable[[str], Awaitable[None]],
+    service: str,
+) -> None:
+    """One bidirectional ``Session`` stream is one session: each message goes, by the name of its
+    ``kind`` oneof, to ``steps``; however the stream ends (release, client done, cancelled,
+    disconnected, deadline), the session is released, so its KV pages or arena slots return."""
+    session_id = uuid.uuid4().hex
+    try:
+        while (request := await context.read()) is not grpc.aio.EOF:
+            kind = request.WhichOneof("kind")
+            if kind not in steps:
+                raise InvalidRequest(f"a {service} session takes {', '.join(steps)}; got {kind}")
+            await steps[kind](backend, session_id, getattr(request, kind), context)
+            if kind == "release":
+                return
+    finally:
+        await asyncio.shield(release(session_id))
 
 
 class Loading(Generic[T]):

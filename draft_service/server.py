@@ -7,15 +7,13 @@ features in row chunks, each checked against the prompt length and the head's wi
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import grpc
 
 from diffspec.errors import InvalidRequest
 from diffspec.metrics import ServingMetrics
-from diffspec.serving import Loading
+from diffspec.serving import Loading, SessionStep, serve_session
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import draft_pb2, draft_pb2_grpc
 from diffspec.wire import RowJoiner, tensor_from_proto, tree_to_proto
@@ -31,7 +29,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.draft = draft
         self.model = str(settings.draft_model)
         self.metrics = metrics
-        self._steps: dict[str, Callable[[InProcessDraft, str, Any, Context], Awaitable[None]]] = {
+        self._steps: dict[str, SessionStep] = {
             "start": self._start,
             "propose": self._propose,
             "accept": self._accept,
@@ -41,17 +39,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     async def Session(self, requests: Any, context: Context) -> None:
         draft = self.draft.get()
-        session_id = uuid.uuid4().hex
-        try:
-            while (request := await context.read()) is not grpc.aio.EOF:
-                kind = request.WhichOneof("kind")
-                if kind not in self._steps:
-                    raise InvalidRequest(f"a draft session takes start, propose, accept, stats or release, got {kind}")
-                await self._steps[kind](draft, session_id, getattr(request, kind), context)
-                if kind == "release":
-                    return
-        finally:
-            await asyncio.shield(draft.release(session_id))
+        await serve_session(context, draft, self._steps, draft.release, "draft")
 
     async def Info(self, request: draft_pb2.DraftInfoRequest, context: Context) -> draft_pb2.DraftInfoResponse:
         runtime = self.draft.get().runtime

@@ -7,15 +7,12 @@ disconnect, deadline, error) the ``finally`` releases the session, so every page
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import grpc
 
-from diffspec.errors import InvalidRequest
 from diffspec.metrics import ServingMetrics
-from diffspec.serving import Loading
+from diffspec.serving import Loading, SessionStep, serve_session
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import target_pb2, target_pb2_grpc
 from diffspec.wire import split_rows, tree_from_proto
@@ -31,7 +28,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.target = target
         self.max_message_bytes = settings.max_message_bytes
         self.metrics = metrics
-        self._steps: dict[str, Callable[[InProcessTarget, str, Any, Context], Awaitable[None]]] = {
+        self._steps: dict[str, SessionStep] = {
             "prefill": self._prefill,
             "verify": self._verify,
             "decode": self._decode,
@@ -40,17 +37,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     async def Session(self, requests: Any, context: Context) -> None:
         target = self.target.get()
-        session_id = uuid.uuid4().hex
-        try:
-            while (request := await context.read()) is not grpc.aio.EOF:
-                kind = request.WhichOneof("kind")
-                if kind not in self._steps:
-                    raise InvalidRequest(f"a target session takes prefill, verify, decode or release, got {kind}")
-                await self._steps[kind](target, session_id, getattr(request, kind), context)
-                if kind == "release":
-                    return
-        finally:
-            await asyncio.shield(target.release(session_id))
+        await serve_session(context, target, self._steps, target.release, "target")
 
     async def Info(self, request: target_pb2.TargetInfoRequest, context: Context) -> target_pb2.TargetInfoResponse:
         target = self.target.get()
