@@ -7,6 +7,7 @@ is a topologically ordered list. The tree mask and position offsets derive from 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,11 @@ class DraftTree:
         return self.tokens.numel()
 
     def depths(self) -> torch.Tensor:
-        """[num_nodes] int64: root 0, child = parent + 1."""
+        """[num_nodes] int64: root 0, child = parent + 1 (computed once per tree; do not modify)."""
+        return self._depths
+
+    @functools.cached_property
+    def _depths(self) -> torch.Tensor:
         depth = torch.zeros(self.num_nodes, dtype=torch.long)
         parents = self.parents.tolist()
         for i in range(1, self.num_nodes):
