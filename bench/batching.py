@@ -50,7 +50,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--attention-backend", default="torch")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash-attn"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     engine = build_engine(

@@ -70,7 +70,7 @@ class Problem:
     @property
     def kv_bytes(self) -> int:
         """Bytes of committed K and V the kernel must read (the new tokens' are negligible)."""
-        ctx = self.meta.context_lens[0]
+        ctx = int(self.meta.context_lens_t[0])
         return 2 * ctx * self.k_pages.shape[2] * self.k_pages.shape[3] * self.k_pages.element_size()
 
 
@@ -117,7 +117,7 @@ def copy_bandwidth() -> float:
 
 def sdpa_inputs(problem: Problem) -> tuple[torch.Tensor, ...]:
     """q [1, H, T, D] and contiguous K/V [1, H, L + T, D] (kv heads repeated for the group), mask [T, L + T]."""
-    ctx, tree = problem.meta.context_lens[0], problem.q.shape[0]
+    ctx, tree = int(problem.meta.context_lens_t[0]), problem.q.shape[0]
     group = problem.q.shape[1] // problem.k_new.shape[1]
 
     def dense(pages: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -201,9 +201,17 @@ def sweep_plans(shape: Shape, tree_size: int, copy_bytes_per_s: float) -> list[d
     base = default_plan(problem.q, problem.k_new, problem.meta)
     block_ns = (32, 64, 128) if base.block_m >= 128 else (64, 128)
     split_counts = sorted({max(1, base.num_splits // 2), base.num_splits, 2 * base.num_splits})
+    plans = [
+        dataclasses.replace(base, block_n=block_n, num_stages=num_stages, num_splits=num_splits)
+        for block_n, num_stages, num_splits in itertools.product(block_ns, (2, 3, 4), split_counts)
+    ]
+    if tree_size * shape.num_heads // shape.num_kv_heads > base.block_m:  # several row tiles re-read the KV
+        plans += [
+            dataclasses.replace(base, block_m=256, num_warps=num_warps, block_n=block_n, num_stages=num_stages)
+            for num_warps, block_n, num_stages in itertools.product((8, 16), (32, 64), (2, 3))
+        ]
     results = []
-    for block_n, num_stages, num_splits in itertools.product(block_ns, (2, 3, 4), split_counts):
-        plan = dataclasses.replace(base, block_n=block_n, num_stages=num_stages, num_splits=num_splits)
+    for plan in plans:
         result = {"shape": shape.name, "tree_size": tree_size, "plan": dataclasses.asdict(plan)}
         result["is_default"] = plan == base
         try:
@@ -237,13 +245,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results/kernels.json"))
     parser.add_argument("--sweep", action="store_true", help=f"also time launch-plan variants at L={SWEEP_CONTEXT_LEN}")
+    parser.add_argument("--context-lens", type=int, nargs="+", default=CONTEXT_LENS)
+    parser.add_argument("--tree-sizes", type=int, nargs="+", default=TREE_SIZES, help="include 1: rows report T/T1")
     args = parser.parse_args()
 
     copy_bytes_per_s = copy_bandwidth()
     rows = []
     for shape in SHAPES:
-        for context_len in CONTEXT_LENS:
-            for tree_size in TREE_SIZES:
+        for context_len in args.context_lens:
+            for tree_size in args.tree_sizes:
                 rows.append(bench_case(shape, context_len, tree_size, copy_bytes_per_s))
                 base = next(r for r in rows if r["shape"] == shape.name and r["context_len"] == context_len)
                 rows[-1]["time_vs_tree_size_1"] = rows[-1]["triton_us"] / base["triton_us"]
@@ -251,7 +261,7 @@ def main() -> None:
     sweep = []
     if args.sweep:
         for shape in SHAPES:
-            for tree_size in TREE_SIZES:
+            for tree_size in args.tree_sizes:
                 sweep += sweep_plans(shape, tree_size, copy_bytes_per_s)
         for shape_name, tree_size in {(s["shape"], s["tree_size"]) for s in sweep}:
             timed = [s for s in sweep if s["shape"] == shape_name and s["tree_size"] == tree_size and "triton_us" in s]

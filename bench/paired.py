@@ -118,7 +118,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--configs", nargs="+", default=["auto", "eagle3", "eagle3+salience", "diffspec"], choices=list(CONFIGS))
-    parser.add_argument("--attention-backend", default="torch")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash-attn"])
     parser.add_argument("--working-set-tokens", type=int, default=2048)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

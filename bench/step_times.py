@@ -1,8 +1,8 @@
 """Per-step time of the full target forward: Auto decode (T=1) and tree verification (T=16, 64).
 
 The KV pages of one sequence are filled with random values for each context length (timing
-does not need a real prefill), then one forward of T new tokens over them is timed with CUDA
-events (median of several), for each attention backend. Models: a checkpoint (bench-code) and
+does not need a real prefill), then one step of T new tokens over them is timed with CUDA
+events (median of several): eagerly for each attention backend, and replayed from a CUDA graph. Models: a checkpoint (bench-code) and
 a randomly initialised Llama-3.1-8B-shaped model (timing only, no checkpoint needed).
 
     python -m bench.step_times --base-model ../shared/models/bench-code --out bench/results/step_times.json
@@ -23,7 +23,9 @@ from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata
 from target_service.attention_backends import attention_backend
 from target_service.checkpoint import parse_llama_config
+from target_service.kv_cache import PagedKVCache
 from target_service.llama import LlamaModel
+from target_service.step_graphs import StepGraphs, StepInput
 
 LLAMA_8B = {
     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -55,25 +57,39 @@ def random_model(raw: dict, device: torch.device) -> LlamaModel:
     return LlamaModel(c, state, device)
 
 
-def time_step(model: LlamaModel, backend_name: str, context: int, tree: int, reps: int) -> float:
-    """Median milliseconds of one forward of ``tree`` new tokens after ``context`` tokens."""
+def time_step(model: LlamaModel, mode: str, context: int, tree: int, reps: int) -> float:
+    """Median milliseconds of one step of ``tree`` new tokens after ``context`` tokens.
+
+    ``mode`` is an attention backend (eager forward) or ``triton+graphs``: the runtime's padded
+    step buckets replayed from a CUDA graph, input copies included.
+    """
     c, device = model.config, model.device
     pages = (context + PAGE - 1) // PAGE + 1
-    shape = (c.num_layers, pages, PAGE, c.num_kv_heads, c.head_dim)
-    k_pages = torch.randn(shape, device=device, dtype=model.dtype)
-    v_pages = torch.randn(shape, device=device, dtype=model.dtype)
+    cache = PagedKVCache(c, pages, PAGE, model.dtype, device)
+    cache.k_pages.normal_()
+    cache.v_pages.normal_()
     gen = torch.Generator().manual_seed(context + tree)
     draft = DraftTree.random(tree, gen)
-    mask, depths = draft.ancestor_mask(), draft.depths()
     table = torch.randperm(pages, generator=gen).tolist()
-    meta = AttentionMetadata.build([tree], [context], [table], [mask], PAGE, device)
-    ids = torch.randint(3, c.vocab_size, (tree,), device=device)
-    positions = (depths + context).to(device)
-    backend = attention_backend(backend_name)
+    step_input = StepInput(
+        tokens=torch.randint(3, c.vocab_size, (tree,), generator=gen),
+        positions=draft.depths() + context,
+        mask=draft.ancestor_mask(),
+        context_len=context,
+        block_table=table,
+    )
+    if mode == "triton+graphs":
+        graphs = StepGraphs(model, attention_backend("triton"), cache, pages * PAGE, (1,), (tree,), (), capture=True)
 
-    def step() -> None:
-        out = model.forward_paged(ids, positions, k_pages, v_pages, meta, backend)
-        model.logits(out.hidden)
+        def step() -> None:
+            graphs.run([step_input])
+    else:
+        meta = AttentionMetadata.build([tree], [context], [table], [step_input.mask], PAGE, device)
+        ids, positions, backend = step_input.tokens.to(device), step_input.positions.to(device), attention_backend(mode)
+
+        def step() -> None:
+            out = model.forward_paged(ids, positions, cache.k_pages, cache.v_pages, meta, backend)
+            model.logits(out.hidden)
 
     for _ in range(2):
         step()
@@ -85,7 +101,7 @@ def time_step(model: LlamaModel, backend_name: str, context: int, tree: int, rep
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    del k_pages, v_pages
+    del cache
     torch.cuda.empty_cache()
     return statistics.median(times)
 
@@ -95,7 +111,7 @@ def main() -> int:
     parser.add_argument("--base-model", type=Path, required=True)
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
     parser.add_argument("--trees", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--backends", nargs="+", default=["torch", "triton"])
+    parser.add_argument("--backends", nargs="+", default=["torch", "triton", "triton+graphs"])
     parser.add_argument("--reference-max-context", type=int, default=65536, help="skip the slow torch backend above")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -114,7 +130,7 @@ def main() -> int:
                 for tree in args.trees:
                     ms = time_step(model, backend, context, tree, reps=5 if backend == "torch" else 20)
                     rows.append({"model": name, "backend": backend, "context": context, "tree_tokens": tree, "ms": round(ms, 3)})
-                    print(f"{name:30} {backend:7} ctx={context:6} T={tree:3} {ms:9.3f} ms", flush=True)
+                    print(f"{name:30} {backend:13} ctx={context:6} T={tree:3} {ms:9.3f} ms", flush=True)
         del model
         torch.cuda.empty_cache()
     for row in rows:
@@ -123,7 +139,8 @@ def main() -> int:
         row["vs_decode"] = round(row["ms"] / base, 3)
     result = {
         "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
-        "note": "eager forward (no CUDA graphs); random KV of the given context; median of CUDA-event timings",
+        "note": "torch/triton: eager forward; triton+graphs: padded bucket replayed from a CUDA graph; "
+        "random KV of the given context; median of CUDA-event timings",
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,17 @@ class DiffSpecSettings(BaseSettings):
     max_context: int = Field(0, ge=0, description="Longest prompt + generation in tokens; 0 = the model's limit.")
     prefill_chunk: int = Field(2048, ge=1, description="Prompt tokens per prefill forward (bounds activation memory).")
     bundle_trees: bool = Field(True, description="Verify trees in bundle order (shared paths contiguous).")
-    attention_backend: Literal["torch", "triton", "flash-attn"] = Field(
-        "torch", description="Attention implementation for the target's paged KV."
+    attention_backend: Literal["auto", "torch", "triton", "flash-attn"] = Field(
+        "auto", description="Attention implementation for the target's paged KV; auto = triton on a GPU, torch on CPU."
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="Replay verify and decode steps from CUDA graphs, one per (batch, tree size) bucket "
+        "(GPU with the triton backend; other steps run eagerly).",
+    )
+    graph_batch_sizes: str = Field("1,2,4,8,16", description="Comma-separated batch-size buckets of the step graphs.")
+    graph_tree_sizes: str = Field(
+        "1,8,16,32,64,128,256", description="Comma-separated tree-size buckets (new tokens per sequence) of the step graphs."
     )
 
     # Drafting
@@ -87,6 +96,20 @@ class DiffSpecSettings(BaseSettings):
             if len(parts) != 3 or not all(p.isdigit() for p in parts):
                 raise ValueError(f"feature_layers must be 'auto' or three layer indices like '2,16,29', got {value!r}")
         return value
+
+    @field_validator("graph_batch_sizes", "graph_tree_sizes")
+    @classmethod
+    def _check_sizes(cls, value: str) -> str:
+        parse_sizes(value)
+        return value
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4): distinct positive sizes, ascending."""
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"expected comma-separated positive integers like '1,2,4', got {text!r}")
+    return tuple(sorted({int(p) for p in parts}))
 
 
 def resolve_feature_layers(spec: str, num_layers: int) -> tuple[int, int, int]:

@@ -16,9 +16,8 @@ import torch
 @dataclass(frozen=True)
 class AttentionMetadata:
     q_lens: list[int]  # [batch] new tokens per sequence (host copy, for loops and shapes)
-    context_lens: list[int]  # [batch] committed tokens per sequence (host copy)
     cu_q_lens: torch.Tensor  # [batch + 1] int32, prefix sums of q_lens (device)
-    context_lens_t: torch.Tensor  # [batch] int32 (device)
+    context_lens_t: torch.Tensor  # [batch] int32 committed tokens per sequence (device only: a graph refills it)
     block_tables: torch.Tensor  # [batch, max_pages_per_seq] int32, padded with 0 (device)
     new_token_mask: torch.Tensor  # [total_q, max_q_len] bool: row i (a new token) sees new token j of its own sequence
     page_size: int
@@ -59,7 +58,6 @@ class AttentionMetadata:
         cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
         return AttentionMetadata(
             q_lens=list(q_lens),
-            context_lens=list(context_lens),
             cu_q_lens=cu.to(device),
             context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
             block_tables=tables.to(device),

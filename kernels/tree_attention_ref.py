@@ -33,7 +33,8 @@ def tree_attention_reference(
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     start = 0
-    for b, (q_len, ctx_len) in enumerate(zip(meta.q_lens, meta.context_lens)):
+    context_lens = meta.context_lens_t.tolist()  # one host read: the reference loops per sequence
+    for b, (q_len, ctx_len) in enumerate(zip(meta.q_lens, context_lens)):
         rows = slice(start, start + q_len)
         keys = torch.cat([gather_context(k_pages, meta.block_tables[b], ctx_len), k_new[rows]])
         values = torch.cat([gather_context(v_pages, meta.block_tables[b], ctx_len), v_new[rows]])

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_checks import check_attention_inputs
 from kernels.attention_metadata import AttentionMetadata
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -267,32 +268,12 @@ def _merge_partials_kernel(
 
 
 def _check_inputs(q, k_new, v_new, k_pages, v_pages, meta: AttentionMetadata) -> None:
-    tensors = {"q": q, "k_new": k_new, "v_new": v_new, "k_pages": k_pages, "v_pages": v_pages}
-    for name, tensor in tensors.items():
-        if tensor.dtype != q.dtype or q.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"{name} is {tensor.dtype}; all inputs must share one of {_SUPPORTED_DTYPES}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if tensor.device != q.device:
-            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
-    total_q, num_heads, head_dim = q.shape
-    num_kv_heads = k_new.shape[1]
-    if k_new.shape != (total_q, num_kv_heads, head_dim) or v_new.shape != k_new.shape:
-        raise ValueError(f"k_new/v_new must be [{total_q}, kv_heads, {head_dim}], got {k_new.shape}, {v_new.shape}")
-    if k_pages.shape != v_pages.shape or k_pages.shape[1:] != (meta.page_size, num_kv_heads, head_dim):
-        raise ValueError(f"k_pages/v_pages must be [pages, {meta.page_size}, {num_kv_heads}, {head_dim}]")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    check_attention_inputs(q, k_new, v_new, k_pages, v_pages, meta, _SUPPORTED_DTYPES)
+    head_dim = q.shape[2]
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if meta.page_size & (meta.page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {meta.page_size}")
-    if sum(meta.q_lens) != total_q or tuple(meta.new_token_mask.shape) != (total_q, meta.max_q_len):
-        raise ValueError("meta.q_lens / new_token_mask do not match q")
-    for name in ("cu_q_lens", "context_lens_t", "block_tables"):
-        tensor = getattr(meta, name)
-        if tensor.dtype != torch.int32 or not tensor.is_contiguous():
-            raise TypeError(f"meta.{name} must be contiguous int32")
 
 
 def run_tree_attention(

@@ -1,15 +1,30 @@
 """The tensors behind the paged KV pool: one K and one V page array per layer.
 
 ``PagedKVPool`` decides which page a token lives in; this class only moves bytes: scatter new
-tokens' keys/values into their slots and apply copy-on-write page copies.
+tokens' keys/values into their slots (the KV-commit kernel on a GPU, its reference elsewhere)
+and apply copy-on-write page copies.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from kernels.kv_commit_ref import kv_commit_reference
 from target_service.checkpoint import LlamaConfig
 from target_service.kv_pool import PageCopy
+
+
+KVCommit = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _kv_commit_for(device: torch.device) -> KVCommit:
+    if device.type != "cuda":
+        return kv_commit_reference
+    from kernels.kv_commit_triton import kv_commit_triton
+
+    return kv_commit_triton
 
 
 class PagedKVCache:
@@ -20,13 +35,11 @@ class PagedKVCache:
         self.k_pages = torch.zeros(shape, dtype=dtype, device=device)  # [layers, pages, page_size, kv_heads, head_dim]
         self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
+        self._commit = _kv_commit_for(torch.device(device))
 
-    def write(self, slots: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-        """slots [n] int64 (page * page_size + offset); new_k/new_v [layers, n, kv_heads, head_dim]."""
-        flat_k = self.k_pages.view(self.k_pages.shape[0], -1, *self.k_pages.shape[3:])
-        flat_v = self.v_pages.view(self.v_pages.shape[0], -1, *self.v_pages.shape[3:])
-        flat_k[:, slots] = new_k
-        flat_v[:, slots] = new_v
+    def write(self, new_k: torch.Tensor, new_v: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rows ``rows`` of new_k/new_v [layers, tokens, kv_heads, head_dim] into flat slots (page * page_size + offset)."""
+        self._commit(self.k_pages, self.v_pages, new_k, new_v, rows, slots)
 
     def apply_copies(self, copies: list[PageCopy]) -> None:
         """Copy-on-write: duplicate shared pages before a sequence writes into its private copy."""

@@ -17,15 +17,16 @@ from diffspec.acceptance import Acceptance, accept_greedy, accept_sampling
 from diffspec.devices import dtype_name, resolve_device, resolve_dtype
 from diffspec.errors import InvalidRequest
 from diffspec.sampling import SamplingParams, sample, target_probs
-from diffspec.settings import DiffSpecSettings, resolve_feature_layers
+from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
 from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata, causal_mask
-from target_service.attention_backends import attention_backend
+from target_service.attention_backends import GRAPH_SAFE_BACKENDS, attention_backend, resolve_backend_name
 from target_service.backend import PrefillProgress, PrefillResult, TargetInfo, VerifyResult
 from target_service.bundle_scheduler import BundleLayout, schedule
 from target_service.kv_cache import PagedKVCache
 from target_service.kv_pool import PagedKVPool
 from target_service.llama import LlamaModel, PagedForwardOutput
+from target_service.step_graphs import StepGraphs, StepInput, StepOutputs
 
 MAX_TREE_NODES = 256
 
@@ -58,7 +59,16 @@ class TargetRuntime:
         self.prefill_chunk = settings.prefill_chunk
         self.pool = PagedKVPool(settings.num_pages, settings.page_size)
         self.cache = PagedKVCache(config, settings.num_pages, settings.page_size, dtype, self.device)
-        self.backend = attention_backend(settings.attention_backend)
+        backend_name = resolve_backend_name(settings.attention_backend, self.device)
+        self.backend = attention_backend(backend_name)
+        self.step_graphs = (
+            StepGraphs(
+                self.model, self.backend, self.cache, self.max_context, parse_sizes(settings.graph_batch_sizes),
+                parse_sizes(settings.graph_tree_sizes), self.feature_layers, capture=True,
+            )  # fmt: skip
+            if settings.cuda_graphs and self.device.type == "cuda" and backend_name in GRAPH_SAFE_BACKENDS
+            else None
+        )
         self.bundle_trees = settings.bundle_trees
         self.sessions: dict[str, TargetSession] = {}
         self._lock = threading.Lock()
@@ -100,7 +110,10 @@ class TargetRuntime:
         for chunk_start in range(start, len(prompt_ids), self.prefill_chunk):
             chunk = prompt_ids[chunk_start : chunk_start + self.prefill_chunk]
             with self._lock:  # per chunk, so other sessions' steps interleave with a long prefill
-                meta = self._metadata([(session_id, len(chunk), chunk_start, causal_mask(len(chunk)))])
+                meta = AttentionMetadata.build(
+                    [len(chunk)], [chunk_start], [self.pool.block_table(session_id)], [causal_mask(len(chunk))],
+                    self.pool.page_size, self.device,
+                )  # fmt: skip
                 out = self.model.forward_paged(
                     torch.tensor(chunk, device=self.device),
                     torch.arange(chunk_start, chunk_start + len(chunk), device=self.device),
@@ -140,38 +153,56 @@ class TargetRuntime:
             for step in steps:  # pages for the longest possible path, before any compute
                 depth = int(step.tree.depths().max())
                 self.pool.reserve(step.session_id, depth + 1)
-            meta = self._metadata(
-                [
-                    (s.session_id, s.tree.num_nodes, self.pool.num_committed(s.session_id), s.tree.ancestor_mask())
-                    for s in steps
-                ],
-                bundles=tuple(
-                    tuple((b.branch_node, *b.rows) for b in layout.bundles) if layout else () for layout in layouts
-                ),
-            )
-            positions = torch.cat(
-                [s.tree.depths() + self.pool.num_committed(s.session_id) for s in steps]
-            ).to(self.device)
-            want_features = any(self.sessions[s.session_id].want_features for s in steps)
-            out = self.model.forward_paged(
-                torch.cat([s.tree.tokens for s in steps]).to(self.device),
-                positions,
-                self.cache.k_pages,
-                self.cache.v_pages,
-                meta,
-                self.backend,
-                self.feature_layers if want_features else (),
-            )
-            logits = self.model.logits(out.hidden)
-            results, offset = [], 0
-            for step, layout in zip(steps, layouts):
+            inputs = [self._step_input(s) for s in steps]
+            ran = self.step_graphs.run(inputs) if self.step_graphs is not None else None
+            if ran is None:
+                want_features = any(self.sessions[s.session_id].want_features for s in steps)
+                ran = self._forward_eager(inputs, want_features, layouts)
+            results = []
+            for step, layout, offset in zip(steps, layouts, ran.row_offsets):
                 n = step.tree.num_nodes
-                result = self._accept_and_commit(step, out, logits[offset : offset + n], offset)
+                result = self._accept_and_commit(step, ran.forward, ran.logits[offset : offset + n], offset)
                 if layout is not None:
                     result = replace(result, accepted_nodes=layout.to_original(result.accepted_nodes))
                 results.append(result)
-                offset += n
             return results
+
+    def _step_input(self, step: VerifyStep) -> StepInput:
+        committed = self.pool.num_committed(step.session_id)
+        return StepInput(
+            tokens=step.tree.tokens,
+            positions=step.tree.depths() + committed,
+            mask=step.tree.ancestor_mask(),
+            context_len=committed,
+            block_table=self.pool.block_table(step.session_id),
+        )
+
+    def _forward_eager(
+        self, inputs: list[StepInput], want_features: bool, layouts: list[BundleLayout | None]
+    ) -> StepOutputs:
+        """The unpadded forward, for steps no graph bucket holds (and every step without graphs)."""
+        meta = AttentionMetadata.build(
+            q_lens=[i.tokens.numel() for i in inputs],
+            context_lens=[i.context_len for i in inputs],
+            block_tables=[i.block_table for i in inputs],
+            masks=[i.mask for i in inputs],
+            page_size=self.pool.page_size,
+            device=self.device,
+            bundles=tuple(
+                tuple((b.branch_node, *b.rows) for b in layout.bundles) if layout else () for layout in layouts
+            ),
+        )
+        out = self.model.forward_paged(
+            torch.cat([i.tokens for i in inputs]).to(self.device),
+            torch.cat([i.positions for i in inputs]).to(self.device),
+            self.cache.k_pages,
+            self.cache.v_pages,
+            meta,
+            self.backend,
+            self.feature_layers if want_features else (),
+        )
+        offsets = torch.tensor([0] + [i.tokens.numel() for i in inputs]).cumsum(0)[:-1].tolist()
+        return StepOutputs(out, self.model.logits(out.hidden), offsets)
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
         return self.verify_batch([VerifyStep(session_id, tree)])[0]
@@ -242,23 +273,13 @@ class TargetRuntime:
             return
         slots, copies = self.pool.reserve(session_id, len(rows))
         self.cache.apply_copies(copies)
-        index = torch.tensor(rows, device=self.device)
-        self.cache.write(torch.tensor(slots, device=self.device), out.new_k[:, index], out.new_v[:, index])
-        self.pool.commit(session_id, tokens)
-
-    def _metadata(
-        self, seqs: list[tuple[str, int, int, torch.Tensor]], bundles: tuple = ()
-    ) -> AttentionMetadata:
-        """seqs: (session id, new tokens, context length, new-token mask) per sequence."""
-        return AttentionMetadata.build(
-            q_lens=[q for _, q, _, _ in seqs],
-            context_lens=[ctx for _, _, ctx, _ in seqs],
-            block_tables=[self.pool.block_table(sid) for sid, _, _, _ in seqs],
-            masks=[mask for _, _, _, mask in seqs],
-            page_size=self.pool.page_size,
-            device=self.device,
-            bundles=bundles,
+        self.cache.write(
+            out.new_k,
+            out.new_v,
+            torch.tensor(rows, dtype=torch.int64, device=self.device),
+            torch.tensor(slots, dtype=torch.int64, device=self.device),
         )
+        self.pool.commit(session_id, tokens)
 
     def _session(self, session_id: str) -> TargetSession:
         if session_id not in self.sessions:

@@ -86,7 +86,7 @@ def naive_tree_attention(inputs: Inputs, scale: float) -> torch.Tensor:
     page_size, group = k_pages.shape[1], q.shape[1] // k_new.shape[1]
     out = torch.empty_like(q)
     row = 0
-    for table, ctx_len, mask in zip(inputs.block_tables, inputs.meta.context_lens, inputs.masks):
+    for table, ctx_len, mask in zip(inputs.block_tables, inputs.meta.context_lens_t.tolist(), inputs.masks):
         ctx_slots = [(table[pos // page_size], pos % page_size) for pos in range(ctx_len)]
         for i in range(mask.shape[0]):
             new_rows = [row + j for j in range(mask.shape[0]) if mask[i, j]]

@@ -57,6 +57,7 @@ def test_triton_backend_bf16_logits_match_reference(tiny_target_dir):
 
 
 def test_speculative_with_triton_equals_auto(tiny_target_dir):
+    """With the default CUDA graphs: trees of every size the drafter makes, padded into buckets."""
     settings = DiffSpecSettings(
         base_model=tiny_target_dir, device="cuda", dtype="float32", attention_backend="triton", num_pages=512
     )

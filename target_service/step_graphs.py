@@ -1,0 +1,161 @@
+"""Verify steps (Auto decode is a one-node tree) over padded buckets, replayed from CUDA graphs.
+
+Run eagerly, a step of a small model is paced by the host: a dozen kernel launches per layer.
+A bucket (batch size B, tree size T) records the whole forward and the logits once, over static
+buffers; a step copies its inputs into the buffers, replays the graph and reads the outputs.
+
+Padding keeps each bucket's shapes fixed: sequence b owns rows [b*T, b*T + T). Rows past its
+tree's nodes see only themselves; batch slots past the real sequences have no context. Their
+outputs are computed and never read. Block tables are as wide as the runtime's longest
+context, so the attention plan (split count, tiles) is fixed per bucket and every program
+reads its sequence's live length from the device.
+
+Without ``capture`` the same padded buffers run eagerly: the CPU path of the bucketing, which
+the tests compare with the unpadded forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from target_service.kv_cache import PagedKVCache
+from target_service.llama import AttentionBackend, LlamaModel, PagedForwardOutput
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's new tokens in a verify step (host tensors)."""
+
+    tokens: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    mask: torch.Tensor  # [n, n] bool: row i sees new token j
+    context_len: int  # committed tokens before the new ones
+    block_table: list[int]  # pages holding the committed tokens
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    forward: PagedForwardOutput  # rows of every sequence, padded or not
+    logits: torch.Tensor  # [rows, vocab] float32
+    row_offsets: list[int]  # first row of each sequence
+
+
+class _Bucket:
+    """Static inputs of one (batch, tree size) shape and, once captured, its graph and outputs."""
+
+    def __init__(self, batch: int, tree: int, max_pages_per_seq: int, page_size: int, device: torch.device) -> None:
+        rows = batch * tree
+        self.batch, self.tree = batch, tree
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.meta = AttentionMetadata(
+            q_lens=[tree] * batch,
+            cu_q_lens=torch.arange(0, rows + 1, tree, dtype=torch.int32, device=device),
+            context_lens_t=torch.zeros(batch, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(batch, max_pages_per_seq, dtype=torch.int32, device=device),
+            new_token_mask=torch.eye(tree, dtype=torch.bool, device=device).repeat(batch, 1),
+            page_size=page_size,
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[PagedForwardOutput, torch.Tensor] | None = None
+
+    def fill(self, steps: list[StepInput]) -> None:
+        """Copy the steps into the static buffers (one host-to-device copy per buffer)."""
+        ids = torch.zeros(self.batch, self.tree, dtype=torch.int64)
+        positions = torch.zeros(self.batch, self.tree, dtype=torch.int64)
+        mask = torch.eye(self.tree, dtype=torch.bool).repeat(self.batch, 1, 1)
+        context = torch.zeros(self.batch, dtype=torch.int32)
+        width = max(1, max(len(s.block_table) for s in steps))
+        tables = torch.zeros(self.batch, width, dtype=torch.int32)
+        for b, step in enumerate(steps):
+            n = step.tokens.numel()
+            ids[b, :n], positions[b, :n], mask[b, :n, :n] = step.tokens, step.positions, step.mask
+            context[b] = step.context_len
+            tables[b, : len(step.block_table)] = torch.tensor(step.block_table, dtype=torch.int32)
+        self.input_ids.copy_(ids.flatten())
+        self.positions.copy_(positions.flatten())
+        self.meta.new_token_mask.copy_(mask.flatten(0, 1))
+        self.meta.context_lens_t.copy_(context)
+        self.meta.block_tables[:, :width].copy_(tables)  # columns past width are never read
+
+
+class StepGraphs:
+    """The verify forward per bucket; steps that fit no bucket return None (the caller runs them eagerly)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        backend: AttentionBackend,
+        cache: PagedKVCache,
+        max_context: int,
+        batch_sizes: tuple[int, ...],
+        tree_sizes: tuple[int, ...],
+        feature_layers: tuple[int, ...],
+        capture: bool,
+    ) -> None:
+        self.model, self.backend, self.cache = model, backend, cache
+        self.max_pages_per_seq = -(-max_context // cache.page_size)
+        self.batch_sizes, self.tree_sizes = batch_sizes, tree_sizes
+        self.feature_layers = feature_layers  # always computed: which session wants them varies per step
+        self.capture = capture
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None  # graphs replay one at a time
+
+    def run(self, steps: list[StepInput]) -> StepOutputs | None:
+        key = self._bucket_key(len(steps), max(s.tokens.numel() for s in steps))
+        if key is None:
+            return None
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket(*key, self.max_pages_per_seq, self.cache.page_size, self.model.device)
+        bucket = self._buckets[key]
+        bucket.fill(steps)
+        if not self.capture:
+            forward, logits = self._forward(bucket)
+        else:
+            if bucket.graph is None:
+                self._record(bucket)
+            assert bucket.graph is not None and bucket.outputs is not None
+            bucket.graph.replay()
+            forward, logits = bucket.outputs
+        return StepOutputs(forward, logits, [b * bucket.tree for b in range(len(steps))])
+
+    def warm_up(self) -> None:
+        """Record every bucket now instead of at its first step (a server does this before taking traffic)."""
+        for batch in self.batch_sizes:
+            for tree in self.tree_sizes:
+                empty = StepInput(torch.zeros(tree, dtype=torch.int64), torch.zeros(tree, dtype=torch.int64),
+                                  torch.eye(tree, dtype=torch.bool), 0, [])  # fmt: skip
+                self.run([empty] * batch)
+
+    @property
+    def num_recorded(self) -> int:
+        return sum(b.graph is not None for b in self._buckets.values())
+
+    def _bucket_key(self, batch: int, tree: int) -> tuple[int, int] | None:
+        fitting_batch = next((b for b in self.batch_sizes if b >= batch), None)
+        fitting_tree = next((t for t in self.tree_sizes if t >= tree), None)
+        if fitting_batch is None or fitting_tree is None:
+            return None
+        return fitting_batch, fitting_tree
+
+    def _forward(self, bucket: _Bucket) -> tuple[PagedForwardOutput, torch.Tensor]:
+        out = self.model.forward_paged(
+            bucket.input_ids, bucket.positions, self.cache.k_pages, self.cache.v_pages, bucket.meta,
+            self.backend, self.feature_layers,
+        )  # fmt: skip
+        return out, self.model.logits(out.hidden)
+
+    def _record(self, bucket: _Bucket) -> None:
+        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture."""
+        side = torch.cuda.Stream(self.model.device)
+        side.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(side):
+            self._forward(bucket)
+        torch.cuda.current_stream(self.model.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            bucket.outputs = self._forward(bucket)
+        bucket.graph = graph

@@ -1,0 +1,135 @@
+"""Padded step buckets (the shapes CUDA graphs replay) give exactly the unpadded forward's results.
+
+On the CPU the buckets run eagerly (``capture=False``), which checks the padding itself: padded
+rows, empty batch slots, fixed-width block tables. The GPU tests replay real CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec.sampling import SamplingParams
+from diffspec.settings import DiffSpecSettings
+from diffspec.tree import DraftTree
+from target_service.runtime import TargetRuntime, VerifyStep
+from target_service.step_graphs import StepGraphs
+
+GREEDY = SamplingParams()
+PROMPTS = {"a": list(range(5, 405)), "b": list(range(900, 1037)), "c": [7, 8, 9] * 60}
+
+
+def _runtime(tiny_target_dir, **overrides) -> TargetRuntime:
+    return TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=256, prefill_chunk=128, **overrides))
+
+
+def _padded(runtime: TargetRuntime, batch_sizes: tuple[int, ...], tree_sizes: tuple[int, ...]) -> TargetRuntime:
+    runtime.step_graphs = StepGraphs(
+        runtime.model, runtime.backend, runtime.cache, runtime.max_context, batch_sizes, tree_sizes,
+        runtime.feature_layers, capture=False,
+    )  # fmt: skip
+    return runtime
+
+
+def _tree(root: int, truth: list[int], extra: int, seed: int) -> DraftTree:
+    """The target's true continuation as a chain, plus ``extra`` random nodes hanging anywhere."""
+    chain = DraftTree.chain([root, *truth])
+    noise = DraftTree.random(extra + 1, torch.Generator().manual_seed(seed), vocab_size=8192)
+    offset = chain.num_nodes - 1
+    parents = torch.cat([chain.parents, torch.where(noise.parents[1:] == 0, seed % chain.num_nodes, noise.parents[1:] + offset)])
+    tokens = torch.cat([chain.tokens, noise.tokens[1:]])
+    return DraftTree(tokens, parents, torch.ones(tokens.numel()))
+
+
+def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int) -> list[tuple]:
+    """Prefill every prompt, then verify batches of trees of varying size and batch; record every result."""
+    seen = []
+    for sid, prompt in PROMPTS.items():
+        runtime.prefill(sid, prompt, GREEDY, want_features=True)
+    emitted = {sid: 1 for sid in PROMPTS}
+    for r in range(rounds):
+        batch = list(PROMPTS)[: 1 + r % 3]  # batches of 1, 2, 3 sessions (3 pads to a bucket of 4)
+        steps = []
+        for i, sid in enumerate(batch):
+            good = truth[sid][emitted[sid] : emitted[sid] + 1 + (r + i) % 4]
+            steps.append(VerifyStep(sid, _tree(runtime.pending_token(sid), good, extra=(3 * r + i) % 13, seed=r)))
+        for step, result in zip(steps, runtime.verify_batch(steps)):
+            emitted[step.session_id] += len(result.accepted_tokens) + 1
+            seen.append((result.accepted_tokens, result.accepted_nodes, result.bonus_token, result.features))
+    for sid in PROMPTS:
+        committed = runtime.pool.num_committed(sid)
+        slots = [p * runtime.pool.page_size + o for p in runtime.pool.block_table(sid) for o in range(runtime.pool.page_size)]
+        kv = runtime.cache.k_pages.flatten(1, 2)[:, slots[:committed]]
+        seen.append((sid, committed, kv))
+        runtime.release(sid)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def truth(tiny_target_dir) -> dict[str, list[int]]:
+    runtime = _runtime(tiny_target_dir)
+    out = {}
+    for sid, prompt in PROMPTS.items():
+        tokens = [runtime.prefill(sid, prompt, GREEDY, want_features=False).first_token]
+        tokens += [runtime.decode(sid).bonus_token for _ in range(80)]
+        runtime.release(sid)
+        out[sid] = tokens
+    return out
+
+
+def _assert_same(got: list[tuple], want: list[tuple]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            else:
+                assert a == b
+
+
+def test_padded_buckets_equal_the_unpadded_forward(tiny_target_dir, truth):
+    want = _run(_runtime(tiny_target_dir), truth, rounds=12)
+    padded = _padded(_runtime(tiny_target_dir), batch_sizes=(1, 2, 4), tree_sizes=(1, 4, 8, 16))
+    got = _run(padded, truth, rounds=12)
+    _assert_same(got, want)
+    accepted = sum(len(row[0]) for row in want if len(row) == 4)
+    assert accepted > 12  # the chains of true tokens were accepted, so commits of long paths were compared
+
+
+def test_steps_beyond_every_bucket_run_unpadded(tiny_target_dir, truth):
+    """Trees over the largest bucket (16) fall back to the eager forward with the same results."""
+    want = _run(_runtime(tiny_target_dir), truth, rounds=6)
+    got = _run(_padded(_runtime(tiny_target_dir), batch_sizes=(1,), tree_sizes=(1, 4)), truth, rounds=6)
+    _assert_same(got, want)
+
+
+def test_auto_decode_through_buckets_equals_eager(tiny_target_dir, truth):
+    runtime = _padded(_runtime(tiny_target_dir), batch_sizes=(1,), tree_sizes=(1,))
+    for sid, prompt in PROMPTS.items():
+        tokens = [runtime.prefill(sid, prompt, GREEDY, want_features=False).first_token]
+        tokens += [runtime.decode(sid).bonus_token for _ in range(80)]
+        runtime.release(sid)
+        assert tokens == truth[sid]
+    assert runtime.pool.num_free_pages == runtime.pool.num_pages
+
+
+# -- GPU: real CUDA graphs -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_equal_eager_steps(tiny_target_dir):
+    common = dict(base_model=tiny_target_dir, device="cuda", dtype="float32", attention_backend="triton",
+                  num_pages=256, prefill_chunk=128, graph_batch_sizes="1,2,4", graph_tree_sizes="1,4,8,16")  # fmt: skip
+    eager = TargetRuntime(DiffSpecSettings(cuda_graphs=False, **common))
+    truth = {}
+    for sid, prompt in PROMPTS.items():
+        tokens = [eager.prefill(sid, prompt, GREEDY, want_features=False).first_token]
+        tokens += [eager.decode(sid).bonus_token for _ in range(80)]
+        eager.release(sid)
+        truth[sid] = tokens
+    graphed = TargetRuntime(DiffSpecSettings(cuda_graphs=True, **common))
+    want = _run(eager, truth, rounds=12)
+    got = _run(graphed, truth, rounds=12)
+    assert graphed.step_graphs is not None and graphed.step_graphs.num_recorded >= 4
+    _assert_same(got, want)
+    assert graphed.pool.num_free_pages == graphed.pool.num_pages
