@@ -94,6 +94,21 @@ class HazardProfile:
             all_fail *= self.fail_rate(depth, rank)
         return 1.0 - all_fail
 
+    def pass_table(self, max_depth: int) -> list[list[float]]:
+        """Row d - 1, column w: P(pass d | w children), for d = 1..max_depth and w = 0..MAX_WIDTH.
+
+        A planner scores thousands of candidate widths per step; each reads this table instead of
+        walking the counts (and the prior's) again.
+        """
+        table = []
+        for depth in range(1, max_depth + 1):
+            all_fail, row = 1.0, []
+            for rank in range(MAX_WIDTH):
+                all_fail *= self.fail_rate(depth, rank)
+                row.append(1.0 - all_fail)
+            table.append([row[0], *row])  # width 0 counts as 1, as in pass_probability
+        return table
+
     def hazard(self, widths: list[int]) -> list[float]:
         """h(d) for d = 1..len(widths) at the given widths."""
         return [1.0 - self.pass_probability(d, w) for d, w in enumerate(widths, start=1)]
@@ -167,8 +182,13 @@ def plan_tree(
     does not flip the tree shape back and forth between near-equal plans.
     """
 
+    passes = profile.pass_table(max(max_depth, len(current or [])))
+
     def value(widths: list[int]) -> float:
-        expected = sum(profile.survival(widths)[1:]) + 1.0
+        expected, alive = 1.0, 1.0  # 1 + sum of S(d + 1): the bonus token plus each depth passed
+        for depth, width in enumerate(widths):
+            alive *= passes[depth][width]
+            expected += alive
         seconds = len(widths) * cost.draft_seconds_per_depth + cost.verify_seconds(tree_size(widths))
         return expected / seconds
 

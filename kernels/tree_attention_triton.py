@@ -66,21 +66,25 @@ def plan_tree_attention(
     num_sms: int,
 ) -> TreeAttentionPlan:
     rows = max_q_len * group
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    # Past 128 rows, one 256-row tile over 16 warps reads the KV once instead of once per 128-row
+    # tile; it fills an SM's registers, so one program per SM. Measured on an H200 at L = 64K,
+    # Llama-3.1-8B shape, T = 64 (bench/kernels.py --sweep): 221 us against 263 us for two 128-row tiles.
+    wide = rows > 128
+    block_m = 256 if wide else min(128, max(16, triton.next_power_of_2(rows)))
     row_tiles = triton.cdiv(rows, block_m)
     programs_per_split = num_seqs * num_kv_heads * row_tiles  # the new-token programs are one more such set
     num_splits = min(
-        (_PROGRAMS_PER_SM * num_sms) // programs_per_split - 1,  # rounded down: no straggler wave
+        ((1 if wide else _PROGRAMS_PER_SM) * num_sms) // programs_per_split - 1,  # rounded down: no straggler wave
         triton.cdiv(max(max_context_len, 1), _MIN_KEYS_PER_SPLIT),
         _MAX_SPLITS,
     )
-    # Measured on an H200 at L = 64K, head_dim 128 (bench/kernels.py --sweep): two stages beat three or four
-    # everywhere (less shared memory, more programs resident); 128-key tiles beat 64 except at 64 rows.
+    # Measured as above: two stages beat three or four everywhere (less shared memory, more programs
+    # resident); 128-key tiles beat 64 except at 64 rows and in the 256-row tile.
     return TreeAttentionPlan(
         block_m=block_m,
-        block_n=64 if block_m == 64 and head_dim >= 128 else 128,
+        block_n=64 if (block_m == 64 and head_dim >= 128) or wide else 128,
         num_splits=max(1, num_splits),
-        num_warps=8 if block_m >= 128 else 4,
+        num_warps=16 if wide else 8 if block_m >= 128 else 4,
         num_stages=2,
     )
 

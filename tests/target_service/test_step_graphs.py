@@ -20,7 +20,9 @@ PROMPTS = {"a": list(range(5, 405)), "b": list(range(900, 1037)), "c": [7, 8, 9]
 
 
 def _runtime(tiny_target_dir, **overrides) -> TargetRuntime:
-    return TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=256, prefill_chunk=128, **overrides))
+    return TargetRuntime(
+        DiffSpecSettings(base_model=tiny_target_dir, device="cpu", num_pages=256, prefill_chunk=128, **overrides)
+    )
 
 
 def _padded(runtime: TargetRuntime, batch_sizes: tuple[int, ...], tree_sizes: tuple[int, ...]) -> TargetRuntime:
