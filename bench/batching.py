@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.warmup import warm_up_target
 from diffspec.settings import DiffSpecSettings
 from draft_service.backend import DraftOptions
 from gateway.assembly import build_engine
@@ -59,7 +60,9 @@ def main() -> int:
     )
     texts = [json.loads(line)["text"] for line in args.data.read_text().splitlines()[: max(args.streams)]]
     prompts = [engine.tokenizer(t)["input_ids"][-args.prompt_tokens :] for t in texts]
-    asyncio.run(concurrent(engine, prompts[:1], None, 8))  # warm-up
+    print(f"recorded {warm_up_target(engine)} step graphs", flush=True)
+    for options in MODES.values():
+        asyncio.run(concurrent(engine, prompts[:1], options, 8))  # warm-up
     rows = []
     for mode, options in MODES.items():
         for streams in args.streams:

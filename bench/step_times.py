@@ -106,6 +106,32 @@ def time_step(model: LlamaModel, mode: str, context: int, tree: int, reps: int) 
     return statistics.median(times)
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """One panel per model: ms per step against context, a line per (mode, tree size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        for backend, tree in dict.fromkeys((r["backend"], r["tree_tokens"]) for r in mine):
+            line = [r for r in mine if r["backend"] == backend and r["tree_tokens"] == tree]
+            style = "-" if "graphs" in backend else "--"
+            ax.plot([r["context"] for r in line], [r["ms"] for r in line], style, marker="o", label=f"{backend} T={tree}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("ms per step")
+        ax.set_title(model)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-model", type=Path, required=True)
@@ -145,6 +171,7 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
     return 0
 
 

@@ -15,7 +15,6 @@ from kernels.kv_commit_ref import kv_commit_reference
 from target_service.checkpoint import LlamaConfig
 from target_service.kv_pool import PageCopy
 
-
 KVCommit = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 

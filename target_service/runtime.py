@@ -20,8 +20,17 @@ from diffspec.sampling import SamplingParams, sample, target_probs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
 from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata, causal_mask
-from target_service.attention_backends import GRAPH_SAFE_BACKENDS, attention_backend, resolve_backend_name
-from target_service.backend import PrefillProgress, PrefillResult, TargetInfo, VerifyResult
+from target_service.attention_backends import (
+    GRAPH_SAFE_BACKENDS,
+    attention_backend,
+    resolve_backend_name,
+)
+from target_service.backend import (
+    PrefillProgress,
+    PrefillResult,
+    TargetInfo,
+    VerifyResult,
+)
 from target_service.bundle_scheduler import BundleLayout, schedule
 from target_service.kv_cache import PagedKVCache
 from target_service.kv_pool import PagedKVPool
@@ -210,6 +219,14 @@ class TargetRuntime:
     def decode(self, session_id: str) -> VerifyResult:
         """Auto: one forward of the pending token, one new token."""
         return self.verify(session_id, DraftTree.root_only(self.pending_token(session_id)))
+
+    def warm_up(self) -> int:
+        """Record every step graph now rather than at each bucket's first step; returns how many exist."""
+        if self.step_graphs is None:
+            return 0
+        with self._lock:
+            self.step_graphs.warm_up()
+        return self.step_graphs.num_recorded
 
     def pending_token(self, session_id: str) -> int:
         """The session's last emitted token, the root of its next tree."""
