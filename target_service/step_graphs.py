@@ -149,13 +149,17 @@ class StepGraphs:
         return out, self.model.logits(out.hidden)
 
     def _record(self, bucket: _Bucket) -> None:
-        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture."""
+        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
+
+        Capture errors are thread-local: in one process the draft keeps launching work from its
+        own thread while a bucket records, and that work is not part of the graph.
+        """
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(side):
             self._forward(bucket)
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             bucket.outputs = self._forward(bucket)
         bucket.graph = graph
