@@ -6,12 +6,17 @@ rows, empty batch slots, fixed-width block tables. The GPU tests replay real CUD
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from diffspec.tree import DraftTree
+from draft_service.backend import DraftOptions
+from gateway.assembly import build_engine
+from gateway.request import GenerationRequest
 from target_service.runtime import TargetRuntime, VerifyStep
 from target_service.step_graphs import StepGraphs
 
@@ -135,3 +140,23 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_target_dir):
     assert graphed.step_graphs is not None and graphed.step_graphs.num_recorded >= 4
     _assert_same(got, want)
     assert graphed.pool.num_free_pages == graphed.pool.num_pages
+
+
+@pytest.mark.gpu
+def test_concurrent_speculative_streams_with_graphs_equal_auto(tiny_target_dir):
+    """Eight streams at once: buckets record while other sessions draft in their own threads."""
+    settings = DiffSpecSettings(base_model=tiny_target_dir, device="cuda", dtype="float32", num_pages=1024)
+    engine = build_engine(settings)
+    prompts = [list(range(5 + 40 * i, 300 + 40 * i)) for i in range(8)]
+
+    async def one(ids: list[int], options: DraftOptions | None) -> list[int]:
+        tokens = []
+        async for chunk in engine.generate(GenerationRequest(ids, 64, draft=options)):
+            tokens += chunk.token_ids
+        return tokens
+
+    async def all_streams(options: DraftOptions | None) -> list[list[int]]:
+        return await asyncio.gather(*(one(ids, options) for ids in prompts))
+
+    auto = [asyncio.run(one(ids, None)) for ids in prompts]  # one at a time: batch-1 buckets only
+    assert asyncio.run(all_streams(DraftOptions("full"))) == auto
