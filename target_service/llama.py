@@ -3,7 +3,9 @@
 One decoder-layer body serves two attention paths: the paged path (new tokens attend to their
 sequence's committed KV pages plus each other under a mask: prefill chunks, trees, decode) and
 the dense causal path (batched full sequences, for the EAGLE-3 trainer and tests). Both can
-return the EAGLE-3 features: the residual-stream inputs of the chosen decoder layers.
+return the EAGLE-3 features: the residual-stream inputs of the chosen decoder layers. The
+elementwise steps (norms with the residual add folded in, RoPE, SiLU x up) come from
+``kernels.layer_ops``: fused Triton kernels on a GPU, PyTorch elsewhere.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 from diffspec.errors import CheckpointError
 from kernels.attention_metadata import AttentionMetadata
 from target_service.checkpoint import LlamaConfig, load_llama_config, load_state_dict, safetensors_files
-from target_service.rope import RotaryEmbedding, apply_rotary
+from kernels.layer_ops import layer_ops_for
+from target_service.rope import RotaryEmbedding
 
 # attend(layer, q, k, v) -> attention output shaped like q; k/v are the new tokens' keys/values.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -61,13 +64,6 @@ class PagedForwardOutput:
     new_v: torch.Tensor  # [num_layers, total_q, num_kv_heads, head_dim]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: normalise in float32, scale in the input dtype (as transformers does)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, layer: LayerWeights, name: str) -> torch.Tensor:
     return F.linear(x, weight, layer.biases.get(name))
 
@@ -80,6 +76,7 @@ class LlamaModel:
         self.device = device
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
         self.scale = config.head_dim**-0.5
+        self.ops = layer_ops_for(device, config.head_dim)
         take = _WeightTaker(state)
         self.embed_tokens = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         self.layers = [self._layer_weights(take, i) for i in range(config.num_layers)]
@@ -123,24 +120,30 @@ class LlamaModel:
         self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, feature_layers: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Embed, run every decoder layer, final norm. Leading dims of input_ids are kept."""
-        c = self.config
+        c, ops = self.config, self.ops
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         captured: dict[int, torch.Tensor] = {}
+        pending: torch.Tensor | None = None  # the last sublayer's output, added with the next norm
         for i, layer in enumerate(self.layers):
+            if pending is None:
+                h = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            else:
+                x, h = ops.add_rms_norm(x, pending, layer.input_norm, c.rms_norm_eps)
             if i in feature_layers:
                 captured[i] = x
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q = _linear(h, layer.q_proj, layer, "q_proj").unflatten(-1, (c.num_heads, c.head_dim))
             k = _linear(h, layer.k_proj, layer, "k_proj").unflatten(-1, (c.num_kv_heads, c.head_dim))
             v = _linear(h, layer.v_proj, layer, "v_proj").unflatten(-1, (c.num_kv_heads, c.head_dim))
-            attn = attend(i, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-            x = x + _linear(attn.flatten(-2), layer.o_proj, layer, "o_proj")
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gated = F.silu(_linear(h, layer.gate_proj, layer, "gate_proj")) * _linear(h, layer.up_proj, layer, "up_proj")
-            x = x + _linear(gated, layer.down_proj, layer, "down_proj")
+            attn = attend(i, ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin), v)
+            attn_out = _linear(attn.flatten(-2), layer.o_proj, layer, "o_proj")
+            x, h = ops.add_rms_norm(x, attn_out, layer.post_norm, c.rms_norm_eps)
+            gate, up = _linear(h, layer.gate_proj, layer, "gate_proj"), _linear(h, layer.up_proj, layer, "up_proj")
+            gated = ops.silu_mul(gate, up)
+            pending = _linear(gated, layer.down_proj, layer, "down_proj")
         features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
-        return rms_norm(x, self.norm, c.rms_norm_eps), features
+        assert pending is not None  # a model has at least one layer
+        return ops.add_rms_norm(x, pending, self.norm, c.rms_norm_eps)[1], features
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in float32."""

@@ -1,7 +1,7 @@
-"""Rotary position embedding, including Llama-3.1's ``llama3`` frequency scaling.
+"""Rotary position embedding tables, including Llama-3.1's ``llama3`` frequency scaling.
 
-Matches transformers' convention: ``x * cos + rotate_half(x) * sin`` with the frequencies
-repeated over both halves of the head dimension.
+transformers' convention: frequencies repeated over both halves of the head dimension; the
+rotation itself (``x * cos + rotate_half(x) * sin``) is ``kernels.layer_ops_ref.apply_rotary``.
 """
 
 from __future__ import annotations
@@ -42,11 +42,3 @@ class RotaryEmbedding:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         angles = torch.cat([freqs, freqs], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, heads, head_dim]; cos/sin [..., T, head_dim]."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin

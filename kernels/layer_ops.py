@@ -1,0 +1,43 @@
+"""Which implementation runs a decoder layer's elementwise steps: fused Triton kernels on a GPU, PyTorch elsewhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels import layer_ops_ref
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # (x + delta, its norm)
+    silu_mul: Callable[[Tensor, Tensor], Tensor]
+    apply_rotary: Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+REFERENCE_OPS = LayerOps(
+    rms_norm=layer_ops_ref.rms_norm,
+    add_rms_norm=layer_ops_ref.add_rms_norm,
+    silu_mul=layer_ops_ref.silu_mul,
+    apply_rotary=layer_ops_ref.apply_rotary,
+)
+
+
+def layer_ops_for(device: torch.device, head_dim: int) -> LayerOps:
+    """Fused kernels on CUDA/ROCm; the rotation kernel needs a power-of-two half head dim."""
+    if device.type != "cuda":
+        return REFERENCE_OPS
+    from kernels import layer_ops_triton
+
+    half = head_dim // 2
+    return LayerOps(
+        rms_norm=layer_ops_triton.rms_norm_triton,
+        add_rms_norm=layer_ops_triton.add_rms_norm_triton,
+        silu_mul=layer_ops_triton.silu_mul_triton,
+        apply_rotary=layer_ops_triton.apply_rotary_triton if half & (half - 1) == 0 else layer_ops_ref.apply_rotary,
+    )
