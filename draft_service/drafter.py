@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 import torch
 
@@ -25,6 +26,7 @@ from draft_service.draft_attention import draft_attention
 from draft_service.draft_context import DraftContext
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.tree_budget import DepthPlan, TreeBudget
+from draft_service.tree_kv import TreeKV
 from draft_service.working_set import WorkingSetConfig
 
 EXTEND_CHUNK = 4096  # committed entries per projection when ingesting a long prompt
@@ -40,31 +42,21 @@ class DraftSession:
 
 @dataclass
 class _Expansion:
-    """Nodes of a tree under construction (index 0 = root)."""
+    """Nodes of a tree under construction (index 0 = root), kept on the host."""
 
     tokens: list[int]
     parents: list[int]
-    depths: list[int]
     log_probs: list[float]  # cumulative draft log-probability from the root
     own_probs: list[float]  # draft probability of the node given its parent
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> draft output of its entry
-    entry_of: dict[int, int] = field(default_factory=dict)  # node -> row in the tree KV
-    tree_k: list[torch.Tensor] = field(default_factory=list)  # [1, kv_heads, hd] per expanded node
-    tree_v: list[torch.Tensor] = field(default_factory=list)
 
-    def add(self, token: int, parent: int, log_prob: float) -> None:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.depths.append(self.depths[parent] + 1)
-        self.log_probs.append(self.log_probs[parent] + log_prob)
-        self.own_probs.append(math.exp(log_prob))
-
-    def ancestors(self, node: int) -> list[int]:
-        chain = []
-        while node > 0:
-            chain.append(node)
-            node = self.parents[node]
-        return chain
+    def add_children(self, parent: int, log_probs: list[float], tokens: list[float], min_log_prob: float) -> None:
+        """The parent's top children (log_probs descending, so the ones above the threshold are a prefix)."""
+        base = self.log_probs[parent]
+        kept = list(takewhile(lambda lp: base + lp >= min_log_prob, log_probs))
+        self.tokens.extend(int(token) for token in tokens[: len(kept)])
+        self.parents.extend([parent] * len(kept))
+        self.log_probs.extend(base + lp for lp in kept)
+        self.own_probs.extend(math.exp(lp) for lp in kept)
 
 
 class Drafter:
@@ -72,6 +64,7 @@ class Drafter:
 
     def __init__(self, head: Eagle3Head) -> None:
         self.head = head
+        self.fused = head.fused_projections()  # a serving head's weights are final
 
     @torch.no_grad()
     def start(
@@ -102,14 +95,14 @@ class Drafter:
             stop = min(start + EXTEND_CHUNK, len(next_tokens))
             hidden = self.head.fuse(features[start:stop])
             positions = torch.arange(session.num_entries, session.num_entries + stop - start, device=device)
-            q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, positions)
+            q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, positions, self.fused)
             session.context.append(k, v)
             session.num_entries += stop - start
         session.context.refresh(q[-1])
         ctx_k, ctx_v = session.context.view()
         no_new = torch.zeros(1, 0, dtype=torch.bool, device=device)
         attn = draft_attention(q[-1:], ctx_k, ctx_v, k[:0], v[:0], no_new, self.head.scale)
-        session.last_output = self.head.attention_outputs(attn, hidden[-1:])[0]
+        session.last_output = self.head.attention_outputs(attn, hidden[-1:], self.fused)[0]
         session.root_token = next_tokens[-1]
 
     @torch.no_grad()
@@ -118,59 +111,51 @@ class Drafter:
 
         Each tree follows its own plan; at the end each keeps its best ``total_tokens`` nodes.
         """
-        growing = [_Growth.start(r) for r in requests]
+        growing = [_Growth.start(r, self.head) for r in requests]
+        active = [g for g in growing if g.frontier]
         depth = 0
-        while any(g.frontier for g in growing):
-            active = [g for g in growing if g.frontier]
-            if depth > 0:
-                self._run_entries(active)
-            outputs = torch.stack([g.tree.outputs[n] for g in active for n in g.frontier])
+        while active:
+            if depth == 0:
+                outputs = torch.stack([g.request.session.last_output for g in active])
+            else:
+                outputs = self._run_entries(active, outputs, depth)
             log_probs = torch.log_softmax(self.head.draft_logits(outputs), dim=-1)
             widest = max(g.plan[depth].children for g in active)
             top_lp, top_ids = log_probs.topk(widest, dim=-1)
-            top_lp, top_tokens = top_lp.tolist(), self.head.to_target_ids(top_ids).tolist()
+            # one device -> host copy a depth: float64 holds the float32 log-probs and the token ids exactly
+            top_lp, top_tokens = torch.stack([top_lp.double(), self.head.to_target_ids(top_ids).double()]).tolist()
             row = 0
             for g in active:
-                for parent in g.frontier:
-                    g.add_children(parent, top_lp[row], top_tokens[row], g.plan[depth].children)
-                    row += 1
-                g.advance(depth)
+                stop = row + len(g.frontier)
+                g.grow(depth, row, top_lp[row:stop], top_tokens[row:stop])
+                row = stop
+            active = [g for g in active if g.frontier]
             depth += 1
         return [_select(g.tree, g.request.budget.total_tokens) for g in growing]
 
-    def _run_entries(self, growing: list[_Growth]) -> None:
-        """One head pass for every frontier node of every session (one depth), each over its context + ancestors."""
-        device = self.head.fc.weight.device
-        nodes = [(g, n) for g in growing for n in g.frontier]
-        tokens = torch.tensor([g.tree.tokens[n] for g, n in nodes], device=device)
-        hidden = torch.stack([g.tree.outputs[g.tree.parents[n]] for g, n in nodes])
-        positions = torch.tensor(
-            [g.request.session.num_entries - 1 + g.tree.depths[n] for g, n in nodes], device=device
-        )
-        q, k, v = self.head.attention_inputs(tokens, hidden, positions)
-        attn = torch.empty_like(q)
-        row = 0
+    def _run_entries(self, growing: list[_Growth], outputs: torch.Tensor, depth: int) -> torch.Tensor:
+        """One head pass for every frontier node of every session at ``depth`` > 0, each over its context and
+        ancestors; ``outputs`` [rows, hidden] are the previous depth's -> this depth's, one row per frontier node."""
+        per_node = []  # (token, parent's output row, position, parent's entry)
+        for g in growing:
+            position = g.request.session.num_entries - 1 + depth
+            parents = [g.tree.parents[n] for n in g.frontier]
+            per_node += [
+                (g.tree.tokens[n], g.row_of[p], position, g.entry_of[p]) for n, p in zip(g.frontier, parents)
+            ]
+        columns = torch.tensor(list(zip(*per_node)), device=outputs.device)  # one host -> device copy
+        tokens, parent_rows, positions, parent_entries = columns.unbind()
+        hidden = outputs[parent_rows]
+        q, k, v = self.head.attention_inputs(tokens, hidden, positions, self.fused)
+        attn, row = [], 0
         for g in growing:
             rows = slice(row, row + len(g.frontier))
-            attn[rows] = self._attend_tree(g, q[rows], k[rows], v[rows])
-            row += len(g.frontier)
-        for (g, n), out in zip(nodes, self.head.attention_outputs(attn, hidden)):
-            g.tree.outputs[n] = out
-
-    def _attend_tree(self, g: _Growth, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention of one session's frontier entries over its context and their ancestors' entries."""
-        tree = g.tree
-        base = len(tree.tree_k)
-        for i, n in enumerate(g.frontier):
-            tree.entry_of[n] = base + i
-            tree.tree_k.append(k[i : i + 1])
-            tree.tree_v.append(v[i : i + 1])
-        mask = torch.zeros(len(g.frontier), len(tree.tree_k), dtype=torch.bool)  # built on the host, one copy
-        for i, n in enumerate(g.frontier):
-            mask[i, [tree.entry_of[a] for a in tree.ancestors(n)]] = True
-        mask = mask.to(q.device, non_blocking=True)
-        ctx_k, ctx_v = g.request.session.context.view()
-        return draft_attention(q, ctx_k, ctx_v, torch.cat(tree.tree_k), torch.cat(tree.tree_v), mask, self.head.scale)
+            for i, n in enumerate(g.frontier):
+                g.entry_of[n] = g.kv.length + i
+            mask = g.kv.append(k[rows], v[rows], parent_entries[rows], depth)
+            attn.append(draft_attention(q[rows], *g.context, *g.kv.view(), mask, self.head.scale))
+            row = rows.stop
+        return self.head.attention_outputs(torch.cat(attn), hidden, self.fused)
 
 
 @dataclass(frozen=True)
@@ -189,28 +174,43 @@ class _Growth:
     plan: list[DepthPlan]  # the request's plan cut to the budget's depth
     frontier: list[int]  # nodes to expand at the current depth
     min_log_prob: float
+    context: tuple[torch.Tensor, torch.Tensor]  # committed keys, values the tree attends to (fixed while it grows)
+    kv: TreeKV  # the tree's own entries
+    entry_of: dict[int, int]  # expanded node -> its entry in kv (the root: kv.root)
+    row_of: dict[int, int] = field(default_factory=dict)  # frontier node -> its row in the depth's head outputs
 
     @staticmethod
-    def start(request: ProposalRequest) -> _Growth:
+    def start(request: ProposalRequest, head: Eagle3Head) -> _Growth:
         session, budget = request.session, request.budget
-        tree = _Expansion([session.root_token], [-1], [0], [0.0], [1.0])
-        tree.outputs[0] = session.last_output
+        tree = _Expansion([session.root_token], [-1], [0.0], [1.0])
         plan = request.plan[: budget.depth]
         min_log_prob = math.log(budget.threshold) if budget.threshold > 0 else -math.inf
-        return _Growth(request, tree, plan, [0] if plan else [], min_log_prob)
+        c, weight = head.config, head.fc.weight
+        kv = TreeKV(_max_entries(plan), len(plan), c.num_kv_heads, c.head_dim, weight.dtype, weight.device)
+        context = session.context.view()
+        return _Growth(request, tree, plan, [0] if plan else [], min_log_prob, context, kv, {0: kv.root})
 
-    def add_children(self, parent: int, log_probs: list[float], tokens: list[int], count: int) -> None:
-        for lp, token in zip(log_probs[:count], tokens[:count]):
-            if self.tree.log_probs[parent] + lp >= self.min_log_prob:
-                self.tree.add(token, parent, lp)
-
-    def advance(self, depth: int) -> None:
-        """Pick the next depth's frontier: its best nodes by cumulative log-prob."""
+    def grow(self, depth: int, first_row: int, log_probs: list[list[float]], tokens: list[list[float]]) -> None:
+        """Add each frontier node's top children (one row of log_probs and tokens each; its head output is
+        row ``first_row + i`` of the depth's outputs), then pick the next frontier: the best new nodes."""
+        first_new, children = len(self.tree.tokens), self.plan[depth].children
+        for row, (parent, node_lp, node_tokens) in enumerate(zip(self.frontier, log_probs, tokens), start=first_row):
+            self.row_of[parent] = row
+            self.tree.add_children(parent, node_lp[:children], node_tokens[:children], self.min_log_prob)
         if depth + 1 >= len(self.plan):
             self.frontier = []
             return
-        candidates = [n for n in range(len(self.tree.tokens)) if self.tree.depths[n] == depth + 1]
-        self.frontier = sorted(candidates, key=lambda n: -self.tree.log_probs[n])[: self.plan[depth + 1].expand]
+        new = range(first_new, len(self.tree.tokens))
+        self.frontier = sorted(new, key=lambda n: -self.tree.log_probs[n])[: self.plan[depth + 1].expand]
+
+
+def _max_entries(plan: list[DepthPlan]) -> int:
+    """Most entries a tree grown by ``plan`` can have: the frontier nodes of depths 1 and up."""
+    total, frontier = 0, 1
+    for before, step in zip(plan, plan[1:]):
+        frontier = min(step.expand, frontier * before.children)
+        total += frontier
+    return total
 
 
 def _select(tree: _Expansion, total_tokens: int) -> DraftTree:

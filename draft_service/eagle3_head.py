@@ -3,7 +3,8 @@
 The attention is split in two halves (``attention_inputs`` -> caller's attention ->
 ``attention_outputs``) because each caller attends over different keys: the tree drafter over
 its KV cache plus the tree, the trainer over step-0 keys plus each position's unrolled keys,
-``forward_dense`` causally. The head holds no per-request state.
+``forward_dense`` causally. The head holds no per-request state. Serving passes
+``FusedProjections`` (q|k|v and gate|up concatenated) to run two matmuls where training runs five.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from target_service.checkpoint import (
     read_config,
     safetensors_files,
 )
-from target_service.llama import rms_norm
-from target_service.rope import RotaryEmbedding, apply_rotary
+from kernels.layer_ops_ref import apply_rotary, rms_norm
+from target_service.rope import RotaryEmbedding
 
 PUBLISHED_ARCHITECTURE = "LlamaForCausalLMEagle3"
 VOCAB_MAP_KEYS = ("d2t", "t2d")
@@ -143,6 +144,18 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+@dataclass(frozen=True)
+class FusedProjections:
+    """The q|k|v and gate|up weights concatenated: one matmul each instead of three and two.
+
+    A snapshot for serving, where the weights no longer change. Training keeps the separate
+    layers (their gradients, the published checkpoint keys), so this is never saved.
+    """
+
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * hd, 2 * hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+
+
 class _AttentionProjections(nn.Module):
     """q/k/v read the 2h-wide (embedding, feature) concat; o writes back h."""
 
@@ -162,8 +175,12 @@ class _MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False, **factory)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **factory)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, fused: FusedProjections | None = None) -> torch.Tensor:
+        if fused is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, fused.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class _MidLayer(nn.Module):
@@ -217,24 +234,53 @@ class Eagle3Head(nn.Module):
         return self.fc(features)
 
     def attention_inputs(
-        self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        fused: FusedProjections | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """token_ids [..., T], hidden [..., T, hidden], positions [..., T]
-        -> roped q [..., T, heads, hd], roped k [..., T, kv_heads, hd], v [..., T, kv_heads, hd]."""
+        -> roped q [..., T, heads, hd], roped k [..., T, kv_heads, hd], v [..., T, kv_heads, hd].
+
+        ``fused``: the serving path's concatenated weights; None uses the separate layers (training).
+        """
         c, layer = self.config, self.midlayer
         token = layer.input_layernorm(F.embedding(token_ids, self.embed_tokens))
         x = torch.cat([token, layer.hidden_norm(hidden)], dim=-1)
-        q = layer.self_attn.q_proj(x).unflatten(-1, (c.num_heads, c.head_dim))
-        k = layer.self_attn.k_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
-        v = layer.self_attn.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
+        q, k, v = self._qkv(x, fused)
+        q = q.unflatten(-1, (c.num_heads, c.head_dim))
+        k = k.unflatten(-1, (c.num_kv_heads, c.head_dim))
+        v = v.unflatten(-1, (c.num_kv_heads, c.head_dim))
         cos, sin = self.rotary.cos_sin(positions, q.dtype)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def attention_outputs(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def _qkv(
+        self, x: torch.Tensor, fused: FusedProjections | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = self.midlayer.self_attn
+        if fused is None:
+            return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        q, k, v = F.linear(x, fused.qkv).split(widths, dim=-1)
+        return q, k, v
+
+    def attention_outputs(
+        self, attn: torch.Tensor, hidden: torch.Tensor, fused: FusedProjections | None = None
+    ) -> torch.Tensor:
         """attn [..., T, heads, hd], residual hidden [..., T, hidden] -> draft output [..., T, hidden] (pre-norm)."""
         layer = self.midlayer
         x = hidden + layer.self_attn.o_proj(attn.flatten(-2))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        return x + layer.mlp(layer.post_attention_layernorm(x), fused)
+
+    @torch.no_grad()
+    def fused_projections(self) -> FusedProjections:
+        """Concatenated inference weights; take them once the weights are final (they are a copy)."""
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        return FusedProjections(
+            qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        )
 
     def draft_logits(self, output: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., draft_vocab]."""
