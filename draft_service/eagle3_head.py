@@ -28,7 +28,7 @@ from target_service.checkpoint import (
     read_config,
     safetensors_files,
 )
-from kernels.layer_ops_ref import apply_rotary, rms_norm
+from kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
 from target_service.rope import RotaryEmbedding
 
 PUBLISHED_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -141,7 +141,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, **factory))  # [size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return _ops(x.device).rms_norm(x, self.weight, self.eps)
+
+
+def _ops(device: torch.device) -> LayerOps:
+    """Fused kernels when serving on a GPU; they have no backward, so training keeps the reference."""
+    return REFERENCE_OPS if torch.is_grad_enabled() else layer_ops_for(device)
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ class _MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = F.linear(x, fused.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(_ops(x.device).silu_mul(gate, up))
 
 
 class _MidLayer(nn.Module):
@@ -253,7 +258,8 @@ class Eagle3Head(nn.Module):
         k = k.unflatten(-1, (c.num_kv_heads, c.head_dim))
         v = v.unflatten(-1, (c.num_kv_heads, c.head_dim))
         cos, sin = self.rotary.cos_sin(positions, q.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        rotate = _ops(q.device).apply_rotary
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def _qkv(
         self, x: torch.Tensor, fused: FusedProjections | None

@@ -28,16 +28,15 @@ REFERENCE_OPS = LayerOps(
 )
 
 
-def layer_ops_for(device: torch.device, head_dim: int) -> LayerOps:
-    """Fused kernels on CUDA/ROCm; the rotation kernel needs a power-of-two half head dim."""
+def layer_ops_for(device: torch.device) -> LayerOps:
+    """Fused kernels on CUDA/ROCm, the reference elsewhere."""
     if device.type != "cuda":
         return REFERENCE_OPS
     from kernels import layer_ops_triton
 
-    half = head_dim // 2
     return LayerOps(
         rms_norm=layer_ops_triton.rms_norm_triton,
         add_rms_norm=layer_ops_triton.add_rms_norm_triton,
         silu_mul=layer_ops_triton.silu_mul_triton,
-        apply_rotary=layer_ops_triton.apply_rotary_triton if half & (half - 1) == 0 else layer_ops_ref.apply_rotary,
+        apply_rotary=layer_ops_triton.apply_rotary_triton,
     )

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.layer_ops_ref import apply_rotary
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -98,8 +100,11 @@ def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, HALF: tl.constexpr):
 
 def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     head_dim, heads = x.shape[-1], x.shape[-2]
+    half = head_dim // 2
+    if half & (half - 1):  # the kernel tiles a half head dim as one power-of-two block
+        return apply_rotary(x, cos, sin)
     x = x.contiguous()
     out = torch.empty_like(x)
     tokens = x.numel() // (heads * head_dim)
-    _rotate_kernel[(tokens, heads)](x, cos.contiguous(), sin.contiguous(), out, heads, HALF=head_dim // 2, num_warps=1)
+    _rotate_kernel[(tokens, heads)](x, cos.contiguous(), sin.contiguous(), out, heads, HALF=half, num_warps=1)
     return out

@@ -76,7 +76,7 @@ class LlamaModel:
         self.device = device
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
         self.scale = config.head_dim**-0.5
-        self.ops = layer_ops_for(device, config.head_dim)
+        self.ops = layer_ops_for(device)
         take = _WeightTaker(state)
         self.embed_tokens = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         self.layers = [self._layer_weights(take, i) for i in range(config.num_layers)]
