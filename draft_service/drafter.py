@@ -25,6 +25,7 @@ from diffspec.tree import DraftTree
 from draft_service.draft_attention import draft_attention
 from draft_service.draft_context import DraftContext
 from draft_service.eagle3_head import Eagle3Head
+from draft_service.head_graphs import HeadGraphs, top_candidates
 from draft_service.tree_budget import DepthPlan, TreeBudget
 from draft_service.tree_kv import TreeKV
 from draft_service.working_set import WorkingSetConfig
@@ -65,6 +66,8 @@ class Drafter:
     def __init__(self, head: Eagle3Head) -> None:
         self.head = head
         self.fused = head.fused_projections()  # a serving head's weights are final
+        device = head.fc.weight.device
+        self.graphs = HeadGraphs(head, self.fused, capture=True) if device.type == "cuda" else None
 
     @torch.no_grad()
     def start(
@@ -115,15 +118,13 @@ class Drafter:
         active = [g for g in growing if g.frontier]
         depth = 0
         while active:
+            widest = max(g.plan[depth].children for g in active)
             if depth == 0:
                 outputs = torch.stack([g.request.session.last_output for g in active])
+                top = top_candidates(self.head, outputs, widest)
             else:
-                outputs = self._run_entries(active, outputs, depth)
-            log_probs = torch.log_softmax(self.head.draft_logits(outputs), dim=-1)
-            widest = max(g.plan[depth].children for g in active)
-            top_lp, top_ids = log_probs.topk(widest, dim=-1)
-            # one device -> host copy a depth: float64 holds the float32 log-probs and the token ids exactly
-            top_lp, top_tokens = torch.stack([top_lp.double(), self.head.to_target_ids(top_ids).double()]).tolist()
+                outputs, top = self._run_entries(active, outputs, depth, widest)
+            top_lp, top_tokens = top.tolist()  # the one device -> host copy of a depth
             row = 0
             for g in active:
                 stop = row + len(g.frontier)
@@ -133,9 +134,12 @@ class Drafter:
             depth += 1
         return [_select(g.tree, g.request.budget.total_tokens) for g in growing]
 
-    def _run_entries(self, growing: list[_Growth], outputs: torch.Tensor, depth: int) -> torch.Tensor:
+    def _run_entries(
+        self, growing: list[_Growth], outputs: torch.Tensor, depth: int, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head pass for every frontier node of every session at ``depth`` > 0, each over its context and
-        ancestors; ``outputs`` [rows, hidden] are the previous depth's -> this depth's, one row per frontier node."""
+        ancestors; ``outputs`` [rows, hidden] are the previous depth's -> this depth's, one row per frontier
+        node, and their ``top_candidates``. The dense halves replay from graphs when the rows fit a bucket."""
         per_node = []  # (token, parent's output row, position, parent's entry)
         for g in growing:
             position = g.request.session.num_entries - 1 + depth
@@ -146,7 +150,11 @@ class Drafter:
         columns = torch.tensor(list(zip(*per_node)), device=outputs.device)  # one host -> device copy
         tokens, parent_rows, positions, parent_entries = columns.unbind()
         hidden = outputs[parent_rows]
-        q, k, v = self.head.attention_inputs(tokens, hidden, positions, self.fused)
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(tokens.shape[0]) else None
+        if graphs is not None:
+            q, k, v = graphs.attention_inputs(tokens, hidden, positions)
+        else:
+            q, k, v = self.head.attention_inputs(tokens, hidden, positions, self.fused)
         attn, row = [], 0
         for g in growing:
             rows = slice(row, row + len(g.frontier))
@@ -155,7 +163,10 @@ class Drafter:
             mask = g.kv.append(k[rows], v[rows], parent_entries[rows], depth)
             attn.append(draft_attention(q[rows], *g.context, *g.kv.view(), mask, self.head.scale))
             row = rows.stop
-        return self.head.attention_outputs(torch.cat(attn), hidden, self.fused)
+        if graphs is not None:
+            return graphs.outputs_and_top(torch.cat(attn), hidden, top_k)
+        outputs = self.head.attention_outputs(torch.cat(attn), hidden, self.fused)
+        return outputs, top_candidates(self.head, outputs, top_k)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from diffspec.sampling import SamplingParams
 from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
 from draft_service.backend import DraftOptions
 from draft_service.eagle3_head import Eagle3Head
+from draft_service.head_graphs import HeadGraphs, top_candidates
 from draft_service.runtime import DraftRuntime
 from target_service.runtime import TargetRuntime
 
@@ -71,3 +72,42 @@ def test_batched_proposals_equal_one_at_a_time(started, salience):
     for one, many in zip(singles, batched):
         assert torch.equal(one.tokens, many.tokens) and torch.equal(one.parents, many.parents)
         assert torch.allclose(one.draft_probs, many.draft_probs, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [DraftOptions("full", "64:0.0:8"), DraftOptions("uniform3", "40:0.0:4", salience=True)])
+def test_padded_head_buckets_give_the_same_trees(started, options):
+    """The bucketed dense halves (what CUDA graphs replay; eager here) change no tree."""
+    head, start = started
+    plain, padded = DraftRuntime(head), DraftRuntime(head)
+    padded.drafter.graphs = HeadGraphs(head, padded.drafter.fused, capture=False)
+    want = plain.propose_batch(start(plain, options))
+    got = padded.propose_batch(start(padded, options))
+    assert padded.drafter.graphs._pre and padded.drafter.graphs._post  # the buckets ran
+    for one, other in zip(want, got):
+        assert torch.equal(one.tokens, other.tokens) and torch.equal(one.parents, other.parents)
+        assert torch.allclose(one.draft_probs, other.draft_probs, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_head_graph_replays_match_the_eager_head():
+    """Each recorded half, replayed with new rows of several sizes, gives the eager head's numbers."""
+    target = TargetRuntime(DiffSpecSettings(device="cuda", dtype="float32", num_pages=64))
+    head = Eagle3Head.load(BUNDLED_DRAFT, target.model.embed_tokens, torch.device("cuda"), torch.float32)
+    fused = head.fused_projections()
+    graphs = HeadGraphs(head, fused, capture=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    c = head.config
+    with torch.no_grad():
+        for rows in (3, 1, 16, 5, 3):  # repeats replay a recorded bucket with new inputs
+            tokens = torch.randint(0, 4096, (rows,), device="cuda", generator=gen)
+            hidden = torch.randn(rows, c.hidden_size, device="cuda", generator=gen)
+            positions = torch.randint(0, 2048, (rows,), device="cuda", generator=gen)
+            for got, want in zip(graphs.attention_inputs(tokens, hidden, positions),
+                                 head.attention_inputs(tokens, hidden, positions, fused)):  # fmt: skip
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            attn = torch.randn(rows, c.num_heads, c.head_dim, device="cuda", generator=gen)
+            outputs, top = graphs.outputs_and_top(attn, hidden, 10)
+            want_outputs = head.attention_outputs(attn, hidden, fused)
+            torch.testing.assert_close(outputs, want_outputs, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(top[0], top_candidates(head, want_outputs, 10)[0], rtol=1e-4, atol=1e-4)
+    assert all(half.graph is not None for half in [*graphs._pre.values(), *graphs._post.values()])
