@@ -21,6 +21,7 @@ def draft_attention(
     new_v: torch.Tensor,  # [m, kv_heads, hd]
     new_mask: torch.Tensor,  # [n, m] bool: query i sees new entry j
     scale: float,
+    ctx_valid: torch.Tensor | None = None,  # [ctx] bool: keys past a padded context's length are False
 ) -> torch.Tensor:  # [n, heads, hd] in q's dtype
     n, heads, hd = q.shape
     kv_heads = ctx_k.shape[1]
@@ -28,6 +29,8 @@ def draft_attention(
     ctx_scores = torch.einsum("nkgd,ckd->kgnc", grouped, ctx_k).float() * scale  # [kv_heads, group, n, ctx]
     new_scores = torch.einsum("nkgd,mkd->kgnm", grouped, new_k).float() * scale  # [kv_heads, group, n, m]
     new_scores = new_scores.masked_fill(~new_mask, float("-inf"))
+    if ctx_valid is not None:
+        ctx_scores = ctx_scores.masked_fill(~ctx_valid, float("-inf"))
     probs = torch.softmax(torch.cat([ctx_scores, new_scores], dim=-1), dim=-1).to(q.dtype)
     ctx_probs, new_probs = probs.split([ctx_k.shape[0], new_k.shape[0]], dim=-1)
     out = torch.einsum("kgnc,ckd->nkgd", ctx_probs, ctx_v) + torch.einsum("kgnm,mkd->nkgd", new_probs, new_v)

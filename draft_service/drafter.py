@@ -25,7 +25,8 @@ from diffspec.tree import DraftTree
 from draft_service.draft_attention import draft_attention
 from draft_service.draft_context import DraftContext
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.head_graphs import HeadGraphs, top_candidates
+from draft_service.depth_graphs import DepthGraphs
+from draft_service.head_graphs import ROW_BUCKETS, HeadGraphs, top_candidates
 from draft_service.tree_budget import DepthPlan, TreeBudget
 from draft_service.tree_kv import TreeKV
 from draft_service.working_set import WorkingSetConfig
@@ -67,7 +68,9 @@ class Drafter:
         self.head = head
         self.fused = head.fused_projections()  # a serving head's weights are final
         device = head.fc.weight.device
-        self.graphs = HeadGraphs(head, self.fused, capture=True) if device.type == "cuda" else None
+        on_gpu = device.type == "cuda"
+        self.graphs = HeadGraphs(head, self.fused, capture=True) if on_gpu else None  # batched sessions
+        self.depth_graphs = DepthGraphs(head, self.fused, capture=True) if on_gpu else None  # one session
 
     @torch.no_grad()
     def start(
@@ -114,6 +117,8 @@ class Drafter:
 
         Each tree follows its own plan; at the end each keeps its best ``total_tokens`` nodes.
         """
+        if len(requests) == 1 and self.depth_graphs is not None and _max_frontier(requests[0]) <= ROW_BUCKETS[-1]:
+            return [self._propose_graphed(requests[0], self.depth_graphs)]
         growing = [_Growth.start(r, self.head) for r in requests]
         active = [g for g in growing if g.frontier]
         depth = 0
@@ -133,6 +138,31 @@ class Drafter:
             active = [g for g in active if g.frontier]
             depth += 1
         return [_select(g.tree, g.request.budget.total_tokens) for g in growing]
+
+    def _propose_graphed(self, request: ProposalRequest, graphs: DepthGraphs) -> DraftTree:
+        """One session's tree, each depth one replay of a recorded graph (see ``depth_graphs``)."""
+        g = _Growth.start(request, self.head, own_kv=False)
+        session = request.session
+        graphs.begin(g.context, session.last_output, _max_entries(g.plan), len(g.plan))
+        g.entry_of[0] = graphs.root_entry
+        next_entry, depth = 0, 0
+        while g.frontier:
+            widest = g.plan[depth].children
+            if depth == 0:
+                top = top_candidates(self.head, session.last_output[None], widest)
+            else:
+                position = session.num_entries - 1 + depth
+                nodes = []
+                for i, n in enumerate(g.frontier):
+                    parent = g.tree.parents[n]
+                    g.entry_of[n] = next_entry + i
+                    nodes.append((g.tree.tokens[n], g.row_of[parent], position, g.entry_of[parent], next_entry + i))
+                next_entry += len(nodes)
+                top = graphs.step(nodes, depth, widest)
+            top_lp, top_tokens = top.tolist()  # the one device -> host copy of a depth
+            g.grow(depth, 0, top_lp, top_tokens)
+            depth += 1
+        return _select(g.tree, request.budget.total_tokens)
 
     def _run_entries(
         self, growing: list[_Growth], outputs: torch.Tensor, depth: int, top_k: int
@@ -158,10 +188,12 @@ class Drafter:
         attn, row = [], 0
         for g in growing:
             rows = slice(row, row + len(g.frontier))
+            kv = g.kv
+            assert kv is not None  # batched proposals keep their entries in a TreeKV
             for i, n in enumerate(g.frontier):
-                g.entry_of[n] = g.kv.length + i
-            mask = g.kv.append(k[rows], v[rows], parent_entries[rows], depth)
-            attn.append(draft_attention(q[rows], *g.context, *g.kv.view(), mask, self.head.scale))
+                g.entry_of[n] = kv.length + i
+            mask = kv.append(k[rows], v[rows], parent_entries[rows], depth)
+            attn.append(draft_attention(q[rows], *g.context, *kv.view(), mask, self.head.scale))
             row = rows.stop
         if graphs is not None:
             return graphs.outputs_and_top(torch.cat(attn), hidden, top_k)
@@ -186,20 +218,22 @@ class _Growth:
     frontier: list[int]  # nodes to expand at the current depth
     min_log_prob: float
     context: tuple[torch.Tensor, torch.Tensor]  # committed keys, values the tree attends to (fixed while it grows)
-    kv: TreeKV  # the tree's own entries
+    kv: TreeKV | None  # the tree's own entries (None: a DepthGraphs proposal keeps them)
     entry_of: dict[int, int]  # expanded node -> its entry in kv (the root: kv.root)
     row_of: dict[int, int] = field(default_factory=dict)  # frontier node -> its row in the depth's head outputs
 
     @staticmethod
-    def start(request: ProposalRequest, head: Eagle3Head) -> _Growth:
+    def start(request: ProposalRequest, head: Eagle3Head, own_kv: bool = True) -> _Growth:
         session, budget = request.session, request.budget
         tree = _Expansion([session.root_token], [-1], [0.0], [1.0])
         plan = request.plan[: budget.depth]
         min_log_prob = math.log(budget.threshold) if budget.threshold > 0 else -math.inf
         c, weight = head.config, head.fc.weight
-        kv = TreeKV(_max_entries(plan), len(plan), c.num_kv_heads, c.head_dim, weight.dtype, weight.device)
-        context = session.context.view()
-        return _Growth(request, tree, plan, [0] if plan else [], min_log_prob, context, kv, {0: kv.root})
+        kv = None
+        if own_kv:
+            kv = TreeKV(_max_entries(plan), len(plan), c.num_kv_heads, c.head_dim, weight.dtype, weight.device)
+        entry_of = {0: kv.root} if kv is not None else {}
+        return _Growth(request, tree, plan, [0] if plan else [], min_log_prob, session.context.view(), kv, entry_of)
 
     def grow(self, depth: int, first_row: int, log_probs: list[list[float]], tokens: list[list[float]]) -> None:
         """Add each frontier node's top children (one row of log_probs and tokens each; its head output is
@@ -215,13 +249,21 @@ class _Growth:
         self.frontier = sorted(new, key=lambda n: -self.tree.log_probs[n])[: self.plan[depth + 1].expand]
 
 
-def _max_entries(plan: list[DepthPlan]) -> int:
-    """Most entries a tree grown by ``plan`` can have: the frontier nodes of depths 1 and up."""
-    total, frontier = 0, 1
+def _frontier_sizes(plan: list[DepthPlan]) -> list[int]:
+    """Most nodes each depth from 1 on can expand under ``plan`` (each becomes one entry, one head row)."""
+    sizes, frontier = [], 1
     for before, step in zip(plan, plan[1:]):
         frontier = min(step.expand, frontier * before.children)
-        total += frontier
-    return total
+        sizes.append(frontier)
+    return sizes
+
+
+def _max_frontier(request: ProposalRequest) -> int:
+    return max(_frontier_sizes(request.plan[: request.budget.depth]), default=1)
+
+
+def _max_entries(plan: list[DepthPlan]) -> int:
+    return sum(_frontier_sizes(plan))
 
 
 def _select(tree: _Expansion, total_tokens: int) -> DraftTree:

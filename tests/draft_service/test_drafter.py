@@ -10,6 +10,7 @@ from diffspec.sampling import SamplingParams
 from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
 from draft_service.backend import DraftOptions
 from draft_service.eagle3_head import Eagle3Head
+from draft_service.depth_graphs import DepthGraphs
 from draft_service.head_graphs import HeadGraphs, top_candidates
 from draft_service.runtime import DraftRuntime
 from target_service.runtime import TargetRuntime
@@ -111,3 +112,40 @@ def test_head_graph_replays_match_the_eager_head():
             torch.testing.assert_close(outputs, want_outputs, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(top[0], top_candidates(head, want_outputs, 10)[0], rtol=1e-4, atol=1e-4)
     assert all(half.graph is not None for half in [*graphs._pre.values(), *graphs._post.values()])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [DraftOptions("full", "64:0.0:8"), DraftOptions("full", "48:0.0:6", salience=True), DraftOptions("chain", "8:0.0:7")],
+)
+def test_whole_depth_buckets_give_the_same_trees(started, options):
+    """One session's depths over the static context and tree buffers (eager here) change no tree,
+    proposal after proposal (the buffers are reused with another context each time)."""
+    head, start = started
+    plain, staged = DraftRuntime(head), DraftRuntime(head)
+    staged.drafter.depth_graphs = DepthGraphs(head, staged.drafter.fused, capture=False)
+    for want_sid, got_sid in zip(start(plain, options), start(staged, options)):
+        want, got = plain.propose(want_sid), staged.propose(got_sid)
+        assert torch.equal(want.tokens, got.tokens) and torch.equal(want.parents, got.parents)
+        assert torch.allclose(want.draft_probs, got.draft_probs, atol=1e-6)
+    assert staged.drafter.depth_graphs._recorded  # the staged path ran
+
+
+@pytest.mark.gpu
+def test_depth_graph_replays_equal_their_eager_buckets(tiny_target_dir):
+    """Recorded depths replayed across proposals and contexts give the trees of the same buckets run eagerly."""
+    target = TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, device="cuda", dtype="float32", num_pages=256))
+    head = Eagle3Head.load(BUNDLED_DRAFT, target.model.embed_tokens, torch.device("cuda"), torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    graphed, eager = DraftRuntime(head), DraftRuntime(head)
+    eager.drafter.depth_graphs = DepthGraphs(head, eager.drafter.fused, capture=False)
+    for options in (DraftOptions("full", "64:0.0:8"), DraftOptions("full", "48:0.0:6", salience=True)):
+        for i, text in enumerate(PROMPTS):
+            prompt = tokenizer(text)["input_ids"]
+            pre = target.prefill(f"p{i}", prompt, SamplingParams(), want_features=True)
+            target.release(f"p{i}")
+            for runtime in (graphed, eager):
+                runtime.start(f"{options}-{i}", prompt, pre.features, pre.first_token, options)
+            want, got = eager.propose(f"{options}-{i}"), graphed.propose(f"{options}-{i}")
+            assert torch.equal(want.tokens, got.tokens) and torch.equal(want.parents, got.parents)
+    assert all(r.graph is not None for r in graphed.drafter.depth_graphs._recorded.values())
