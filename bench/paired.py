@@ -135,12 +135,12 @@ def main() -> int:
     texts = [json.loads(line)["text"] for line in args.data.read_text().splitlines()[: args.prompts]]
     encoded = [engine.tokenizer(t)["input_ids"] for t in texts]
     print(f"recorded {warm_up_target(engine)} step graphs", flush=True)
-    for config in args.configs:  # the draft's first steps (and any bucket left) outside the timed runs
-        asyncio.run(generate(engine, encoded[0][:512], CONFIGS[config], 16))
     runs: list[Run] = []
     for length in args.lengths:
-        for p, ids in enumerate(encoded):
-            prompt = ids[:1] + ids[1:][-(length - 1) :]  # keep <|bos|> and the end of the text
+        prompts = [ids[:1] + ids[1:][-(length - 1) :] for ids in encoded]  # keep <|bos|> and the end of the text
+        for config in args.configs:  # draft graphs are per context capacity: record them outside the timed runs
+            asyncio.run(generate(engine, prompts[0], CONFIGS[config], 32))
+        for p, prompt in enumerate(prompts):
             for config in args.configs:
                 started = time.perf_counter()
                 run = asyncio.run(generate(engine, prompt, CONFIGS[config], args.max_new_tokens))
