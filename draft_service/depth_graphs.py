@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffspec.cuda_graphs import record_graph
 from draft_service.draft_attention import draft_attention
 from draft_service.eagle3_head import Eagle3Head, FusedProjections
 from draft_service.head_graphs import ROW_BUCKETS, top_candidates
@@ -123,20 +124,12 @@ class DepthGraphs:
         return top_candidates(self.head, outputs, top_k)
 
     def _record(self, buffers: _Buffers, recorded: _Recorded, top_k: int) -> None:
-        """Warm up on a side stream (Triton and cuBLAS choose their kernels), then capture.
-
-        The warm-up writes this depth's entries and paths exactly as the replay will, but it also
-        overwrites the previous depth's outputs, which the replay reads: those are put back.
-        """
-        device = buffers.outputs.device
+        """The warm-up writes this depth's entries and paths exactly as the replay will, but it also
+        overwrites the previous depth's outputs, which the replay reads: those are put back."""
         previous = buffers.outputs.clone()
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self._body(buffers, recorded.nodes, top_k)
-        torch.cuda.current_stream(device).wait_stream(side)
-        buffers.outputs.copy_(previous)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            recorded.top = self._body(buffers, recorded.nodes, top_k)
-        recorded.graph = graph
+        recorded.graph, recorded.top = record_graph(
+            lambda: self._body(buffers, recorded.nodes, top_k),
+            self._pool,
+            buffers.outputs.device,
+            after_warm_up=lambda: buffers.outputs.copy_(previous),
+        )

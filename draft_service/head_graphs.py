@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffspec.cuda_graphs import record_graph
 from draft_service.eagle3_head import Eagle3Head, FusedProjections
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -86,17 +87,7 @@ class HeadGraphs:
         return half.outputs
 
     def _record(self, half: _Half, body) -> None:
-        """Warm up on a side stream (Triton and cuBLAS choose their kernels), then capture."""
-        device = half.inputs[0].device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            body(*half.inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            half.outputs = body(*half.inputs)
-        half.graph = graph
+        half.graph, half.outputs = record_graph(lambda: body(*half.inputs), self._pool, half.inputs[0].device)
 
 
 def top_candidates(head: Eagle3Head, outputs: torch.Tensor, top_k: int) -> torch.Tensor:

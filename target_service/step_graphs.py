@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffspec.cuda_graphs import record_graph
 from kernels.attention_metadata import AttentionMetadata
 from target_service.kv_cache import PagedKVCache
 from target_service.llama import AttentionBackend, LlamaModel, PagedForwardOutput
@@ -149,17 +150,4 @@ class StepGraphs:
         return out, self.model.logits(out.hidden)
 
     def _record(self, bucket: _Bucket) -> None:
-        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
-
-        Capture errors are thread-local: in one process the draft keeps launching work from its
-        own thread while a bucket records, and that work is not part of the graph.
-        """
-        side = torch.cuda.Stream(self.model.device)
-        side.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(side):
-            self._forward(bucket)
-        torch.cuda.current_stream(self.model.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            bucket.outputs = self._forward(bucket)
-        bucket.graph = graph
+        bucket.graph, bucket.outputs = record_graph(lambda: self._forward(bucket), self._pool, self.model.device)
