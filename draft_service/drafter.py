@@ -115,7 +115,8 @@ class Drafter:
     def propose_many(self, requests: list[ProposalRequest]) -> list[DraftTree]:
         """Grow one tree per session depth by depth, all sessions' nodes of a depth in one head pass.
 
-        Each tree follows its own plan; at the end each keeps its best ``total_tokens`` nodes.
+        Each tree follows its own plan; at the end each keeps its best ``total_tokens`` nodes. On a
+        GPU a lone session replays whole depths from graphs; a batch replays the head's halves.
         """
         if len(requests) == 1 and self.depth_graphs is not None and _max_frontier(requests[0]) <= ROW_BUCKETS[-1]:
             return [self._propose_graphed(requests[0], self.depth_graphs)]

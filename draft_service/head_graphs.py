@@ -34,6 +34,8 @@ class _Half:
 
 
 class HeadGraphs:
+    """The two halves per bucket; a batch of several sessions' frontier rows uses them."""
+
     def __init__(self, head: Eagle3Head, fused: FusedProjections, capture: bool) -> None:
         self.head, self.fused, self.capture = head, fused, capture
         self._pre: dict[int, _Half] = {}
