@@ -177,3 +177,21 @@ def test_split_attention_matches_forward_dense() -> None:
     assert not torch.allclose(spread, dense, atol=1e-3)  # ...and they do matter
     logits = head.draft_logits(dense)
     assert logits.dtype == torch.float32 and logits.shape == (1, seq, DRAFT_VOCAB)
+
+
+def test_fused_serving_projections_equal_the_separate_layers() -> None:
+    """q|k|v and gate|up as one matmul each give what the checkpoint's separate layers give."""
+    head = random_head()
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (7,), generator=gen)
+    hidden = torch.randn(7, HIDDEN, generator=gen)
+    positions = torch.arange(40, 47)
+    fused = head.fused_projections()
+    with torch.no_grad():
+        for got, want in zip(head.attention_inputs(tokens, hidden, positions, fused),
+                             head.attention_inputs(tokens, hidden, positions)):  # fmt: skip
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        attn = torch.randn(7, 4, 8, generator=gen)
+        torch.testing.assert_close(
+            head.attention_outputs(attn, hidden, fused), head.attention_outputs(attn, hidden), rtol=1e-6, atol=1e-6
+        )
