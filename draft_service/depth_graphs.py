@@ -24,6 +24,7 @@ from draft_service.eagle3_head import Eagle3Head, FusedProjections
 from draft_service.head_graphs import ROW_BUCKETS, top_candidates
 
 NODE_FACTS = 5  # per node: token, parent's output row, position, parent's entry, own entry
+MIN_CONTEXT_CAPACITY = 1024  # smaller contexts share one set of buffers and graphs
 
 
 @dataclass
@@ -64,7 +65,7 @@ class DepthGraphs:
               entry_capacity: int, max_depth: int) -> None:  # fmt: skip
         """Stage a proposal: its context, an empty tree, the root's output as the depth-0 outputs."""
         length = context[0].shape[0]
-        key = (max(1024, 1 << (length - 1).bit_length()), entry_capacity, max_depth)
+        key = (max(MIN_CONTEXT_CAPACITY, 1 << (length - 1).bit_length()), entry_capacity, max_depth)
         if key not in self._buffers:
             self._buffers[key] = _Buffers(self.head, *key)
         buffers = self._buffers[key]
@@ -91,8 +92,8 @@ class DepthGraphs:
         facts = torch.tensor([*nodes, *[padding] * (rows - len(nodes))], dtype=torch.int64).T
         buffers.depth.fill_(depth - 1)
         if key not in self._recorded:
-            nodes_in = facts.to(buffers.outputs.device)
-            self._recorded[key] = _Recorded(nodes_in, torch.empty(0), None)
+            static_nodes = torch.empty(facts.shape, dtype=torch.int64, device=buffers.outputs.device)
+            self._recorded[key] = _Recorded(static_nodes, torch.empty(0), None)
         recorded = self._recorded[key]
         recorded.nodes.copy_(facts)
         if not self.capture:
