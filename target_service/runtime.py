@@ -133,7 +133,7 @@ class TargetRuntime:
                     self.feature_layers if want_features else (),
                 )
                 skip = max(0, self.pool.num_committed(session_id) - chunk_start)  # rows already in shared pages
-                self._commit_rows(session_id, out, list(range(skip, len(chunk))), chunk[skip:])
+                self._commit_rows(out, [(session_id, list(range(skip, len(chunk))), chunk[skip:])])
             if out.features is not None:
                 features.append(out.features)
             if progress is not None:
@@ -167,13 +167,17 @@ class TargetRuntime:
             if ran is None:
                 want_features = any(self.sessions[s.session_id].want_features for s in steps)
                 ran = self._forward_eager(inputs, want_features, layouts)
-            results = []
+            # One read of the step's argmax serves every greedy session (the only host sync of a step).
+            greedy = any(self.sessions[s.session_id].sampling.greedy for s in steps)
+            argmax = ran.logits.argmax(-1).tolist() if greedy else []
+            results, commits = [], []
             for step, layout, offset in zip(steps, layouts, ran.row_offsets):
-                n = step.tree.num_nodes
-                result = self._accept_and_commit(step, ran.forward, ran.logits[offset : offset + n], offset)
+                result, rows = self._accept(step, ran, offset, argmax)
+                commits.append((step.session_id, rows, [step.tree.tokens[0].item(), *result.accepted_tokens]))
                 if layout is not None:
                     result = replace(result, accepted_nodes=layout.to_original(result.accepted_nodes))
                 results.append(result)
+            self._commit_rows(ran.forward, commits)
             return results
 
     def _step_input(self, step: VerifyStep) -> StepInput:
@@ -263,40 +267,49 @@ class TargetRuntime:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _accept_and_commit(
-        self, step: VerifyStep, out: PagedForwardOutput, logits: torch.Tensor, offset: int
-    ) -> VerifyResult:
+    def _accept(
+        self, step: VerifyStep, ran: StepOutputs, offset: int, argmax: list[int]
+    ) -> tuple[VerifyResult, list[int]]:
+        """The session's accepted path -> its result and the rows (root first) whose KV to commit."""
         session = self.sessions[step.session_id]
+        n = step.tree.num_nodes
         acceptance: Acceptance
         if session.sampling.greedy:
-            acceptance = accept_greedy(step.tree, logits.argmax(-1).tolist())
+            acceptance = accept_greedy(step.tree, argmax[offset : offset + n])
         else:
+            logits = ran.logits[offset : offset + n]
             acceptance = accept_sampling(step.tree, target_probs(logits, session.sampling), session.generator)
-        rows = [0, *acceptance.accepted_nodes]
-        tokens = step.tree.tokens[rows].tolist()
-        self._commit_rows(step.session_id, out, [offset + r for r in rows], tokens)
+        rows = [offset + r for r in (0, *acceptance.accepted_nodes)]
         session.pending_token = acceptance.bonus_token
-        features = out.features[[offset + r for r in rows]] if session.want_features else None
-        return VerifyResult(
-            accepted_tokens=tokens[1:],
+        features = ran.forward.features[rows] if session.want_features else None
+        result = VerifyResult(
+            accepted_tokens=step.tree.tokens[list(acceptance.accepted_nodes)].tolist(),
             accepted_nodes=acceptance.accepted_nodes,
             bonus_token=acceptance.bonus_token,
             features=features,
         )
+        return result, rows
 
-    def _commit_rows(self, session_id: str, out: PagedForwardOutput, rows: list[int], tokens: list[int]) -> None:
-        """Copy the chosen new tokens' KV into the session's next slots and advance its length."""
-        if not rows:
-            return
-        slots, copies = self.pool.reserve(session_id, len(rows))
-        self.cache.apply_copies(copies)
-        self.cache.write(
-            out.new_k,
-            out.new_v,
-            torch.tensor(rows, dtype=torch.int64, device=self.device),
-            torch.tensor(slots, dtype=torch.int64, device=self.device),
-        )
-        self.pool.commit(session_id, tokens)
+    def _commit_rows(self, out: PagedForwardOutput, commits: list[tuple[str, list[int], list[int]]]) -> None:
+        """Per (session, rows of ``out``, their tokens): the rows' KV into the session's next slots, its
+        length advanced; all sessions' rows in one KV-commit launch."""
+        rows: list[int] = []
+        slots: list[int] = []
+        for session_id, session_rows, tokens in commits:
+            if not session_rows:
+                continue
+            session_slots, copies = self.pool.reserve(session_id, len(session_rows))
+            self.cache.apply_copies(copies)  # copy-on-write pages are private before anything is written
+            self.pool.commit(session_id, tokens)
+            rows += session_rows
+            slots += session_slots
+        if rows:
+            self.cache.write(
+                out.new_k,
+                out.new_v,
+                torch.tensor(rows, dtype=torch.int64, device=self.device),
+                torch.tensor(slots, dtype=torch.int64, device=self.device),
+            )
 
     def _session(self, session_id: str) -> TargetSession:
         if session_id not in self.sessions:
