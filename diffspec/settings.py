@@ -47,8 +47,8 @@ class DiffSpecSettings(BaseSettings):
     )
     cuda_graphs: bool = Field(
         True,
-        description="Replay verify and decode steps from CUDA graphs, one per (batch, tree size) bucket "
-        "(GPU with the triton backend; other steps run eagerly).",
+        description="Replay the target's verify and decode steps from CUDA graphs, one per (batch, tree size) "
+        "bucket (GPU with the triton backend; other steps run eagerly), and the draft head's steps on a GPU.",
     )
     graph_batch_sizes: str = Field("1,2,4,8,16", description="Comma-separated batch-size buckets of the step graphs.")
     graph_tree_sizes: str = Field(

@@ -64,13 +64,13 @@ class _Expansion:
 class Drafter:
     """Stateless over sessions: the head and the rules that use it."""
 
-    def __init__(self, head: Eagle3Head) -> None:
+    def __init__(self, head: Eagle3Head, cuda_graphs: bool = True) -> None:
+        """``cuda_graphs``: on a GPU, replay the head from CUDA graphs (ignored elsewhere)."""
         self.head = head
         self.fused = head.fused_projections()  # a serving head's weights are final
-        device = head.fc.weight.device
-        on_gpu = device.type == "cuda"
-        self.graphs = HeadGraphs(head, self.fused, capture=True) if on_gpu else None  # batched sessions
-        self.depth_graphs = DepthGraphs(head, self.fused, capture=True) if on_gpu else None  # one session
+        graphed = cuda_graphs and head.fc.weight.device.type == "cuda"
+        self.graphs = HeadGraphs(head, self.fused, capture=True) if graphed else None  # batched sessions
+        self.depth_graphs = DepthGraphs(head, self.fused, capture=True) if graphed else None  # one session
 
     @torch.no_grad()
     def start(

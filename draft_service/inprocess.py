@@ -50,7 +50,7 @@ class InProcessDraft:
                 f"draft head {settings.draft_model} was trained on target layers {list(trained_on)}, "
                 f"but the target extracts features from layers {list(serving)} (set DIFFSPEC_FEATURE_LAYERS)"
             )
-        return cls(DraftRuntime(head, working_set_config(settings)), settings.max_sessions)
+        return cls(DraftRuntime(head, working_set_config(settings), settings.cuda_graphs), settings.max_sessions)
 
     async def start(
         self, session_id: str, prompt_ids: list[int], features: torch.Tensor, first_token: int, options: DraftOptions

@@ -52,10 +52,12 @@ def depth_plan(policy: TreePolicy, budget: TreeBudget) -> list[DepthPlan]:
 class DraftRuntime:
     """Thread-safe: one lock serialises head forwards."""
 
-    def __init__(self, head: Eagle3Head, working_set: WorkingSetConfig = WorkingSetConfig()) -> None:
+    def __init__(
+        self, head: Eagle3Head, working_set: WorkingSetConfig = WorkingSetConfig(), cuda_graphs: bool = True
+    ) -> None:
         self.head = head
         self.working_set = working_set
-        self.drafter = Drafter(head)
+        self.drafter = Drafter(head, cuda_graphs)
         self.sessions: dict[str, _SessionState] = {}
         self.global_hazard = HazardProfile(MAX_DEPTH, GLOBAL_DECAY)
         self.step_cost = StepCostModel()  # time from a proposal leaving to its accept arriving
