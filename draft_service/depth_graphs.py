@@ -21,7 +21,7 @@ import torch
 from diffspec.cuda_graphs import record_graph
 from draft_service.draft_attention import draft_attention
 from draft_service.eagle3_head import Eagle3Head, FusedProjections
-from draft_service.head_graphs import ROW_BUCKETS, top_candidates
+from draft_service.head_graphs import ROW_BUCKETS, row_bucket, top_candidates
 
 NODE_FACTS = 5  # per node: token, parent's output row, position, parent's entry, own entry
 MIN_CONTEXT_CAPACITY = 1024  # smaller contexts share one set of buffers and graphs
@@ -86,7 +86,7 @@ class DepthGraphs:
         """Run depth ``depth`` (>= 1) for ``nodes`` (the NODE_FACTS of each) -> [2, len(nodes), top_k] float64."""
         assert self._active is not None, "begin() a proposal first"
         buffers = self._buffers[self._active]
-        rows = next(b for b in ROW_BUCKETS if b >= len(nodes))
+        rows = row_bucket(len(nodes))
         key = (self._active, rows, top_k)
         padding = (0, 0, 0, buffers.root, buffers.scratch)
         facts = torch.tensor([*nodes, *[padding] * (rows - len(nodes))], dtype=torch.int64).T

@@ -146,20 +146,13 @@ class Drafter:
         session = request.session
         graphs.begin(g.context, session.last_output, _max_entries(g.plan), len(g.plan))
         g.entry_of[0] = graphs.root_entry
-        next_entry, depth = 0, 0
+        depth = 0
         while g.frontier:
             widest = g.plan[depth].children
             if depth == 0:
                 top = top_candidates(self.head, session.last_output[None], widest)
             else:
-                position = session.num_entries - 1 + depth
-                nodes = []
-                for i, n in enumerate(g.frontier):
-                    parent = g.tree.parents[n]
-                    g.entry_of[n] = next_entry + i
-                    nodes.append((g.tree.tokens[n], g.row_of[parent], position, g.entry_of[parent], next_entry + i))
-                next_entry += len(nodes)
-                top = graphs.step(nodes, depth, widest)
+                top = graphs.step(g.enter_frontier(depth), depth, widest)
             top_lp, top_tokens = top.tolist()  # the one device -> host copy of a depth
             g.grow(depth, 0, top_lp, top_tokens)
             depth += 1
@@ -171,15 +164,9 @@ class Drafter:
         """One head pass for every frontier node of every session at ``depth`` > 0, each over its context and
         ancestors; ``outputs`` [rows, hidden] are the previous depth's -> this depth's, one row per frontier
         node, and their ``top_candidates``. The dense halves replay from graphs when the rows fit a bucket."""
-        per_node = []  # (token, parent's output row, position, parent's entry)
-        for g in growing:
-            position = g.request.session.num_entries - 1 + depth
-            parents = [g.tree.parents[n] for n in g.frontier]
-            per_node += [
-                (g.tree.tokens[n], g.row_of[p], position, g.entry_of[p]) for n, p in zip(g.frontier, parents)
-            ]
+        per_node = [facts for g in growing for facts in g.enter_frontier(depth)]
         columns = torch.tensor(list(zip(*per_node)), device=outputs.device)  # one host -> device copy
-        tokens, parent_rows, positions, parent_entries = columns.unbind()
+        tokens, parent_rows, positions, parent_entries, _ = columns.unbind()  # own entries: TreeKV numbers alike
         hidden = outputs[parent_rows]
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(tokens.shape[0]) else None
         if graphs is not None:
@@ -191,8 +178,6 @@ class Drafter:
             rows = slice(row, row + len(g.frontier))
             kv = g.kv
             assert kv is not None  # batched proposals keep their entries in a TreeKV
-            for i, n in enumerate(g.frontier):
-                g.entry_of[n] = kv.length + i
             mask = kv.append(k[rows], v[rows], parent_entries[rows], depth)
             attn.append(draft_attention(q[rows], *g.context, *kv.view(), mask, self.head.scale))
             row = rows.stop
@@ -222,6 +207,7 @@ class _Growth:
     kv: TreeKV | None  # the tree's own entries (None: a DepthGraphs proposal keeps them)
     entry_of: dict[int, int]  # expanded node -> its entry in kv (the root: kv.root)
     row_of: dict[int, int] = field(default_factory=dict)  # frontier node -> its row in the depth's head outputs
+    num_entries: int = 0  # entries given out so far: the next one's id
 
     @staticmethod
     def start(request: ProposalRequest, head: Eagle3Head, own_kv: bool = True) -> _Growth:
@@ -235,6 +221,18 @@ class _Growth:
             kv = TreeKV(_max_entries(plan), len(plan), c.num_kv_heads, c.head_dim, weight.dtype, weight.device)
         entry_of = {0: kv.root} if kv is not None else {}
         return _Growth(request, tree, plan, [0] if plan else [], min_log_prob, session.context.view(), kv, entry_of)
+
+    def enter_frontier(self, depth: int) -> list[tuple[int, int, int, int, int]]:
+        """Give each frontier node the next entry id -> per node (token, parent's output row, position,
+        parent's entry, own entry): what a head pass at ``depth`` needs of it."""
+        position = self.request.session.num_entries - 1 + depth
+        facts = []
+        for n in self.frontier:
+            parent = self.tree.parents[n]
+            self.entry_of[n] = self.num_entries
+            facts.append((self.tree.tokens[n], self.row_of[parent], position, self.entry_of[parent], self.num_entries))
+            self.num_entries += 1
+        return facts
 
     def grow(self, depth: int, first_row: int, log_probs: list[list[float]], tokens: list[list[float]]) -> None:
         """Add each frontier node's top children (one row of log_probs and tokens each; its head output is

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from diffspec.errors import CheckpointError
+from kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
 from target_service.checkpoint import (
     LlamaConfig,
     RopeConfig,
@@ -28,7 +29,6 @@ from target_service.checkpoint import (
     read_config,
     safetensors_files,
 )
-from kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
 from target_service.rope import RotaryEmbedding
 
 PUBLISHED_ARCHITECTURE = "LlamaForCausalLMEagle3"

@@ -89,10 +89,7 @@ class HazardProfile:
 
     def pass_probability(self, depth: int, width: int) -> float:
         """P(the path passes ``depth`` | it reached it with ``width`` children proposed)."""
-        all_fail = 1.0
-        for rank in range(max(1, min(width, MAX_WIDTH))):
-            all_fail *= self.fail_rate(depth, rank)
-        return 1.0 - all_fail
+        return self._passes(depth)[min(width, MAX_WIDTH)]
 
     def pass_table(self, max_depth: int) -> list[list[float]]:
         """Row d - 1, column w: P(pass d | w children), for d = 1..max_depth and w = 0..MAX_WIDTH.
@@ -100,14 +97,15 @@ class HazardProfile:
         A planner scores thousands of candidate widths per step; each reads this table instead of
         walking the counts (and the prior's) again.
         """
-        table = []
-        for depth in range(1, max_depth + 1):
-            all_fail, row = 1.0, []
-            for rank in range(MAX_WIDTH):
-                all_fail *= self.fail_rate(depth, rank)
-                row.append(1.0 - all_fail)
-            table.append([row[0], *row])  # width 0 counts as 1, as in pass_probability
-        return table
+        return [self._passes(depth) for depth in range(1, max_depth + 1)]
+
+    def _passes(self, depth: int) -> list[float]:
+        """P(pass ``depth`` | w children) for w = 0..MAX_WIDTH; width 0 counts as 1 (the best child is always tried)."""
+        all_fail, row = 1.0, []
+        for rank in range(MAX_WIDTH):
+            all_fail *= self.fail_rate(depth, rank)
+            row.append(1.0 - all_fail)
+        return [row[0], *row]
 
     def hazard(self, widths: list[int]) -> list[float]:
         """h(d) for d = 1..len(widths) at the given widths."""

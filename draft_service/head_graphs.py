@@ -50,7 +50,7 @@ class HeadGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Eagle3Head.attention_inputs for ``rows`` <= the largest bucket."""
         rows = tokens.shape[0]
-        bucket = _bucket(rows)
+        bucket = row_bucket(rows)
         if bucket not in self._pre:
             self._pre[bucket] = _Half((tokens.new_zeros(bucket), hidden.new_zeros(bucket, hidden.shape[1]),
                                        positions.new_zeros(bucket)))  # fmt: skip
@@ -63,7 +63,7 @@ class HeadGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> draft outputs [rows, hidden] and [2, rows, top_k] float64: top log-probs and their target ids."""
         rows = attn.shape[0]
-        key = (_bucket(rows), top_k)
+        key = (row_bucket(rows), top_k)
         if key not in self._post:
             self._post[key] = _Half((attn.new_zeros(key[0], *attn.shape[1:]), hidden.new_zeros(key[0], hidden.shape[1])))
         half = self._post[key]
@@ -102,5 +102,6 @@ def top_candidates(head: Eagle3Head, outputs: torch.Tensor, top_k: int) -> torch
     return torch.stack([top_lp.double(), head.to_target_ids(top_ids).double()])
 
 
-def _bucket(rows: int) -> int:
+def row_bucket(rows: int) -> int:
+    """The smallest row bucket holding ``rows`` (at most the largest bucket)."""
     return next(b for b in ROW_BUCKETS if b >= rows)
