@@ -8,6 +8,7 @@ so rejected tree nodes never touch the pages.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, replace
 
@@ -20,17 +21,8 @@ from diffspec.sampling import SamplingParams, sample, target_probs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
 from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata, causal_mask
-from target_service.attention_backends import (
-    GRAPH_SAFE_BACKENDS,
-    attention_backend,
-    resolve_backend_name,
-)
-from target_service.backend import (
-    PrefillProgress,
-    PrefillResult,
-    TargetInfo,
-    VerifyResult,
-)
+from target_service.attention_backends import GRAPH_SAFE_BACKENDS, attention_backend, resolve_backend_name
+from target_service.backend import PrefillProgress, PrefillResult, TargetInfo, VerifyResult
 from target_service.bundle_scheduler import BundleLayout, schedule
 from target_service.kv_cache import PagedKVCache
 from target_service.kv_pool import PagedKVPool
@@ -172,8 +164,8 @@ class TargetRuntime:
             argmax = ran.logits.argmax(-1).tolist() if greedy else []
             results, commits = [], []
             for step, layout, offset in zip(steps, layouts, ran.row_offsets):
-                result, rows = self._accept(step, ran, offset, argmax)
-                commits.append((step.session_id, rows, [step.tree.tokens[0].item(), *result.accepted_tokens]))
+                result, commit = self._accept(step, ran, offset, argmax)
+                commits.append(commit)
                 if layout is not None:
                     result = replace(result, accepted_nodes=layout.to_original(result.accepted_nodes))
                 results.append(result)
@@ -214,7 +206,7 @@ class TargetRuntime:
             self.backend,
             self.feature_layers if want_features else (),
         )
-        offsets = torch.tensor([0] + [i.tokens.numel() for i in inputs]).cumsum(0)[:-1].tolist()
+        offsets = list(itertools.accumulate((i.tokens.numel() for i in inputs[:-1]), initial=0))
         return StepOutputs(out, self.model.logits(out.hidden), offsets)
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
@@ -269,8 +261,9 @@ class TargetRuntime:
 
     def _accept(
         self, step: VerifyStep, ran: StepOutputs, offset: int, argmax: list[int]
-    ) -> tuple[VerifyResult, list[int]]:
-        """The session's accepted path -> its result and the rows (root first) whose KV to commit."""
+    ) -> tuple[VerifyResult, tuple[str, list[int], list[int]]]:
+        """The session's accepted path -> its result and what to commit: (session, rows of the root and
+        the accepted nodes, their tokens)."""
         session = self.sessions[step.session_id]
         n = step.tree.num_nodes
         acceptance: Acceptance
@@ -279,16 +272,18 @@ class TargetRuntime:
         else:
             logits = ran.logits[offset : offset + n]
             acceptance = accept_sampling(step.tree, target_probs(logits, session.sampling), session.generator)
-        rows = [offset + r for r in (0, *acceptance.accepted_nodes)]
+        nodes = [0, *acceptance.accepted_nodes]
+        rows = [offset + r for r in nodes]
+        tokens = step.tree.tokens[nodes].tolist()
         session.pending_token = acceptance.bonus_token
         features = ran.forward.features[rows] if session.want_features else None
         result = VerifyResult(
-            accepted_tokens=step.tree.tokens[list(acceptance.accepted_nodes)].tolist(),
+            accepted_tokens=tokens[1:],
             accepted_nodes=acceptance.accepted_nodes,
             bonus_token=acceptance.bonus_token,
             features=features,
         )
-        return result, rows
+        return result, (step.session_id, rows, tokens)
 
     def _commit_rows(self, out: PagedForwardOutput, commits: list[tuple[str, list[int], list[int]]]) -> None:
         """Per (session, rows of ``out``, their tokens): the rows' KV into the session's next slots, its

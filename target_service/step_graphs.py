@@ -50,6 +50,7 @@ class _Bucket:
     def __init__(self, batch: int, tree: int, max_pages_per_seq: int, page_size: int, device: torch.device) -> None:
         rows = batch * tree
         self.batch, self.tree = batch, tree
+        self.host_identity = torch.eye(tree, dtype=torch.bool).repeat(batch, 1, 1)  # every row sees only itself
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.meta = AttentionMetadata(
@@ -57,7 +58,7 @@ class _Bucket:
             cu_q_lens=torch.arange(0, rows + 1, tree, dtype=torch.int32, device=device),
             context_lens_t=torch.zeros(batch, dtype=torch.int32, device=device),
             block_tables=torch.zeros(batch, max_pages_per_seq, dtype=torch.int32, device=device),
-            new_token_mask=torch.eye(tree, dtype=torch.bool, device=device).repeat(batch, 1),
+            new_token_mask=self.host_identity.flatten(0, 1).to(device),
             page_size=page_size,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -67,7 +68,7 @@ class _Bucket:
         """Copy the steps into the static buffers (one host-to-device copy per buffer)."""
         ids = torch.zeros(self.batch, self.tree, dtype=torch.int64)
         positions = torch.zeros(self.batch, self.tree, dtype=torch.int64)
-        mask = torch.eye(self.tree, dtype=torch.bool).repeat(self.batch, 1, 1)
+        mask = self.host_identity.clone()
         context = torch.zeros(self.batch, dtype=torch.int32)
         width = max(1, max(len(s.block_table) for s in steps))
         tables = torch.zeros(self.batch, width, dtype=torch.int32)

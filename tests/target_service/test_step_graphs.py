@@ -72,9 +72,8 @@ def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int) -> li
     return seen
 
 
-@pytest.fixture(scope="module")
-def truth(tiny_target_dir) -> dict[str, list[int]]:
-    runtime = _runtime(tiny_target_dir)
+def _auto_tokens(runtime: TargetRuntime) -> dict[str, list[int]]:
+    """81 greedy tokens per prompt, one Auto decode at a time; every page released after."""
     out = {}
     for sid, prompt in PROMPTS.items():
         tokens = [runtime.prefill(sid, prompt, GREEDY, want_features=False).first_token]
@@ -82,6 +81,11 @@ def truth(tiny_target_dir) -> dict[str, list[int]]:
         runtime.release(sid)
         out[sid] = tokens
     return out
+
+
+@pytest.fixture(scope="module")
+def truth(tiny_target_dir) -> dict[str, list[int]]:
+    return _auto_tokens(_runtime(tiny_target_dir))
 
 
 def _assert_same(got: list[tuple], want: list[tuple]) -> None:
@@ -112,11 +116,7 @@ def test_steps_beyond_every_bucket_run_unpadded(tiny_target_dir, truth):
 
 def test_auto_decode_through_buckets_equals_eager(tiny_target_dir, truth):
     runtime = _padded(_runtime(tiny_target_dir), batch_sizes=(1,), tree_sizes=(1,))
-    for sid, prompt in PROMPTS.items():
-        tokens = [runtime.prefill(sid, prompt, GREEDY, want_features=False).first_token]
-        tokens += [runtime.decode(sid).bonus_token for _ in range(80)]
-        runtime.release(sid)
-        assert tokens == truth[sid]
+    assert _auto_tokens(runtime) == truth
     assert runtime.pool.num_free_pages == runtime.pool.num_pages
 
 
@@ -128,12 +128,7 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_target_dir):
     common = dict(base_model=tiny_target_dir, device="cuda", dtype="float32", attention_backend="triton",
                   num_pages=256, prefill_chunk=128, graph_batch_sizes="1,2,4", graph_tree_sizes="1,4,8,16")  # fmt: skip
     eager = TargetRuntime(DiffSpecSettings(cuda_graphs=False, **common))
-    truth = {}
-    for sid, prompt in PROMPTS.items():
-        tokens = [eager.prefill(sid, prompt, GREEDY, want_features=False).first_token]
-        tokens += [eager.decode(sid).bonus_token for _ in range(80)]
-        eager.release(sid)
-        truth[sid] = tokens
+    truth = _auto_tokens(eager)
     graphed = TargetRuntime(DiffSpecSettings(cuda_graphs=True, **common))
     want = _run(eager, truth, rounds=12)
     got = _run(graphed, truth, rounds=12)
