@@ -23,5 +23,9 @@ class PeerUnavailable(DiffSpecError):
     """A draft or target service could not be reached or went away (gRPC UNAVAILABLE)."""
 
 
+class DeadlineExceeded(DiffSpecError):
+    """The request's deadline passed before it finished (gRPC DEADLINE_EXCEEDED)."""
+
+
 class CheckpointError(DiffSpecError):
     """A model directory is missing, incomplete or not in a supported layout."""

@@ -1,9 +1,9 @@
 """Prometheus metrics of one server process, on its own registry (no module-global metrics).
 
 Every service counts its RPCs by method and status code (the status interceptor does that).
-The target adds the latency of each session call, the step batcher's queue depth and KV pool
-usage; the draft its call latencies and sessions; the gateway, per finished generation, the
-tokens, tau, stop depths, prefill latency and mean step latency.
+The target adds the latency of each batched step and KV pool usage; the draft its step
+latencies and sessions; the gateway, per finished generation, the tokens, tau, stop depths,
+prefill latency and mean step latency, and the requests its engine loop holds.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:  # the shared library does not import the services at run time
-    from draft_service.inprocess import InProcessDraft
+    from draft_service.runtime import DraftRuntime
     from gateway.request import GenerationStats
-    from target_service.inprocess import InProcessTarget
+    from target_service.runtime import TargetRuntime
 
 _TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 _DEPTH_BUCKETS = tuple(float(d) for d in range(0, 17))
@@ -64,16 +64,13 @@ class ServingMetrics:
         )
         self.session_call_seconds = Histogram(
             "diffspec_session_call_seconds",
-            "Latency of one session call at the target or the draft, by call",
+            "Latency of one batched step at the target or the draft, by call",
             ["call"],
             buckets=_STEP_BUCKETS,
             registry=r,
         )
         self.active_generations = Gauge(
             "diffspec_active_generations", "Generations in flight at the gateway", registry=r
-        )
-        self.queue_depth = Gauge(
-            "diffspec_step_queue_depth", "Target steps waiting for the next batched forward", registry=r
         )
         self.kv_pages = Gauge("diffspec_kv_pages", "Target KV pool pages, by state", ["state"], registry=r)
         self.sessions = Gauge("diffspec_sessions", "Open sessions, by service", ["service"], registry=r)
@@ -82,21 +79,20 @@ class ServingMetrics:
         """Expose ``/metrics`` on ``host:port`` from a daemon thread."""
         start_http_server(port, addr=host, registry=self.registry)
 
-    def watch_target(self, target: InProcessTarget) -> None:
-        """Read queue depth, KV pool and session counts from the target at every scrape."""
-        pool = target.runtime.pool
-        self.queue_depth.set_function(lambda: target.batcher.queue_depth)
+    def watch_target(self, target: TargetRuntime) -> None:
+        """Read KV pool and session counts from the target at every scrape."""
+        pool = target.pool
         self.kv_pages.labels("total").set_function(lambda: pool.num_pages)
         self.kv_pages.labels("free").set_function(lambda: pool.num_free_pages)
         self.kv_pages.labels("used").set_function(lambda: pool.num_used_pages)
-        self.sessions.labels("target").set_function(lambda: len(target.runtime.sessions))
+        self.sessions.labels("target").set_function(lambda: len(target.sessions))
 
-    def watch_draft(self, draft: InProcessDraft) -> None:
-        self.sessions.labels("draft").set_function(lambda: len(draft.runtime.sessions))
+    def watch_draft(self, draft: DraftRuntime) -> None:
+        self.sessions.labels("draft").set_function(lambda: len(draft.sessions))
 
     @contextmanager
     def time_call(self, call: str) -> Iterator[None]:
-        """Time one session call (prefill, verify, propose, ...) at the service that runs it."""
+        """Time one call (a target or draft step) at the service that runs it."""
         start = time.perf_counter()
         yield
         self.session_call_seconds.labels(call).observe(time.perf_counter() - start)

@@ -13,6 +13,7 @@ import grpc
 
 from diffspec.errors import (
     CheckpointError,
+    DeadlineExceeded,
     DiffSpecError,
     InvalidRequest,
     PeerUnavailable,
@@ -25,6 +26,7 @@ _STATUS_OF: tuple[tuple[type[DiffSpecError], grpc.StatusCode], ...] = (
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
 _ERROR_OF: dict[grpc.StatusCode, type[DiffSpecError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,

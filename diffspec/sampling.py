@@ -22,8 +22,8 @@ class SamplingParams:
     seed: int | None = None  # fixes the random stream of one request
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise InvalidRequest(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -40,7 +40,10 @@ class SamplingParams:
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., vocab] float32 logits -> the distribution sampling draws from (temperature > 0)."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    # Shift before scaling: the largest logit becomes 0 and any temperature, however small, gives
+    # finite values (a tiny temperature would otherwise overflow to inf - inf = NaN).
+    logits = logits.float()
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / params.temperature, dim=-1)
     if params.top_p >= 1.0:
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)

@@ -41,7 +41,6 @@ class DiffSpecSettings(BaseSettings):
     num_pages: int = Field(4096, ge=1, description="Pages in the target's KV pool.")
     max_context: int = Field(0, ge=0, description="Longest prompt + generation in tokens; 0 = the model's limit.")
     prefill_chunk: int = Field(2048, ge=1, description="Prompt tokens per prefill forward (bounds activation memory).")
-    bundle_trees: bool = Field(True, description="Verify trees in bundle order (shared paths contiguous).")
     attention_backend: Literal["auto", "torch", "triton", "flash-attn"] = Field(
         "auto", description="Attention implementation for the target's paged KV; auto = triton on a GPU, torch on CPU."
     )
@@ -73,7 +72,9 @@ class DiffSpecSettings(BaseSettings):
     draft_address: str = Field("", description="Remote draft service host:port (empty = in process).")
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=65536, description="Largest gRPC message sent or received.")
     max_sessions: int = Field(64, ge=1, description="Concurrent generations admitted before RESOURCE_EXHAUSTED.")
-    max_batch_tokens: int = Field(4096, ge=1, description="Tokens per coalesced target forward.")
+    max_batch_tokens: int = Field(
+        4096, ge=1, description="Tokens one engine iteration computes: every tree first, then prompt chunks."
+    )
     metrics_port: int = Field(0, ge=0, description="Prometheus metrics HTTP port (0 = off).")
     keepalive_seconds: float = Field(
         30.0, gt=0, description="HTTP/2 keepalive ping interval of servers and channels (finds dead idle peers)."

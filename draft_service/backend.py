@@ -1,9 +1,10 @@
-"""The contract between the gateway and a draft: in process or over gRPC, the same calls.
+"""The contract between the engine loop and a draft: in process or over gRPC, the same call.
 
-``start`` builds the draft's own KV over the prompt from the target's EAGLE-3 features;
-``propose`` expands a token tree rooted at the last emitted token under the session's policy;
-``accept`` extends the draft KV with the features of the tokens the target committed;
-``release`` frees the session's draft KV and arena slots.
+One ``step`` call per loop iteration carries the whole batch: sessions to release (their
+final stats come back), sessions to start (the prompt's EAGLE-3 features from the target),
+the tokens the target committed for each running session at the last verification (with
+their features), and the sessions to propose a tree for. The measured cost of the last
+verification batch rides along, so tree budgets follow the batch they will be verified in.
 """
 
 from __future__ import annotations
@@ -13,14 +14,11 @@ from typing import Protocol
 
 import torch
 
+from draft_service.options import DraftOptions
+from diffspec.errors import DiffSpecError
 from diffspec.tree import DraftTree
 
-
-@dataclass(frozen=True)
-class DraftOptions:
-    policy: str = "full"  # chain, uniform<K>, full, online
-    tree_config: str = "64:0.08:8"  # total_tokens:threshold:depth
-    salience: bool = False  # attend to a selected working set instead of the whole context
+__all__ = ["DraftOptions", "DraftStats", "DraftStart", "DraftAccept", "VerifyCost", "DraftBatch", "DraftBatchResult"]
 
 
 @dataclass(frozen=True)
@@ -32,25 +30,48 @@ class DraftStats:
     context_tokens: int = 0  # tokens in the draft's full context
 
 
+@dataclass(frozen=True)
+class DraftStart:
+    session_id: str
+    prompt_ids: list[int]
+    features: torch.Tensor  # [len(prompt_ids), 3 * target_hidden]
+    first_token: int
+    options: DraftOptions
+
+
+@dataclass(frozen=True)
+class DraftAccept:
+    session_id: str
+    emitted_tokens: list[int]  # accepted drafts then the bonus token
+    features: torch.Tensor  # [len(emitted_tokens), 3 * target_hidden]: root + accepted positions
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """One measured verification batch: what the tree-budget planner learns the verify cost from."""
+
+    tree_tokens: int  # tokens of every tree in the batch together
+    seconds: float  # wall time of the target step that verified them
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    releases: list[str] = field(default_factory=list)
+    starts: list[DraftStart] = field(default_factory=list)
+    accepts: list[DraftAccept] = field(default_factory=list)
+    proposes: list[str] = field(default_factory=list)  # after starts and accepts are applied
+    verify_cost: VerifyCost | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.releases or self.starts or self.accepts or self.proposes)
+
+
+@dataclass(frozen=True)
+class DraftBatchResult:
+    trees: dict[str, DraftTree] = field(default_factory=dict)
+    released: dict[str, DraftStats] = field(default_factory=dict)
+    failures: dict[str, DiffSpecError] = field(default_factory=dict)
+
+
 class DraftBackend(Protocol):
-    async def start(
-        self,
-        session_id: str,
-        prompt_ids: list[int],
-        features: torch.Tensor,  # [prompt_len, 3 * target_hidden]
-        first_token: int,
-        options: DraftOptions,
-    ) -> None: ...
-
-    async def propose(self, session_id: str) -> DraftTree: ...
-
-    async def accept(
-        self,
-        session_id: str,
-        emitted_tokens: list[int],  # accepted drafts then the bonus token
-        features: torch.Tensor,  # [len(emitted_tokens), 3 * target_hidden]: root + accepted positions
-    ) -> None: ...
-
-    async def stats(self, session_id: str) -> DraftStats: ...
-
-    async def release(self, session_id: str) -> None: ...
+    def step(self, batch: DraftBatch) -> DraftBatchResult: ...

@@ -20,8 +20,12 @@ Budget rule. A plan gives each depth d a width w_d (children per expanded node; 
 w_{d-1} nodes of depth d-1 are expanded). The expected tokens per step are
     E(w) = 1 + sum_d prod_{j<=d} P(pass j | w_j)        (the 1 is the bonus token)
 and a step costs  T(w) = D * t_draft + c(N(w)),  N(w) = 1 + w_1 + sum_{d>=2} w_{d-1} w_d,
-with c(N) the verification cost measured as a function of tree size (a running least-squares
-line) and t_draft the measured draft time per depth. For every depth D the plan starts as a
+with c(N) the verification cost measured as a function of the tokens a verify batch holds (a
+running least-squares line) and t_draft the measured draft time per depth. In a batch, one
+session's tree shares the verify with the others' trees: its plan maximises the batch's
+tokens per second, (E(w) + E_others) / (D * t_draft + c(N(w) + N_others)), the others' trees
+taken as they were at the last step. A large batch at a compute-bound verify so gets
+smaller trees, and a lone session keeps the tree that pays for itself alone. For every depth D the plan starts as a
 chain of D tokens and greedily takes whichever single extra child (at any depth) raises E/T
 most, until none does or the token budget is spent; the best of these plans wins. Widths
 therefore grow where the hazard is high (a wider fan there saves the path most often), and the
@@ -168,11 +172,33 @@ def tree_size(widths: list[int]) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class BatchLoad:
+    """What the rest of a verify batch brings: the other sessions' trees at the last step."""
+
+    tree_tokens: int = 0  # tokens of the other sessions' trees
+    expected_tokens: float = 0.0  # tokens the other sessions expect to emit per step
+
+
 PLAN_HYSTERESIS = 0.03  # a new plan must beat the current one by 3% to replace it
 
 
+def expected_tokens(passes: list[list[float]], widths: list[int]) -> float:
+    """E(w): the bonus token plus, per depth, the probability that the path passes it."""
+    expected, alive = 1.0, 1.0
+    for depth, width in enumerate(widths):
+        alive *= passes[depth][width]
+        expected += alive
+    return expected
+
+
 def plan_tree(
-    profile: HazardProfile, cost: StepCostModel, max_tokens: int, max_depth: int, current: list[int] | None = None
+    profile: HazardProfile,
+    cost: StepCostModel,
+    max_tokens: int,
+    max_depth: int,
+    current: list[int] | None = None,
+    batch: BatchLoad = BatchLoad(),
 ) -> list[int]:
     """Widths per depth maximising expected tokens per second (the module docstring's rule).
 
@@ -183,12 +209,9 @@ def plan_tree(
     passes = profile.pass_table(max(max_depth, len(current or [])))
 
     def value(widths: list[int]) -> float:
-        expected, alive = 1.0, 1.0  # 1 + sum of S(d + 1): the bonus token plus each depth passed
-        for depth, width in enumerate(widths):
-            alive *= passes[depth][width]
-            expected += alive
-        seconds = len(widths) * cost.draft_seconds_per_depth + cost.verify_seconds(tree_size(widths))
-        return expected / seconds
+        tokens = batch.tree_tokens + tree_size(widths)
+        seconds = len(widths) * cost.draft_seconds_per_depth + cost.verify_seconds(tokens)
+        return (batch.expected_tokens + expected_tokens(passes, widths)) / seconds
 
     def widen(widths: list[int]) -> list[int]:
         """Greedily add the one child (at any depth) that raises the value most, until none does."""

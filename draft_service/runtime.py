@@ -1,4 +1,9 @@
-"""The draft runtime: the EAGLE-3 head, its sessions, and the tree plan each policy asks for."""
+"""The draft runtime: the EAGLE-3 head, its sessions, and the tree plan each policy asks for.
+
+One ``step`` per engine iteration: release finished sessions (their stats go back), start new
+ones over the target's prompt features, extend running ones with what the target committed,
+then grow every requested session's tree together, one head pass per depth for the batch.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffspec.errors import InvalidRequest
+from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.tree import DraftTree
-from draft_service.backend import DraftOptions, DraftStats
+from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats
 from draft_service.drafter import Drafter, DraftSession, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.hazard import HazardProfile, StepCostModel, plan_tree, widths_to_plan
+from draft_service.hazard import BatchLoad, HazardProfile, StepCostModel, expected_tokens, plan_tree, tree_size, widths_to_plan
+from draft_service.options import DraftOptions, validate_options
 from draft_service.tree_budget import MAX_DEPTH, DepthPlan, TreeBudget, TreePolicy
 from draft_service.working_set import WorkingSetConfig
 
@@ -30,12 +36,7 @@ class _SessionState:
     hazard: HazardProfile
     widths: list[int] = field(default_factory=list)  # children per depth of the last proposal
     last_tree: DraftTree | None = None
-    proposed_at: float = 0.0  # perf_counter when the last tree left; accept() measures the verify
-
-
-def validate_options(options: DraftOptions) -> tuple[TreePolicy, TreeBudget]:
-    """Parse the policy and budget; raises InvalidRequest for either."""
-    return TreePolicy.parse(options.policy), TreeBudget.parse(options.tree_config)
+    expected_tokens: float = 1.0  # what the last plan expected to emit per step
 
 
 def depth_plan(policy: TreePolicy, budget: TreeBudget) -> list[DepthPlan]:
@@ -50,7 +51,7 @@ def depth_plan(policy: TreePolicy, budget: TreeBudget) -> list[DepthPlan]:
 
 
 class DraftRuntime:
-    """Thread-safe: one lock serialises head forwards."""
+    """Thread-safe: one lock serialises steps (several gateways may share one draft)."""
 
     def __init__(
         self, head: Eagle3Head, working_set: WorkingSetConfig = WorkingSetConfig(), cuda_graphs: bool = True
@@ -60,64 +61,105 @@ class DraftRuntime:
         self.drafter = Drafter(head, cuda_graphs)
         self.sessions: dict[str, _SessionState] = {}
         self.global_hazard = HazardProfile(MAX_DEPTH, GLOBAL_DECAY)
-        self.step_cost = StepCostModel()  # time from a proposal leaving to its accept arriving
+        self.step_cost = StepCostModel()  # verify seconds against the batch's tree tokens, draft seconds per depth
         self._lock = threading.Lock()
 
-    def start(
-        self, session_id: str, prompt_ids: list[int], features: torch.Tensor, first_token: int, options: DraftOptions
-    ) -> None:
-        policy, budget = validate_options(options)
+    def step(self, batch: DraftBatch) -> DraftBatchResult:
+        """Release, start, accept, then propose for every session asked; failures stay per session."""
+        failures: dict[str, DiffSpecError] = {}
+        with self._lock:
+            released = {sid: self._release(sid) for sid in batch.releases if sid in self.sessions}
+            if batch.verify_cost is not None:
+                self.step_cost.observe_verify(batch.verify_cost.tree_tokens, batch.verify_cost.seconds)
+            for start in batch.starts:
+                self._guard(start.session_id, failures, self._start, start)
+            for accept in batch.accepts:
+                self._guard(accept.session_id, failures, self._accept, accept)
+            proposes = [sid for sid in batch.proposes if sid not in failures]
+            for sid in proposes:
+                if sid not in self.sessions:
+                    failures[sid] = InvalidRequest(f"unknown draft session {sid!r}")
+            trees = self._propose([sid for sid in proposes if sid not in failures])
+            for sid in failures:
+                self.sessions.pop(sid, None)
+        return DraftBatchResult(trees, released, failures)
+
+    @staticmethod
+    def _guard(session_id: str, failures: dict[str, DiffSpecError], work, item) -> None:  # noqa: ANN001
+        try:
+            work(item)
+        except DiffSpecError as failure:
+            failures[session_id] = failure
+
+    def _start(self, start: DraftStart) -> None:
+        policy, budget = validate_options(start.options)
         expected = 3 * self.head.config.target_hidden_size
-        if features.ndim != 2 or features.shape != (len(prompt_ids), expected):
-            raise InvalidRequest(f"features of shape {tuple(features.shape)}; expected ({len(prompt_ids)}, {expected})")
-        if session_id in self.sessions:
-            raise InvalidRequest(f"draft session {session_id!r} already exists")
-        with self._lock:
-            salience = self.working_set if options.salience else None
-            state = self.drafter.start(prompt_ids, features, first_token, salience)
-            hazard = HazardProfile(MAX_DEPTH, REQUEST_DECAY, prior=self.global_hazard)
-            self.sessions[session_id] = _SessionState(state, policy, budget, hazard)
-
-    def propose(self, session_id: str) -> DraftTree:
-        return self.propose_batch([session_id])[0]
-
-    def propose_batch(self, session_ids: list[str]) -> list[DraftTree]:
-        """Trees for several sessions, grown together (one head pass per depth for all)."""
-        sessions = [self._session(sid) for sid in session_ids]
-        with self._lock:
-            requests = [ProposalRequest(s.drafter_state, self._plan(s), s.budget) for s in sessions]
-            started = time.perf_counter()
-            trees = self.drafter.propose_many(requests)
-            finished = time.perf_counter()
-            self.step_cost.observe_draft(max(len(r.plan) for r in requests), finished - started)
-            for session, tree in zip(sessions, trees):
-                session.proposed_at, session.last_tree = finished, tree
-            return trees
-
-    def _plan(self, session: _SessionState) -> list[DepthPlan]:
-        if session.policy.name == "online":
-            session.widths = plan_tree(
-                session.hazard, self.step_cost, session.budget.total_tokens, session.budget.depth, session.widths
+        features = start.features
+        if features.ndim != 2 or tuple(features.shape) != (len(start.prompt_ids), expected):
+            raise InvalidRequest(
+                f"features of shape {tuple(features.shape)}; expected ({len(start.prompt_ids)}, {expected})"
             )
-            return widths_to_plan(session.widths)
-        plan = depth_plan(session.policy, session.budget)
-        session.widths = [step.children for step in plan]
-        return plan
+        if start.session_id in self.sessions:
+            raise InvalidRequest(f"draft session {start.session_id!r} already exists")
+        self._check_token_ids([*start.prompt_ids, start.first_token])
+        salience = self.working_set if start.options.salience else None
+        state = self.drafter.start(start.prompt_ids, features, start.first_token, salience)
+        hazard = HazardProfile(MAX_DEPTH, REQUEST_DECAY, prior=self.global_hazard)
+        self.sessions[start.session_id] = _SessionState(state, policy, budget, hazard)
 
-    def accept(self, session_id: str, emitted_tokens: list[int], features: torch.Tensor) -> None:
-        session = self._session(session_id)
-        if not emitted_tokens or features.shape[0] != len(emitted_tokens):
-            raise InvalidRequest(f"{len(emitted_tokens)} emitted tokens but features for {features.shape[0]} positions")
-        with self._lock:
-            if session.last_tree is not None:
-                self._observe_step(session, emitted_tokens[:-1])
-            self.drafter.extend(session.drafter_state, features, emitted_tokens)
+    def _accept(self, accept: DraftAccept) -> None:
+        session = self._session(accept.session_id)
+        emitted, features = accept.emitted_tokens, accept.features
+        expected = 3 * self.head.config.target_hidden_size
+        if not emitted or tuple(features.shape) != (len(emitted), expected):
+            raise InvalidRequest(
+                f"{len(emitted)} emitted tokens with features of shape {tuple(features.shape)}; "
+                f"expected ({len(emitted)}, {expected})"
+            )
+        self._check_token_ids(emitted)
+        if session.last_tree is not None:
+            self._observe_step(session, emitted[:-1])
+        self.drafter.extend(session.drafter_state, features, emitted)
+
+    def _propose(self, session_ids: list[str]) -> dict[str, DraftTree]:
+        """Trees for several sessions, grown together (one head pass per depth for all)."""
+        if not session_ids:
+            return {}
+        sessions = [self.sessions[sid] for sid in session_ids]
+        plans = self._plan_batch(sessions)
+        requests = [ProposalRequest(s.drafter_state, plan, s.budget) for s, plan in zip(sessions, plans)]
+        started = time.perf_counter()
+        trees = self.drafter.propose_many(requests)
+        self.step_cost.observe_draft(max(len(plan) for plan in plans), time.perf_counter() - started)
+        for session, tree in zip(sessions, trees):
+            session.last_tree = tree
+        return dict(zip(session_ids, trees))
+
+    def _plan_batch(self, sessions: list[_SessionState]) -> list[list[DepthPlan]]:
+        """Each session's plan, ``online`` ones as a best response to the rest of the batch's last trees."""
+        sizes = [tree_size(s.widths) if s.widths else 1 for s in sessions]
+        total_size, total_expected = sum(sizes), sum(s.expected_tokens for s in sessions)
+        plans = []
+        for session, size in zip(sessions, sizes):
+            if session.policy.name == "online":
+                others = BatchLoad(total_size - size, total_expected - session.expected_tokens)
+                session.widths = plan_tree(
+                    session.hazard, self.step_cost, session.budget.total_tokens, session.budget.depth,
+                    session.widths, others,
+                )  # fmt: skip
+                plan = widths_to_plan(session.widths)
+            else:
+                plan = depth_plan(session.policy, session.budget)
+                session.widths = [step.children for step in plan]
+            passes = session.hazard.pass_table(max(1, len(session.widths)))
+            session.expected_tokens = expected_tokens(passes, session.widths)
+            plans.append(plan)
+        return plans
 
     def _observe_step(self, session: _SessionState, accepted: list[int]) -> None:
-        """Feed the hazard profile (sibling rank passed per depth) and the verify cost model."""
+        """Feed the hazard profile: the sibling rank that passed at each depth, and where the path stopped."""
         tree = session.last_tree
         assert tree is not None
-        self.step_cost.observe_verify(tree.num_nodes, time.perf_counter() - session.proposed_at)
         children, tokens = tree.children(), tree.tokens.tolist()
         node, ranks = 0, []
         for token in accepted:
@@ -129,8 +171,8 @@ class DraftRuntime:
         session.hazard.observe(ranks, stop_width=len(children[node]))
         session.last_tree = None
 
-    def stats(self, session_id: str) -> DraftStats:
-        session = self._session(session_id)
+    def _release(self, session_id: str) -> DraftStats:
+        session = self.sessions.pop(session_id)
         state = session.drafter_state
         return DraftStats(
             hazard=session.hazard.hazard(session.widths),
@@ -138,11 +180,13 @@ class DraftRuntime:
             context_tokens=state.num_entries,
         )
 
-    def release(self, session_id: str) -> None:
-        with self._lock:
-            self.sessions.pop(session_id, None)
-
     def _session(self, session_id: str) -> _SessionState:
         if session_id not in self.sessions:
             raise InvalidRequest(f"unknown draft session {session_id!r}")
         return self.sessions[session_id]
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.head.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diffspec.sampling import SamplingParams
-from draft_service.backend import DraftOptions
+from draft_service.options import DraftOptions
 
 
 @dataclass(frozen=True)
@@ -75,3 +75,5 @@ class GenerationChunk:
     token_ids: list[int]  # new generated ids in this chunk
     text: str  # the text they complete (may lag a token behind for split characters)
     stats: GenerationStats | None = None  # set on the last chunk only
+    prefill_progress: tuple[int, int] | None = None  # (done, total) prompt tokens, on progress-only chunks
+    prefill_progress: tuple[int, int] | None = None  # (prompt tokens done, prompt tokens) while a prompt prefills

@@ -21,9 +21,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [batch, max_pages_per_seq] int32, padded with 0 (device)
     new_token_mask: torch.Tensor  # [total_q, max_q_len] bool: row i (a new token) sees new token j of its own sequence
     page_size: int
-    # per sequence, its bundles as (branch row, first row, end row): rows [first, end) share the
-    # path root..branch row, so a kernel may read that prefix once for them (empty = no layout)
-    bundles: tuple[tuple[tuple[int, int, int], ...], ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -41,7 +38,6 @@ class AttentionMetadata:
         masks: list[torch.Tensor],
         page_size: int,
         device: torch.device,
-        bundles: tuple[tuple[tuple[int, int, int], ...], ...] = (),
     ) -> AttentionMetadata:
         """Pack per-sequence facts; ``masks[b]`` is [q_lens[b], q_lens[b]] bool."""
         max_q = max(q_lens)
@@ -63,7 +59,6 @@ class AttentionMetadata:
             block_tables=tables.to(device),
             new_token_mask=packed.to(device),
             page_size=page_size,
-            bundles=bundles,
         )
 
 

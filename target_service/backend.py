@@ -1,29 +1,66 @@
-"""The contract between the gateway and a target: in process or over gRPC, the same calls.
+"""The contract between the engine loop and a target: in process or over gRPC, the same call.
 
-A session is one generation. ``prefill`` opens it and returns the first token; each ``verify``
-checks a draft tree rooted at the last emitted token and commits the accepted path's KV;
-``decode`` is Auto's single-token step; ``release`` frees every page the session holds.
+The engine makes one ``step`` call per loop iteration with the whole batch's work: sessions to
+release, sessions to open (the prompt, its sampling), the next prompt chunk of each prefilling
+session, and one tree per decoding session (a root-only tree is an Auto step). A session's
+failure (bad input, no pages left, a sampling overflow) comes back in ``failures`` and leaves
+every other session of the batch untouched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
+from diffspec.errors import DiffSpecError
 from diffspec.sampling import SamplingParams
 from diffspec.tree import DraftTree
 
-# progress(done_tokens, total_tokens) during a long prefill
-PrefillProgress = Callable[[int, int], None]
+
+@dataclass(frozen=True)
+class SessionOpen:
+    session_id: str
+    prompt_ids: list[int]  # target-vocab ids of the whole prompt
+    sampling: SamplingParams
+    want_features: bool  # send EAGLE-3 features of every prompt position and of every accepted token
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    session_id: str
+    num_tokens: int  # prompt tokens to compute in this step (the session's next chunk)
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    session_id: str
+    tree: DraftTree  # rooted at the session's last emitted token; root-only = one Auto step
+
+
+@dataclass(frozen=True)
+class TargetBatch:
+    releases: list[str] = field(default_factory=list)  # sessions to free first
+    opens: list[SessionOpen] = field(default_factory=list)
+    prefills: list[PrefillWork] = field(default_factory=list)
+    verifies: list[VerifyStep] = field(default_factory=list)
+
+    @property
+    def tree_tokens(self) -> int:
+        """Tokens the verify forward computes: the sum of the trees' sizes."""
+        return sum(step.tree.num_nodes for step in self.verifies)
+
+    def __bool__(self) -> bool:
+        return bool(self.releases or self.opens or self.prefills or self.verifies)
 
 
 @dataclass(frozen=True)
 class PrefillResult:
-    first_token: int  # sampled from the last prompt position
-    features: torch.Tensor | None  # [prompt_len, 3 * hidden] EAGLE-3 features (None unless asked for)
-    num_cached_tokens: int  # prompt tokens whose KV came from shared prefix pages
+    done_tokens: int  # prompt tokens whose KV is in the pages after this step
+    total_tokens: int  # prompt length
+    first_token: int | None  # sampled from the last prompt position; set once the prompt is done
+    features: torch.Tensor | None  # [rows computed this step, 3 * hidden], only when features were asked for
 
 
 @dataclass(frozen=True)
@@ -37,6 +74,13 @@ class VerifyResult:
     def emitted_tokens(self) -> list[int]:
         """What the client receives from this step: accepted drafts, then the bonus."""
         return [*self.accepted_tokens, self.bonus_token]
+
+
+@dataclass(frozen=True)
+class TargetBatchResult:
+    prefills: dict[str, PrefillResult] = field(default_factory=dict)
+    verifies: dict[str, VerifyResult] = field(default_factory=dict)
+    failures: dict[str, DiffSpecError] = field(default_factory=dict)  # session -> why its work was dropped
 
 
 @dataclass(frozen=True)
@@ -54,23 +98,9 @@ class TargetInfo:
     active_sessions: int
     device: str
     dtype: str
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class TargetBackend(Protocol):
-    async def prefill(
-        self,
-        session_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        want_features: bool,
-        progress: PrefillProgress | None = None,
-    ) -> PrefillResult: ...
+    def step(self, batch: TargetBatch) -> TargetBatchResult: ...
 
-    async def verify(self, session_id: str, tree: DraftTree) -> VerifyResult: ...
-
-    async def decode(self, session_id: str) -> VerifyResult: ...
-
-    async def release(self, session_id: str) -> None: ...
-
-    async def info(self) -> TargetInfo: ...
+    def info(self) -> TargetInfo: ...

@@ -1,53 +1,48 @@
-"""The target runtime: model weights, the paged KV pool, and the session steps over them.
+"""The target runtime: model weights, the paged KV pool, and one ``step`` per engine iteration.
 
-Every step is the same forward: a sequence's new tokens (a prefill chunk, a draft tree, or
-the single root of an Auto step) attend to its committed pages plus each other under a mask.
-The new tokens' KV stays in a scratch buffer until acceptance decides which rows to commit,
-so rejected tree nodes never touch the pages.
+A step frees released sessions, opens new ones (pages for the whole prompt, shared prefix
+pages reused), runs every prefilling session's next prompt chunk in one forward, then every
+decoding session's tree in one verify forward (from a CUDA graph bucket on a GPU). The new
+tokens' KV stays in a scratch buffer until acceptance decides which rows to commit, so rejected
+tree nodes never touch the pages; all sessions' accepted rows go in with one KV-commit launch.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, replace
 
 import torch
 
-from diffspec.acceptance import Acceptance, accept_greedy, accept_sampling
 from diffspec.devices import dtype_name, resolve_device, resolve_dtype
-from diffspec.errors import InvalidRequest
+from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import SamplingParams, sample, target_probs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
 from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata, causal_mask
+from target_service.acceptance_step import Commit, accept_batch
 from target_service.attention_backends import GRAPH_SAFE_BACKENDS, attention_backend, resolve_backend_name
-from target_service.backend import PrefillProgress, PrefillResult, TargetInfo, VerifyResult
-from target_service.bundle_scheduler import BundleLayout, schedule
+from target_service.backend import (
+    PrefillResult,
+    PrefillWork,
+    SessionOpen,
+    TargetBatch,
+    TargetBatchResult,
+    TargetInfo,
+    VerifyResult,
+    VerifyStep,
+)
 from target_service.kv_cache import PagedKVCache
 from target_service.kv_pool import PagedKVPool
 from target_service.llama import LlamaModel, PagedForwardOutput
+from target_service.session import SessionLimits, TargetSession
 from target_service.step_graphs import StepGraphs, StepInput, StepOutputs
 
-MAX_TREE_NODES = 256
-
-
-@dataclass
-class TargetSession:
-    sampling: SamplingParams
-    generator: torch.Generator
-    want_features: bool
-    pending_token: int  # emitted but not yet in the KV pages: the next tree's root
-
-
-@dataclass(frozen=True)
-class VerifyStep:
-    session_id: str
-    tree: DraftTree
+Failures = dict[str, DiffSpecError]
 
 
 class TargetRuntime:
-    """Thread-safe: one lock serialises forwards (a verify batch or one prefill chunk each)."""
+    """Thread-safe: one lock serialises steps (several gateways may share one target)."""
 
     def __init__(self, settings: DiffSpecSettings) -> None:
         self.device = resolve_device(settings.device)
@@ -56,121 +51,147 @@ class TargetRuntime:
         self.model = LlamaModel.from_pretrained(settings.base_model, self.device, dtype)
         config = self.model.config
         self.feature_layers = resolve_feature_layers(settings.feature_layers, config.num_layers)
-        self.max_context = min(settings.max_context or config.max_positions, config.max_positions)
-        self.prefill_chunk = settings.prefill_chunk
+        max_context = min(settings.max_context or config.max_positions, config.max_positions)
+        self.limits = SessionLimits(config.vocab_size, max_context)
         self.pool = PagedKVPool(settings.num_pages, settings.page_size)
         self.cache = PagedKVCache(config, settings.num_pages, settings.page_size, dtype, self.device)
         backend_name = resolve_backend_name(settings.attention_backend, self.device)
         self.backend = attention_backend(backend_name)
         self.step_graphs = (
             StepGraphs(
-                self.model, self.backend, self.cache, self.max_context, parse_sizes(settings.graph_batch_sizes),
+                self.model, self.backend, self.cache, max_context, parse_sizes(settings.graph_batch_sizes),
                 parse_sizes(settings.graph_tree_sizes), self.feature_layers, capture=True,
             )  # fmt: skip
             if settings.cuda_graphs and self.device.type == "cuda" and backend_name in GRAPH_SAFE_BACKENDS
             else None
         )
-        self.bundle_trees = settings.bundle_trees
         self.sessions: dict[str, TargetSession] = {}
         self._lock = threading.Lock()
 
-    # -- session steps -----------------------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        return self.limits.max_context
 
-    def prefill(
-        self,
-        session_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        want_features: bool,
-        progress: PrefillProgress | None = None,
-    ) -> PrefillResult:
-        """Open a session: write the prompt's KV chunk by chunk and sample the first token."""
-        self._check_prompt(session_id, prompt_ids)
+    # -- the engine's call ----------------------------------------------------------------------
+
+    def step(self, batch: TargetBatch) -> TargetBatchResult:
+        """Release, open, prefill, verify; a session whose work fails is reported and released."""
+        failures: Failures = {}
         with self._lock:
-            num_cached = self.pool.allocate(session_id, prompt_ids)
-        try:
-            return self._prefill_chunks(session_id, prompt_ids, sampling, want_features, num_cached, progress)
-        except BaseException:
-            self.release(session_id)
-            raise
+            for session_id in batch.releases:
+                self._release(session_id)
+            for opening in batch.opens:
+                self._guard(opening.session_id, failures, self._open, opening)
+            prefills = self._prefill([w for w in batch.prefills if w.session_id not in failures], failures)
+            verifies = self._verify([v for v in batch.verifies if v.session_id not in failures], failures)
+            for session_id in failures:
+                self._release(session_id)
+        return TargetBatchResult(prefills, verifies, failures)
 
-    def _prefill_chunks(
-        self,
-        session_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        want_features: bool,
-        num_cached: int,
-        progress: PrefillProgress | None,
-    ) -> PrefillResult:
-        # Features are needed for every prompt position, so shared prefix pages only save
-        # compute when nobody asked for features.
-        start = 0 if want_features else num_cached
-        features: list[torch.Tensor] = []
-        out: PagedForwardOutput | None = None
-        for chunk_start in range(start, len(prompt_ids), self.prefill_chunk):
-            chunk = prompt_ids[chunk_start : chunk_start + self.prefill_chunk]
-            with self._lock:  # per chunk, so other sessions' steps interleave with a long prefill
-                meta = AttentionMetadata.build(
-                    [len(chunk)], [chunk_start], [self.pool.block_table(session_id)], [causal_mask(len(chunk))],
-                    self.pool.page_size, self.device,
-                )  # fmt: skip
-                out = self.model.forward_paged(
-                    torch.tensor(chunk, device=self.device),
-                    torch.arange(chunk_start, chunk_start + len(chunk), device=self.device),
-                    self.cache.k_pages,
-                    self.cache.v_pages,
-                    meta,
-                    self.backend,
-                    self.feature_layers if want_features else (),
-                )
-                skip = max(0, self.pool.num_committed(session_id) - chunk_start)  # rows already in shared pages
-                self._commit_rows(out, [(session_id, list(range(skip, len(chunk))), chunk[skip:])])
-            if out.features is not None:
-                features.append(out.features)
-            if progress is not None:
-                progress(chunk_start + len(chunk), len(prompt_ids))
-        assert out is not None  # the prompt always has an uncached last token
-        logits = self.model.logits(out.hidden[-1])
-        generator = sampling.generator()
-        first = int(logits.argmax()) if sampling.greedy else sample(target_probs(logits, sampling), generator)
-        self.sessions[session_id] = TargetSession(sampling, generator, want_features, first)
-        return PrefillResult(
-            first_token=first,
-            features=torch.cat(features) if want_features else None,
-            num_cached_tokens=num_cached,
+    def _guard(self, session_id: str, failures: Failures, work, *args) -> None:  # noqa: ANN001
+        try:
+            work(*args)
+        except DiffSpecError as failure:
+            failures[session_id] = failure
+
+    # -- open and prefill -----------------------------------------------------------------------
+
+    def _open(self, opening: SessionOpen) -> None:
+        if opening.session_id in self.sessions or self.pool.has_sequence(opening.session_id):
+            raise InvalidRequest(f"session {opening.session_id!r} already exists")
+        self.limits.check_prompt(opening.prompt_ids)
+        num_cached = self.pool.allocate(opening.session_id, opening.prompt_ids)
+        # Features are needed for every prompt position, so shared pages only save compute without them.
+        self.sessions[opening.session_id] = TargetSession(
+            prompt_ids=list(opening.prompt_ids),
+            sampling=opening.sampling,
+            generator=None if opening.sampling.greedy else opening.sampling.generator(),
+            want_features=opening.want_features,
+            prefilled=0 if opening.want_features else num_cached,
         )
 
-    def verify_batch(self, steps: list[VerifyStep]) -> list[VerifyResult]:
-        """Verify several sessions' trees in one forward and commit each accepted path."""
+    def _prefill(self, work: list[PrefillWork], failures: Failures) -> dict[str, PrefillResult]:
+        """Every session's next prompt chunk in one causal forward; sample the first token of finished prompts."""
+        chunks: list[tuple[str, int, int]] = []  # (session, first position, end position)
+        for item in work:
+            session = self.sessions.get(item.session_id)
+            if session is None or not session.prefilling or item.num_tokens < 1:
+                failures[item.session_id] = InvalidRequest(f"no prompt left to prefill in {item.session_id!r}")
+                continue
+            start = session.prefilled
+            chunks.append((item.session_id, start, min(len(session.prompt_ids), start + item.num_tokens)))
+        if not chunks:
+            return {}
+        ids = [self.sessions[sid].prompt_ids[start:end] for sid, start, end in chunks]
+        meta = AttentionMetadata.build(
+            [len(c) for c in ids], [start for _, start, _ in chunks],
+            [self.pool.block_table(sid) for sid, _, _ in chunks], [causal_mask(len(c)) for c in ids],
+            self.pool.page_size, self.device,
+        )  # fmt: skip
+        want_features = any(self.sessions[sid].want_features for sid, _, _ in chunks)
+        out = self.model.forward_paged(
+            torch.tensor(list(itertools.chain(*ids)), device=self.device),
+            torch.cat([torch.arange(start, end) for _, start, end in chunks]).to(self.device),
+            self.cache.k_pages,
+            self.cache.v_pages,
+            meta,
+            self.backend,
+            self.feature_layers if want_features else (),
+        )
+        commits, results, row = [], {}, 0
+        for sid, start, end in chunks:
+            session = self.sessions[sid]
+            skip = max(0, self.pool.num_committed(sid) - start)  # rows already in shared prefix pages
+            commits.append(Commit(sid, list(range(row + skip, row + end - start)), session.prompt_ids[start + skip : end]))
+            session.prefilled = end
+            first = None
+            if end == len(session.prompt_ids):
+                first = self._first_token(session, out.hidden[row + end - start - 1])
+            features = out.features[row : row + end - start] if session.want_features else None
+            results[sid] = PrefillResult(end, len(session.prompt_ids), first, features)
+            row += end - start
+        self._commit(out, commits)
+        return results
+
+    def _first_token(self, session: TargetSession, hidden: torch.Tensor) -> int:
+        logits = self.model.logits(hidden)
+        if session.sampling.greedy:
+            token = int(logits.argmax())
+        else:
+            assert session.generator is not None
+            token = sample(target_probs(logits, session.sampling), session.generator)
+        session.pending_token = token
+        return token
+
+    # -- verify ---------------------------------------------------------------------------------
+
+    def _verify(self, steps: list[VerifyStep], failures: Failures) -> dict[str, VerifyResult]:
+        """All trees in one forward; each session's accepted path committed, in one launch for all."""
+        valid: list[VerifyStep] = []
         for step in steps:
-            self._check_tree(step.session_id, step.tree)
-        layouts: list[BundleLayout | None] = [None] * len(steps)
-        if self.bundle_trees:  # depth-first order: each bundle's shared path is a contiguous run
-            scheduled = [schedule(step.tree) for step in steps]
-            steps = [VerifyStep(step.session_id, tree) for step, (tree, _) in zip(steps, scheduled)]
-            layouts = [layout for _, layout in scheduled]
-        with self._lock:
-            for step in steps:  # pages for the longest possible path, before any compute
-                depth = int(step.tree.depths().max())
-                self.pool.reserve(step.session_id, depth + 1)
-            inputs = [self._step_input(s) for s in steps]
-            ran = self.step_graphs.run(inputs) if self.step_graphs is not None else None
-            if ran is None:
-                want_features = any(self.sessions[s.session_id].want_features for s in steps)
-                ran = self._forward_eager(inputs, want_features, layouts)
-            # One read of the step's argmax serves every greedy session (the only host sync of a step).
-            greedy = any(self.sessions[s.session_id].sampling.greedy for s in steps)
-            argmax = ran.logits.argmax(-1).tolist() if greedy else []
-            results, commits = [], []
-            for step, layout, offset in zip(steps, layouts, ran.row_offsets):
-                result, commit = self._accept(step, ran, offset, argmax)
-                commits.append(commit)
-                if layout is not None:
-                    result = replace(result, accepted_nodes=layout.to_original(result.accepted_nodes))
-                results.append(result)
-            self._commit_rows(ran.forward, commits)
-            return results
+            self._guard(step.session_id, failures, self._check_and_reserve, step)
+            if step.session_id not in failures:
+                valid.append(step)
+        if not valid:
+            return {}
+        inputs = [self._step_input(step) for step in valid]
+        ran = self.step_graphs.run(inputs) if self.step_graphs is not None else None
+        if ran is None:
+            want_features = any(self.sessions[s.session_id].want_features for s in valid)
+            ran = self._forward_eager(inputs, want_features)
+        sessions = [self.sessions[step.session_id] for step in valid]
+        results, commits, rejected = accept_batch(valid, sessions, ran)
+        failures.update(rejected)
+        self._commit(ran.forward, commits)
+        return results
+
+    def _check_and_reserve(self, step: VerifyStep) -> None:
+        """Validate the tree, then hold pages for its longest path before any compute."""
+        session = self.sessions.get(step.session_id)
+        if session is None:
+            raise InvalidRequest(f"unknown session {step.session_id!r}")
+        self.limits.check_tree(session, self.pool.num_committed(step.session_id), step.tree)
+        self.pool.reserve(step.session_id, int(step.tree.depths().max()) + 1)
 
     def _step_input(self, step: VerifyStep) -> StepInput:
         committed = self.pool.num_committed(step.session_id)
@@ -182,9 +203,7 @@ class TargetRuntime:
             block_table=self.pool.block_table(step.session_id),
         )
 
-    def _forward_eager(
-        self, inputs: list[StepInput], want_features: bool, layouts: list[BundleLayout | None]
-    ) -> StepOutputs:
+    def _forward_eager(self, inputs: list[StepInput], want_features: bool) -> StepOutputs:
         """The unpadded forward, for steps no graph bucket holds (and every step without graphs)."""
         meta = AttentionMetadata.build(
             q_lens=[i.tokens.numel() for i in inputs],
@@ -193,9 +212,6 @@ class TargetRuntime:
             masks=[i.mask for i in inputs],
             page_size=self.pool.page_size,
             device=self.device,
-            bundles=tuple(
-                tuple((b.branch_node, *b.rows) for b in layout.bundles) if layout else () for layout in layouts
-            ),
         )
         out = self.model.forward_paged(
             torch.cat([i.tokens for i in inputs]).to(self.device),
@@ -209,12 +225,57 @@ class TargetRuntime:
         offsets = list(itertools.accumulate((i.tokens.numel() for i in inputs[:-1]), initial=0))
         return StepOutputs(out, self.model.logits(out.hidden), offsets)
 
+    def _commit(self, out: PagedForwardOutput, commits: list[Commit]) -> None:
+        """Each commit's rows of ``out`` into its session's next slots, its length advanced; one launch for all."""
+        rows: list[int] = []
+        slots: list[int] = []
+        for commit in commits:
+            if not commit.rows:
+                continue
+            session_slots, copies = self.pool.reserve(commit.session_id, len(commit.rows))
+            self.cache.apply_copies(copies)  # copy-on-write pages are private before anything is written
+            self.pool.commit(commit.session_id, commit.tokens)
+            rows += commit.rows
+            slots += session_slots
+        if rows:
+            self.cache.write(
+                out.new_k,
+                out.new_v,
+                torch.tensor(rows, dtype=torch.int64, device=self.device),
+                torch.tensor(slots, dtype=torch.int64, device=self.device),
+            )
+
+    # -- one session at a time (tests, tools) --------------------------------------------------
+
+    def prefill(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams, want_features: bool) -> PrefillResult:
+        """Open a session and prefill its whole prompt; the result holds every prompt row's features."""
+        self._raise_failures(self.step(TargetBatch(opens=[SessionOpen(session_id, prompt_ids, sampling, want_features)])))
+        parts: list[PrefillResult] = []
+        while not parts or parts[-1].first_token is None:
+            work = PrefillWork(session_id, len(prompt_ids))
+            parts.append(self._raise_failures(self.step(TargetBatch(prefills=[work]))).prefills[session_id])
+        features = [p.features for p in parts if p.features is not None]
+        return PrefillResult(len(prompt_ids), len(prompt_ids), parts[-1].first_token, torch.cat(features) if features else None)
+
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
-        return self.verify_batch([VerifyStep(session_id, tree)])[0]
+        return self._raise_failures(self.step(TargetBatch(verifies=[VerifyStep(session_id, tree)]))).verifies[session_id]
 
     def decode(self, session_id: str) -> VerifyResult:
         """Auto: one forward of the pending token, one new token."""
         return self.verify(session_id, DraftTree.root_only(self.pending_token(session_id)))
+
+    def release(self, session_id: str) -> None:
+        """Free every page of the session; releasing an unknown session is a no-op."""
+        with self._lock:
+            self._release(session_id)
+
+    @staticmethod
+    def _raise_failures(result: TargetBatchResult) -> TargetBatchResult:
+        for failure in result.failures.values():
+            raise failure
+        return result
+
+    # -- state ----------------------------------------------------------------------------------
 
     def warm_up(self) -> int:
         """Record every step graph now rather than at each bucket's first step; returns how many exist."""
@@ -226,14 +287,14 @@ class TargetRuntime:
 
     def pending_token(self, session_id: str) -> int:
         """The session's last emitted token, the root of its next tree."""
-        return self._session(session_id).pending_token
+        session = self.sessions.get(session_id)
+        if session is None or session.pending_token is None:
+            raise InvalidRequest(f"session {session_id!r} has no emitted token")
+        return session.pending_token
 
-    def release(self, session_id: str) -> None:
-        """Free every page of the session; releasing an unknown session is a no-op."""
-        with self._lock:
-            self.sessions.pop(session_id, None)
-            if self.pool.has_sequence(session_id):
-                self.pool.release(session_id)
+    def committed_length(self, session_id: str) -> int:
+        """Tokens of the session whose KV is in the pages (prompt + emitted, minus the pending root)."""
+        return self.pool.num_committed(session_id)
 
     def info(self) -> TargetInfo:
         c = self.model.config
@@ -253,89 +314,7 @@ class TargetRuntime:
             dtype=dtype_name(self.model.dtype),
         )
 
-    def committed_length(self, session_id: str) -> int:
-        """Tokens of the session whose KV is in the pages (prompt + emitted, minus the pending root)."""
-        return self.pool.num_committed(session_id)
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def _accept(
-        self, step: VerifyStep, ran: StepOutputs, offset: int, argmax: list[int]
-    ) -> tuple[VerifyResult, tuple[str, list[int], list[int]]]:
-        """The session's accepted path -> its result and what to commit: (session, rows of the root and
-        the accepted nodes, their tokens)."""
-        session = self.sessions[step.session_id]
-        n = step.tree.num_nodes
-        acceptance: Acceptance
-        if session.sampling.greedy:
-            acceptance = accept_greedy(step.tree, argmax[offset : offset + n])
-        else:
-            logits = ran.logits[offset : offset + n]
-            acceptance = accept_sampling(step.tree, target_probs(logits, session.sampling), session.generator)
-        nodes = [0, *acceptance.accepted_nodes]
-        rows = [offset + r for r in nodes]
-        tokens = step.tree.tokens[nodes].tolist()
-        session.pending_token = acceptance.bonus_token
-        features = ran.forward.features[rows] if session.want_features else None
-        result = VerifyResult(
-            accepted_tokens=tokens[1:],
-            accepted_nodes=acceptance.accepted_nodes,
-            bonus_token=acceptance.bonus_token,
-            features=features,
-        )
-        return result, (step.session_id, rows, tokens)
-
-    def _commit_rows(self, out: PagedForwardOutput, commits: list[tuple[str, list[int], list[int]]]) -> None:
-        """Per (session, rows of ``out``, their tokens): the rows' KV into the session's next slots, its
-        length advanced; all sessions' rows in one KV-commit launch."""
-        rows: list[int] = []
-        slots: list[int] = []
-        for session_id, session_rows, tokens in commits:
-            if not session_rows:
-                continue
-            session_slots, copies = self.pool.reserve(session_id, len(session_rows))
-            self.cache.apply_copies(copies)  # copy-on-write pages are private before anything is written
-            self.pool.commit(session_id, tokens)
-            rows += session_rows
-            slots += session_slots
-        if rows:
-            self.cache.write(
-                out.new_k,
-                out.new_v,
-                torch.tensor(rows, dtype=torch.int64, device=self.device),
-                torch.tensor(slots, dtype=torch.int64, device=self.device),
-            )
-
-    def _session(self, session_id: str) -> TargetSession:
-        if session_id not in self.sessions:
-            raise InvalidRequest(f"unknown session {session_id!r}")
-        return self.sessions[session_id]
-
-    def _check_prompt(self, session_id: str, prompt_ids: list[int]) -> None:
-        if session_id in self.sessions or self.pool.has_sequence(session_id):
-            raise InvalidRequest(f"session {session_id!r} already exists")
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty")
-        if len(prompt_ids) >= self.max_context:
-            raise InvalidRequest(
-                f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_context} tokens"
-            )
-        self._check_token_ids(prompt_ids)
-
-    def _check_tree(self, session_id: str, tree: DraftTree) -> None:
-        session = self._session(session_id)
-        if int(tree.tokens[0]) != session.pending_token:
-            raise InvalidRequest(
-                f"tree root {int(tree.tokens[0])} is not the session's last token {session.pending_token}"
-            )
-        if tree.num_nodes > MAX_TREE_NODES:
-            raise InvalidRequest(f"tree of {tree.num_nodes} nodes exceeds {MAX_TREE_NODES}")
-        if self.pool.num_committed(session_id) + int(tree.depths().max()) + 1 > self.max_context:
-            raise InvalidRequest(f"the session would exceed its context of {self.max_context} tokens")
-        self._check_token_ids(tree.tokens.tolist())
-
-    def _check_token_ids(self, ids: list[int]) -> None:
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+    def _release(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+        if self.pool.has_sequence(session_id):
+            self.pool.release(session_id)

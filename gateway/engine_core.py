@@ -1,0 +1,308 @@
+"""The engine loop: one object owns every running request and advances all of them together.
+
+Each iteration, on the engine's own thread:
+  1. takes new requests and cancellations from the inbox, and ends requests past their deadline;
+  2. makes one draft call: release finished sessions, start sessions whose prompt is done, accept
+     what the last verification committed, propose a tree for every speculative session;
+  3. makes one target call: release, open new sessions, the next prompt chunk of each prefilling
+     request under the iteration's token budget (trees first, so a 64K prompt never stalls the
+     streams already decoding), and one verification of every decoding request, speculative
+     (its tree) and Auto (a root-only tree) alike;
+  4. hands each request's tokens to its output sink.
+Front ends (gRPC, HTTP, the CLI) only submit requests and read their sinks. A session failure
+fails that request alone; a draft failure turns the affected requests to Auto, which the target
+alone decides, so their tokens do not change.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from diffspec.errors import DeadlineExceeded, DiffSpecError, PeerUnavailable, ResourceExhausted
+from draft_service.backend import DraftBackend, DraftBatch, DraftBatchResult, VerifyCost
+from gateway.detokenizer import Tokenizer
+from gateway.request import GenerationRequest
+from gateway.running_request import OutputSink, Phase, RunningRequest
+from target_service.backend import PrefillWork, SessionOpen, TargetBackend, TargetBatch, TargetInfo, VerifyStep
+
+log = logging.getLogger(__name__)
+
+MIN_PREFILL_TOKENS = 64  # prompt tokens an iteration computes even when trees fill the budget
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_requests: int  # running + waiting before RESOURCE_EXHAUSTED
+    max_batch_tokens: int  # tokens one iteration computes: trees first, then prompt chunks
+    prefill_chunk: int  # most prompt tokens of one request per iteration
+
+
+@dataclass
+class LoopTiming:
+    """Where an iteration's wall time goes: inside the backends' calls, or the loop's own host work."""
+
+    iterations: int = 0
+    loop_seconds: float = 0.0  # whole iterations
+    backend_seconds: float = 0.0  # inside draft and target calls
+    batch_sizes: list[int] = field(default_factory=list)  # requests verified per iteration
+
+    @property
+    def host_ms_per_iteration(self) -> float:
+        return 1000 * (self.loop_seconds - self.backend_seconds) / self.iterations if self.iterations else 0.0
+
+    def reset(self) -> None:
+        self.iterations, self.loop_seconds, self.backend_seconds = 0, 0.0, 0.0
+        self.batch_sizes.clear()
+
+
+@dataclass(frozen=True)
+class _Submit:
+    running: RunningRequest
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class EngineCore:
+    def __init__(
+        self,
+        target: TargetBackend,
+        draft: DraftBackend | None,
+        tokenizer: Tokenizer,
+        limits: EngineLimits,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.info: TargetInfo = target.info()
+        self.timing = LoopTiming()
+        self._requests: dict[str, RunningRequest] = {}  # admitted and not yet fully released, in arrival order
+        self._target_releases: list[str] = []
+        self._draft_releases: dict[str, RunningRequest | None] = {}  # session -> request waiting for its stats
+        self._verify_cost: VerifyCost | None = None
+        self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._admitted = 0  # requests submitted and not yet ended, counted on the submitting side
+        self._admitted_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="diffspec-engine", daemon=True)
+        self._thread.start()
+
+    # -- front-end side (any thread) -------------------------------------------------------------
+
+    def submit(
+        self, request_id: str, request: GenerationRequest, sink: OutputSink, deadline: float | None = None
+    ) -> None:
+        """Queue a request; raises ResourceExhausted when ``max_requests`` are already in the engine."""
+        with self._admitted_lock:
+            if self._admitted >= self.limits.max_requests:
+                raise ResourceExhausted(f"{self._admitted} generations in flight (max_sessions); retry later")
+            self._admitted += 1
+        running = RunningRequest.create(request_id, request, sink, self.info, self.tokenizer, deadline)
+        self._inbox.put(_Submit(running))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """The client is gone: stop the request and free what it holds (no-op once it has ended)."""
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    @property
+    def num_requests(self) -> int:
+        return self._admitted
+
+    def close(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- the loop (engine thread) ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self._has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as failure:  # noqa: BLE001 - a loop bug fails the requests, not the server
+                log.exception("engine iteration failed")
+                for running in list(self._requests.values()):
+                    self._fail(running, failure)
+        for running in list(self._requests.values()):
+            self._fail(running, PeerUnavailable("the server is shutting down"))
+
+    def _has_work(self) -> bool:
+        return bool(self._requests or self._target_releases or self._draft_releases or not self._inbox.empty())
+
+    def step(self) -> None:
+        """One iteration over every running request."""
+        started = time.perf_counter()
+        self._take_inbox()
+        self._end_expired()
+        backend_seconds = self._draft_step() + self._target_step()
+        self.timing.iterations += 1
+        self.timing.loop_seconds += time.perf_counter() - started
+        self.timing.backend_seconds += backend_seconds
+
+    def _take_inbox(self) -> None:
+        while not self._inbox.empty():
+            item = self._inbox.get_nowait()
+            if isinstance(item, _Submit):
+                self._requests[item.running.request_id] = item.running
+            elif item.request_id in self._requests:
+                self._end(self._requests[item.request_id], notify=False)
+
+    def _end_expired(self) -> None:
+        now = time.monotonic()
+        for running in list(self._requests.values()):
+            if running.deadline is not None and now > running.deadline and running.phase is not Phase.FINISHED:
+                self._fail(running, DeadlineExceeded("the request's deadline passed"))
+
+    # -- draft ---------------------------------------------------------------------------------
+
+    def _draft_step(self) -> float:
+        if self.draft is None:
+            return 0.0
+        batch = self._draft_batch()
+        if not batch:
+            return 0.0
+        started = time.perf_counter()
+        try:
+            result = self.draft.step(batch)
+        except DiffSpecError as failure:
+            log.warning("draft step failed, its requests continue with Auto: %s", failure)
+            result = DraftBatchResult(failures={sid: failure for sid in self._drafting_ids()})
+        seconds = time.perf_counter() - started
+        self._apply_draft(batch, result, seconds)
+        return seconds
+
+    def _draft_batch(self) -> DraftBatch:
+        starts, accepts, proposes = [], [], []
+        for running in self._requests.values():
+            if running.phase is not Phase.DECODING or not running.drafting:
+                continue
+            if running.pending_start is not None:
+                starts.append(running.pending_start)
+                running.pending_start, running.draft_session = None, True
+            if running.pending_accept is not None:
+                accepts.append(running.pending_accept)
+                running.pending_accept = None
+            if running.draft_session:
+                proposes.append(running.request_id)
+        cost, self._verify_cost = self._verify_cost, None
+        return DraftBatch(list(self._draft_releases), starts, accepts, proposes, cost)
+
+    def _drafting_ids(self) -> list[str]:
+        return [r.request_id for r in self._requests.values() if r.drafting and r.draft_session]
+
+    def _apply_draft(self, batch: DraftBatch, result: DraftBatchResult, seconds: float) -> None:
+        for session_id in batch.releases:
+            waiting = self._draft_releases.pop(session_id, None)
+            if waiting is not None:
+                waiting.finish(result.released.get(session_id))
+        for session_id, failure in result.failures.items():
+            running = self._requests.get(session_id)
+            if running is not None and running.drafting:
+                log.warning("draft failed for %s, continuing with Auto: %s", session_id, failure)
+                running.draft_session = False  # the draft dropped it
+                running.fall_back_to_auto()
+        for session_id in batch.proposes:
+            running = self._requests.get(session_id)
+            if running is not None and running.drafting:
+                running.tree = result.trees.get(session_id)
+                running.stats.draft_seconds += seconds
+
+    # -- target --------------------------------------------------------------------------------
+
+    def _target_step(self) -> float:
+        batch = self._target_batch()
+        if not batch:
+            return 0.0
+        started = time.perf_counter()
+        try:
+            result = self.target.step(batch)
+        except DiffSpecError as failure:
+            log.warning("target step failed: %s", failure)
+            for running in list(self._requests.values()):
+                if running.target_session:
+                    running.target_session = False  # a failed step leaves nothing to release on a lost peer
+                    self._fail(running, failure)
+            return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        if batch.verifies:
+            self._verify_cost = VerifyCost(batch.tree_tokens, seconds)
+            self.timing.batch_sizes.append(len(batch.verifies))
+        for session_id, failure in result.failures.items():
+            if session_id in self._requests:
+                self._requests[session_id].target_session = False  # the target released it
+                self._fail(self._requests[session_id], failure)
+        for session_id, prefill in result.prefills.items():
+            running = self._requests.get(session_id)
+            if running is not None and running.phase is Phase.PREFILLING:
+                running.on_prefill(prefill)
+                self._end_if_finished(running)
+        for session_id, verified in result.verifies.items():
+            running = self._requests.get(session_id)
+            if running is not None and running.phase is Phase.DECODING:
+                running.stats.verify_seconds += seconds
+                running.on_verify(verified)
+                self._end_if_finished(running)
+        return seconds
+
+    def _target_batch(self) -> TargetBatch:
+        releases, self._target_releases = self._target_releases, []
+        verifies = [
+            VerifyStep(r.request_id, r.next_tree()) for r in self._requests.values() if r.phase is Phase.DECODING
+        ]
+        budget = max(self.limits.max_batch_tokens - sum(v.tree.num_nodes for v in verifies), MIN_PREFILL_TOKENS)
+        opens, prefills = [], []
+        for running in self._requests.values():
+            if budget <= 0:
+                break
+            if running.phase is Phase.WAITING:
+                request = running.request
+                opens.append(SessionOpen(running.request_id, request.prompt_ids, request.sampling, running.drafting))
+                running.phase, running.target_session = Phase.PREFILLING, True
+            if running.phase is Phase.PREFILLING:
+                tokens = min(self.limits.prefill_chunk, budget)
+                prefills.append(PrefillWork(running.request_id, tokens))
+                budget -= tokens
+        return TargetBatch(releases, opens, prefills, verifies)
+
+    # -- ending requests -----------------------------------------------------------------------
+
+    def _end_if_finished(self, running: RunningRequest) -> None:
+        if running.finished:
+            self._end(running, notify=True)
+
+    def _end(self, running: RunningRequest, notify: bool) -> None:
+        """Queue the releases; the last chunk goes out now, or with the draft's stats next iteration."""
+        running.phase = Phase.FINISHED
+        if running.target_session:
+            self._target_releases.append(running.request_id)
+            running.target_session = False
+        waiting_for_stats = notify and running.drafting and running.draft_session
+        if running.draft_session:
+            self._draft_releases[running.request_id] = running if waiting_for_stats else None
+            running.draft_session = False
+        self._requests.pop(running.request_id, None)
+        self._leave()
+        if notify and not waiting_for_stats:
+            running.finish(None)
+
+    def _fail(self, running: RunningRequest, failure: BaseException) -> None:
+        self._end(running, notify=False)
+        running.sink.fail(failure)
+
+    def _leave(self) -> None:
+        with self._admitted_lock:
+            self._admitted -= 1

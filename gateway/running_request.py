@@ -1,0 +1,159 @@
+"""One request inside the engine loop: where it stands, what it owes each service, what it has emitted.
+
+Phases: ``WAITING`` (admitted, no target session yet) -> ``PREFILLING`` (prompt chunks) ->
+``DECODING`` (a tree or an Auto step every iteration) -> ``FINISHED``. A finished request still
+owes releases to the services that hold its sessions; its last chunk (with the stats) goes out
+once the draft has reported its final hazard and working set.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from diffspec.tree import DraftTree
+from draft_service.backend import DraftAccept, DraftStart, DraftStats
+from gateway.detokenizer import IncrementalDetokenizer, Tokenizer
+from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
+from target_service.backend import PrefillResult, TargetInfo, VerifyResult
+
+
+class OutputSink(Protocol):
+    """Where a request's chunks go; called from the engine thread."""
+
+    def put(self, chunk: GenerationChunk) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass
+class RunningRequest:
+    request_id: str
+    request: GenerationRequest
+    sink: OutputSink
+    info: TargetInfo
+    detokenizer: IncrementalDetokenizer
+    deadline: float | None  # time.monotonic() by which the request must end
+    phase: Phase = Phase.WAITING
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    drafting: bool = False  # proposals come from the draft; False = Auto (from the start or after a fallback)
+    draft_session: bool = False  # the draft holds a session for it
+    target_session: bool = False  # the target holds a session for it
+    last_token: int = -1  # last emitted token: the next tree's root
+    prompt_features: list[torch.Tensor] = field(default_factory=list)  # per prefill chunk, until the draft starts
+    pending_start: DraftStart | None = None
+    pending_accept: DraftAccept | None = None
+    tree: DraftTree | None = None  # this iteration's proposal
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
+
+    @staticmethod
+    def create(
+        request_id: str,
+        request: GenerationRequest,
+        sink: OutputSink,
+        info: TargetInfo,
+        tokenizer: Tokenizer,
+        deadline: float | None,
+    ) -> RunningRequest:
+        return RunningRequest(
+            request_id=request_id,
+            request=request,
+            sink=sink,
+            info=info,
+            detokenizer=IncrementalDetokenizer(tokenizer, request.stop_sequences),
+            deadline=deadline,
+            stats=GenerationStats(prompt_tokens=len(request.prompt_ids)),
+            drafting=request.draft is not None,
+        )
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.stats.finish_reason)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    def on_prefill(self, result: PrefillResult) -> None:
+        """Stream the progress; once the prompt is done, emit the first token and queue the draft's start."""
+        if result.features is not None and self.drafting:
+            self.prompt_features.append(result.features)
+        if result.first_token is None:
+            self.sink.put(GenerationChunk([], "", prefill_progress=(result.done_tokens, result.total_tokens)))
+            return
+        self.first_token_at = time.perf_counter()
+        self.stats.prefill_seconds = self.first_token_at - self.submitted_at
+        self.phase = Phase.DECODING
+        self._emit([result.first_token])
+        if self.drafting and not self.finished:
+            assert self.request.draft is not None
+            features = torch.cat(self.prompt_features)
+            self.pending_start = DraftStart(
+                self.request_id, self.request.prompt_ids, features, result.first_token, self.request.draft
+            )
+        self.prompt_features = []
+
+    def on_verify(self, result: VerifyResult) -> None:
+        self.stats.record_step(len(result.accepted_tokens))
+        self._emit(result.emitted_tokens)
+        if self.drafting and self.draft_session and not self.finished:
+            assert result.features is not None
+            self.pending_accept = DraftAccept(self.request_id, result.emitted_tokens, result.features)
+
+    def fall_back_to_auto(self) -> None:
+        """The draft is gone for this request; the target alone goes on (the tokens do not change)."""
+        self.drafting = False
+        self.stats.fell_back_to_auto = True
+        self.pending_start = self.pending_accept = self.tree = None
+        self.prompt_features = []
+
+    def next_tree(self) -> DraftTree:
+        """This iteration's proposal if it fits the context left, else one Auto step."""
+        tree, self.tree = self.tree, None
+        context_left = self.info.max_context - self.prompt_tokens - self.stats.new_tokens
+        if tree is not None and int(tree.depths().max()) + 1 < context_left:
+            return tree
+        return DraftTree.root_only(self.last_token)
+
+    def finish(self, draft_stats: DraftStats | None) -> None:
+        """The last chunk: held-back text and the stats."""
+        self.stats.decode_seconds = time.perf_counter() - self.first_token_at if self.first_token_at else 0.0
+        if draft_stats is not None:
+            self.stats.hazard = draft_stats.hazard
+            self.stats.working_set_tokens = draft_stats.working_set_tokens
+        self.sink.put(GenerationChunk(token_ids=[], text=self.detokenizer.flush(), stats=self.stats))
+
+    def _emit(self, tokens: list[int]) -> None:
+        """Clip the step's tokens at EOS, a stop sequence, max_new_tokens or the context end, and send them."""
+        kept: list[int] = []
+        text = ""
+        for token in tokens:
+            if token in self.info.eos_token_ids:
+                self.stats.finish_reason = "eos"
+                break
+            kept.append(token)
+            self.last_token = token
+            self.stats.new_tokens += 1
+            text += self.detokenizer.push(token)
+            if self.detokenizer.stopped:
+                self.stats.finish_reason = "stop"
+            elif self.stats.new_tokens >= self.request.max_new_tokens:
+                self.stats.finish_reason = "length"
+            elif self.prompt_tokens + self.stats.new_tokens >= self.info.max_context:
+                self.stats.finish_reason = "context"
+            if self.stats.finish_reason:
+                break
+        if kept or text:
+            self.sink.put(GenerationChunk(token_ids=kept, text=text))

@@ -1,0 +1,65 @@
+"""The epilogue of a verify forward: each session's accepted path, its result, and what to commit.
+
+Greedy sessions share one read of the step's argmax (the only host sync of a step). Each
+session's acceptance is computed before anything of it changes, and a session whose
+acceptance fails (say, a sampling distribution that is not one) is reported on its own: the
+other sessions of the batch keep their results and their commits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diffspec.acceptance import Acceptance, accept_greedy, accept_sampling
+from diffspec.errors import DiffSpecError, InvalidRequest
+from diffspec.sampling import target_probs
+from target_service.backend import VerifyResult, VerifyStep
+from target_service.session import TargetSession
+from target_service.step_graphs import StepOutputs
+
+
+@dataclass(frozen=True)
+class Commit:
+    session_id: str
+    rows: list[int]  # rows of the forward whose KV goes into the session's next slots
+    tokens: list[int]  # their token ids
+
+
+def accept_batch(
+    steps: list[VerifyStep], sessions: list[TargetSession], ran: StepOutputs
+) -> tuple[dict[str, VerifyResult], list[Commit], dict[str, DiffSpecError]]:
+    """Per session: its result and its commit (root + accepted nodes), or why it failed."""
+    greedy = any(session.sampling.greedy for session in sessions)
+    argmax = ran.logits.argmax(-1).tolist() if greedy else []
+    results: dict[str, VerifyResult] = {}
+    commits: list[Commit] = []
+    failures: dict[str, DiffSpecError] = {}
+    for step, session, offset in zip(steps, sessions, ran.row_offsets):
+        try:
+            acceptance = _acceptance(step, session, ran, offset, argmax)
+        except (RuntimeError, ValueError) as failure:
+            failures[step.session_id] = InvalidRequest(f"sampling failed for this request: {failure}")
+            continue
+        nodes = [0, *acceptance.accepted_nodes]
+        rows = [offset + node for node in nodes]
+        tokens = step.tree.tokens[nodes].tolist()
+        session.pending_token = acceptance.bonus_token
+        results[step.session_id] = VerifyResult(
+            accepted_tokens=tokens[1:],
+            accepted_nodes=acceptance.accepted_nodes,
+            bonus_token=acceptance.bonus_token,
+            features=ran.forward.features[rows] if session.want_features else None,
+        )
+        commits.append(Commit(step.session_id, rows, tokens))
+    return results, commits, failures
+
+
+def _acceptance(
+    step: VerifyStep, session: TargetSession, ran: StepOutputs, offset: int, argmax: list[int]
+) -> Acceptance:
+    n = step.tree.num_nodes
+    if session.sampling.greedy:
+        return accept_greedy(step.tree, argmax[offset : offset + n])
+    assert session.generator is not None
+    probs = target_probs(ran.logits[offset : offset + n], session.sampling)
+    return accept_sampling(step.tree, probs, session.generator)

@@ -1,0 +1,65 @@
+"""A target session's state and the checks every piece of work is put through before it runs.
+
+Checks run before any forward or pool change, so a rejected session leaves the batch it came
+in, and every other session in it, exactly as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diffspec.errors import InvalidRequest
+from diffspec.sampling import SamplingParams
+from diffspec.tree import DraftTree
+
+MAX_TREE_NODES = 256
+
+
+@dataclass
+class TargetSession:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator | None  # seeded per request; None when greedy
+    want_features: bool
+    prefilled: int  # prompt positions whose forward has run (shared prefix pages count when no features are wanted)
+    pending_token: int | None = None  # emitted, not yet in the pages: the next tree's root (None while prefilling)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pending_token is None
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    vocab_size: int
+    max_context: int  # prompt + generated tokens
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise InvalidRequest(
+                f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_context} tokens"
+            )
+        self.check_token_ids(prompt_ids)
+
+    def check_tree(self, session: TargetSession, committed: int, tree: DraftTree) -> None:
+        """The tree grows from the session's last token, fits the tree and context limits, and is in the vocabulary."""
+        if session.prefilling:
+            raise InvalidRequest("the session is still prefilling its prompt")
+        if int(tree.tokens[0]) != session.pending_token:
+            raise InvalidRequest(
+                f"tree root {int(tree.tokens[0])} is not the session's last token {session.pending_token}"
+            )
+        if tree.num_nodes > MAX_TREE_NODES:
+            raise InvalidRequest(f"tree of {tree.num_nodes} nodes exceeds {MAX_TREE_NODES}")
+        if committed + int(tree.depths().max()) + 1 > self.max_context:
+            raise InvalidRequest(f"the session would exceed its context of {self.max_context} tokens")
+        self.check_token_ids(tree.tokens.tolist())
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
