@@ -17,11 +17,12 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from diffspec.checkpoint import load_state_dict, safetensors_files
 from diffspec.errors import CheckpointError
+from diffspec.model_config import LlamaConfig, load_llama_config
+from diffspec.rope import RotaryEmbedding
 from kernels.attention_metadata import AttentionMetadata
-from target_service.checkpoint import LlamaConfig, load_llama_config, load_state_dict, safetensors_files
 from kernels.layer_ops import layer_ops_for
-from target_service.rope import RotaryEmbedding
 
 # attend(layer, q, k, v) -> attention output shaped like q; k/v are the new tokens' keys/values.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -75,7 +75,7 @@ def test_published_config_defaults() -> None:
     config = Eagle3Config.from_json(raw)
     assert (config.target_hidden_size, config.feature_layers) == (128, (2, 16, 29))
     assert Eagle3Config.from_json(config.to_json()) == config
-    with pytest.raises(CheckpointError, match="as wide as their target"):
+    with pytest.raises(CheckpointError, match="it ships no embed_tokens"):
         Eagle3Head(config, torch.zeros(500, 64))
 
 
@@ -115,8 +115,10 @@ def test_missing_directory_and_weights(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no weights"):
         Eagle3Head.load(tmp_path, head.embed_tokens, torch.device("cpu"), torch.float32)
     head.save(tmp_path)
-    with pytest.raises(CheckpointError, match="target embedding has shape"):
+    with pytest.raises(CheckpointError, match="vocabulary of 96 tokens, its target 97"):
         Eagle3Head.load(tmp_path, torch.zeros(VOCAB + 1, HIDDEN), torch.device("cpu"), torch.float32)
+    with pytest.raises(CheckpointError, match=r"target embedding has shape \(96, 33\)"):
+        Eagle3Head.load(tmp_path, torch.zeros(VOCAB, HIDDEN + 1), torch.device("cpu"), torch.float32)
 
 
 def test_full_vocab_head_without_maps_is_identity(tmp_path: Path) -> None:

@@ -1,0 +1,93 @@
+"""The EAGLE-3 head's decoder layer, its parts named as the published ``midlayer.*`` checkpoint keys.
+
+q/k/v read the 2h-wide (token embedding, feature) concat; the rest is a Llama layer. Norms and
+SiLU x up run the fused kernels when serving on a GPU (no autograd there) and the reference
+elsewhere, training included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draft_service.eagle3_config import Eagle3Config
+from kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
+
+
+def layer_ops(device: torch.device) -> LayerOps:
+    """Fused kernels when serving on a GPU; they have no backward, so training keeps the reference."""
+    return REFERENCE_OPS if torch.is_grad_enabled() else layer_ops_for(device)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, factory: dict) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, **factory))  # [size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_ops(x.device).rms_norm(x, self.weight, self.eps)
+
+
+@dataclass(frozen=True)
+class FusedProjections:
+    """The q|k|v and gate|up weights concatenated: one matmul each instead of three and two.
+
+    A snapshot for serving, where the weights no longer change. Training keeps the separate
+    layers (their gradients, the published checkpoint keys), so this is never saved.
+    """
+
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * hd, 2 * hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v read the 2h-wide (embedding, feature) concat; o writes back h."""
+
+    def __init__(self, c: Eagle3Config, factory: dict) -> None:
+        super().__init__()
+        q_out, kv_out, wide = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, 2 * c.hidden_size
+        self.q_proj = nn.Linear(wide, q_out, bias=False, **factory)
+        self.k_proj = nn.Linear(wide, kv_out, bias=False, **factory)
+        self.v_proj = nn.Linear(wide, kv_out, bias=False, **factory)
+        self.o_proj = nn.Linear(q_out, c.hidden_size, bias=False, **factory)
+
+    def qkv(
+        self, x: torch.Tensor, fused: FusedProjections | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., 2 * hidden] -> flat q [..., heads * hd], k and v [..., kv_heads * hd]."""
+        if fused is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        widths = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        q, k, v = F.linear(x, fused.qkv).split(widths, dim=-1)
+        return q, k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Eagle3Config, factory: dict) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False, **factory)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False, **factory)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor, fused: FusedProjections | None = None) -> torch.Tensor:
+        if fused is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, fused.gate_up).chunk(2, dim=-1)
+        return self.down_proj(layer_ops(x.device).silu_mul(gate, up))
+
+
+class MidLayer(nn.Module):
+    """Attribute names are the published checkpoint's ``midlayer.*`` keys."""
+
+    def __init__(self, c: Eagle3Config, factory: dict) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, factory)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, factory)
+        self.self_attn = AttentionProjections(c, factory)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, factory)
+        self.mlp = MLP(c, factory)
