@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
-import uuid
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import grpc
@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from diffspec.errors import DiffSpecError, InvalidRequest, PeerUnavailable
 from diffspec.grpc_options import server_options
+from diffspec.health_probe import process_service
 from diffspec.metrics import ServingMetrics
 from diffspec.rpc_status import status_for
 from diffspec.settings import DiffSpecSettings
@@ -38,32 +39,6 @@ _HANDLER_FACTORIES = {
     "stream_unary": grpc.stream_unary_rpc_method_handler,
     "stream_stream": grpc.stream_stream_rpc_method_handler,
 }
-
-
-SessionStep = Callable[[Any, str, Any, grpc.aio.ServicerContext], Awaitable[None]]
-
-
-async def serve_session(
-    context: grpc.aio.ServicerContext,
-    backend: Any,
-    steps: dict[str, SessionStep],
-    release: Callable[[str], Awaitable[None]],
-    service: str,
-) -> None:
-    """One bidirectional ``Session`` stream is one session: each message goes, by the name of its
-    ``kind`` oneof, to ``steps``; however the stream ends (release, client done, cancelled,
-    disconnected, deadline), the session is released, so its KV pages or arena slots return."""
-    session_id = uuid.uuid4().hex
-    try:
-        while (request := await context.read()) is not grpc.aio.EOF:
-            kind = request.WhichOneof("kind")
-            if kind not in steps:
-                raise InvalidRequest(f"a {service} session takes {', '.join(steps)}; got {kind}")
-            await steps[kind](backend, session_id, getattr(request, kind), context)
-            if kind == "release":
-                return
-    finally:
-        await asyncio.shield(release(session_id))
 
 
 class Loading(Generic[T]):
@@ -171,7 +146,8 @@ class ServiceHost:
             if loading.done():
                 loading.result()  # a failed load raises here
                 await self._set_status(health_pb2.HealthCheckResponse.SERVING)
-                log.info("diffspec %s serving on %s", self.role, self.address)
+                await self.health.set(process_service(os.getpid()), health_pb2.HealthCheckResponse.SERVING)
+                print(f"diffspec {self.role} ready: serving on {self.address}", flush=True)
                 await stopping
         finally:
             stopping.cancel()
@@ -191,7 +167,7 @@ class ServiceHost:
         try:
             port = self.server.add_insecure_port(self.settings.listen)
         except RuntimeError as bad:
-            raise InvalidRequest(f"cannot listen on {self.settings.listen}: {bad}") from None
+            raise InvalidRequest(f"cannot listen on {self.settings.listen}: in use, or not this host's ({bad})") from None
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.settings.metrics_port:

@@ -85,6 +85,9 @@ class DiffSpecSettings(BaseSettings):
     shutdown_grace_seconds: float = Field(
         10.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight streams may finish before they are cancelled."
     )
+    step_timeout_seconds: float = Field(
+        120.0, gt=0, description="How long the gateway waits for a remote target's or draft's reply to one step."
+    )
     peer_wait_seconds: float = Field(
         120.0, gt=0, description="How long a starting gateway waits for a remote target to answer before giving up."
     )

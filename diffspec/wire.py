@@ -1,7 +1,8 @@
 """Tensors and token trees <-> their protobuf messages; big tensors split into row chunks.
 
 Element bytes travel little-endian in row-major order. Every dtype is moved as a byte view
-(``uint8``), so bfloat16, which numpy cannot hold, takes the same path as float32. Whatever
+(``uint8``), so bfloat16, which numpy cannot hold, takes the same path as float32. One
+session's failure inside a batched step travels as a ``SessionFailure`` with its status code. Whatever
 arrives from the network is checked (dtype, shape against byte count, row continuity) and a
 bad message raises ``InvalidRequest``, never a crash.
 """
@@ -11,10 +12,12 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
+import grpc
 import numpy as np
 import torch
 
-from diffspec.errors import InvalidRequest
+from diffspec.errors import DiffSpecError, InvalidRequest
+from diffspec.rpc_status import error_for, status_for
 from diffspec.tree import DraftTree
 from diffspec.v1 import tensor_pb2
 
@@ -132,3 +135,15 @@ def tree_from_proto(message: tensor_pb2.DraftTree) -> DraftTree:
         )
     except ValueError as bad:
         raise InvalidRequest(f"malformed draft tree: {bad}") from None
+
+
+def failure_to_proto(session_id: str, failure: DiffSpecError) -> tensor_pb2.SessionFailure:
+    return tensor_pb2.SessionFailure(session_id=session_id, code=status_for(failure).value[0], message=str(failure))
+
+
+def error_from_failure(peer: str, message: tensor_pb2.SessionFailure) -> DiffSpecError:
+    """The typed error of one session's failure in a remote step (INVALID_ARGUMENT -> InvalidRequest, ...)."""
+    return error_for(peer, _STATUS_BY_NUMBER.get(message.code), message.message)
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}

@@ -1,9 +1,18 @@
-"""Draft protocol dataclasses <-> ``diffspec.v1.draft`` messages, used by the servicer and the client alike."""
+"""Draft step dataclasses <-> ``diffspec.v1.draft`` messages, for the servicer and the client alike.
+
+A step's features travel after it as one row-chunked tensor: each start's prompt rows, then
+each accept's rows, in the step's order (the row counts are the prompt and emitted lengths).
+"""
 
 from __future__ import annotations
 
+import torch
+
+from diffspec.errors import DiffSpecError
 from diffspec.v1 import draft_pb2
-from draft_service.backend import DraftOptions, DraftStats
+from diffspec.wire import error_from_failure, failure_to_proto, tree_from_proto, tree_to_proto
+from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats, VerifyCost
+from draft_service.options import DraftOptions
 
 
 def options_to_proto(options: DraftOptions) -> draft_pb2.DraftOptions:
@@ -14,13 +23,86 @@ def options_from_proto(message: draft_pb2.DraftOptions) -> DraftOptions:
     return DraftOptions(policy=message.policy, tree_config=message.tree_config, salience=message.salience)
 
 
-def stats_to_proto(stats: DraftStats) -> draft_pb2.StatsReply:
-    return draft_pb2.StatsReply(
+def batch_to_proto(batch: DraftBatch) -> tuple[draft_pb2.DraftStep, torch.Tensor | None]:
+    """The step message and the features that follow it, if any."""
+    step = draft_pb2.DraftStep(
+        releases=batch.releases,
+        starts=[
+            draft_pb2.DraftStart(session_id=s.session_id, prompt_ids=s.prompt_ids, first_token=s.first_token,
+                                 options=options_to_proto(s.options))  # fmt: skip
+            for s in batch.starts
+        ],
+        accepts=[draft_pb2.DraftAccept(session_id=a.session_id, emitted_tokens=a.emitted_tokens) for a in batch.accepts],
+        proposes=batch.proposes,
+    )
+    if batch.verify_cost is not None:
+        step.verify_tree_tokens, step.verify_seconds = batch.verify_cost.tree_tokens, batch.verify_cost.seconds
+    rows = [s.features for s in batch.starts] + [a.features for a in batch.accepts]
+    features = torch.cat([r.cpu() for r in rows]) if rows else None
+    step.feature_rows = 0 if features is None else features.shape[0]
+    return step, features
+
+
+def feature_rows(step: draft_pb2.DraftStep) -> int:
+    """Rows the step's features must have: one per prompt token of each start, one per emitted token of each accept."""
+    return sum(len(s.prompt_ids) for s in step.starts) + sum(len(a.emitted_tokens) for a in step.accepts)
+
+
+def batch_from_proto(step: draft_pb2.DraftStep, features: torch.Tensor | None, scope: str) -> DraftBatch:
+    """The batch with session ids put in ``scope``; ``features`` has ``feature_rows(step)`` rows."""
+    row = 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal row
+        row += n
+        assert features is not None
+        return features[row - n : row]
+
+    starts = [
+        DraftStart(scope + s.session_id, list(s.prompt_ids), take(len(s.prompt_ids)), s.first_token,
+                   options_from_proto(s.options))  # fmt: skip
+        for s in step.starts
+    ]
+    accepts = [DraftAccept(scope + a.session_id, list(a.emitted_tokens), take(len(a.emitted_tokens))) for a in step.accepts]
+    cost = VerifyCost(step.verify_tree_tokens, step.verify_seconds) if step.verify_tree_tokens > 0 else None
+    return DraftBatch(
+        releases=[scope + s for s in step.releases],
+        starts=starts,
+        accepts=accepts,
+        proposes=[scope + s for s in step.proposes],
+        verify_cost=cost,
+    )
+
+
+def result_to_proto(result: DraftBatchResult, scope: str) -> draft_pb2.DraftStepReply:
+    reply = draft_pb2.DraftStepReply()
+    for sid, tree in result.trees.items():
+        reply.trees.add(session_id=sid.removeprefix(scope), tree=tree_to_proto(tree))
+    for sid, stats in result.released.items():
+        reply.released.add(session_id=sid.removeprefix(scope), stats=stats_to_proto(stats))
+    reply.failures.extend(failure_to_proto(sid.removeprefix(scope), f) for sid, f in result.failures.items())
+    return reply
+
+
+def result_from_proto(reply: draft_pb2.DraftStepReply, peer: str) -> DraftBatchResult:
+    failures: dict[str, DiffSpecError] = {f.session_id: error_from_failure(peer, f) for f in reply.failures}
+    trees = {}
+    for proposed in reply.trees:
+        try:
+            trees[proposed.session_id] = tree_from_proto(proposed.tree)
+        except DiffSpecError as bad:
+            failures[proposed.session_id] = bad
+    released = {r.session_id: stats_from_proto(r.stats) for r in reply.released}
+    return DraftBatchResult(trees, released, failures)
+
+
+def stats_to_proto(stats: DraftStats) -> draft_pb2.DraftStats:
+    return draft_pb2.DraftStats(
         hazard=stats.hazard, working_set_tokens=stats.working_set_tokens, context_tokens=stats.context_tokens
     )
 
 
-def stats_from_proto(message: draft_pb2.StatsReply) -> DraftStats:
+def stats_from_proto(message: draft_pb2.DraftStats) -> DraftStats:
     return DraftStats(
         hazard=list(message.hazard),
         working_set_tokens=message.working_set_tokens,

@@ -98,4 +98,9 @@ class SpeculativeEngine:
             validate_options(request.draft)
 
     def close(self) -> None:
+        """Stop the loop (its requests fail as the server shuts down), then drop remote connections."""
         self.core.close()
+        for backend in (self.target, self.draft):
+            close = getattr(backend, "close", None)  # the gRPC clients; in-process runtimes hold nothing to close
+            if close is not None:
+                close()

@@ -1,11 +1,28 @@
-"""Target protocol dataclasses <-> ``diffspec.v1.target`` messages, used by the servicer and the client alike."""
+"""Target step dataclasses <-> ``diffspec.v1.target`` messages, for the servicer and the client alike.
+
+A step's features travel after its reply as one row-chunked tensor: each prefill's rows, then
+each verification's rows, in the reply's order; the per-session row counts say where each
+session's part starts. Malformed work for one session is that session's failure, as in process.
+"""
 
 from __future__ import annotations
 
+import torch
+
+from diffspec.errors import DiffSpecError
 from diffspec.sampling import SamplingParams
 from diffspec.v1 import target_pb2
-from diffspec.wire import tensor_from_proto, tensor_to_proto
-from target_service.backend import TargetInfo, VerifyResult
+from diffspec.wire import error_from_failure, failure_to_proto, tree_from_proto, tree_to_proto
+from target_service.backend import (
+    PrefillResult,
+    PrefillWork,
+    SessionOpen,
+    TargetBatch,
+    TargetBatchResult,
+    TargetInfo,
+    VerifyResult,
+    VerifyStep,
+)
 
 
 def sampling_to_proto(params: SamplingParams) -> target_pb2.Sampling:
@@ -18,25 +35,90 @@ def sampling_from_proto(message: target_pb2.Sampling) -> SamplingParams:
     return SamplingParams(temperature=message.temperature, top_p=message.top_p, seed=seed)
 
 
-def step_to_proto(result: VerifyResult) -> target_pb2.StepReply:
-    reply = target_pb2.StepReply(
-        accepted_tokens=result.accepted_tokens, accepted_nodes=result.accepted_nodes, bonus_token=result.bonus_token
-    )
-    if result.features is not None:
-        reply.features.CopyFrom(tensor_to_proto(result.features))
-    return reply
-
-
-def step_from_proto(reply: target_pb2.StepReply) -> VerifyResult:
-    return VerifyResult(
-        accepted_tokens=list(reply.accepted_tokens),
-        accepted_nodes=list(reply.accepted_nodes),
-        bonus_token=reply.bonus_token,
-        features=tensor_from_proto(reply.features) if reply.HasField("features") else None,
+def batch_to_proto(batch: TargetBatch) -> target_pb2.TargetStep:
+    return target_pb2.TargetStep(
+        releases=batch.releases,
+        opens=[
+            target_pb2.SessionOpen(
+                session_id=o.session_id, prompt_ids=o.prompt_ids, sampling=sampling_to_proto(o.sampling),
+                want_features=o.want_features,
+            )  # fmt: skip
+            for o in batch.opens
+        ],
+        prefills=[target_pb2.PrefillWork(session_id=p.session_id, num_tokens=p.num_tokens) for p in batch.prefills],
+        verifies=[target_pb2.VerifyWork(session_id=v.session_id, tree=tree_to_proto(v.tree)) for v in batch.verifies],
     )
 
 
-def info_to_proto(info: TargetInfo, queue_depth: int) -> target_pb2.TargetInfoResponse:
+def batch_from_proto(message: target_pb2.TargetStep, scope: str) -> tuple[TargetBatch, dict[str, DiffSpecError]]:
+    """The batch with session ids put in ``scope`` (the stream's), and the sessions whose work is malformed."""
+    failures: dict[str, DiffSpecError] = {}
+    opens, verifies = [], []
+    for o in message.opens:
+        try:
+            opens.append(SessionOpen(scope + o.session_id, list(o.prompt_ids), sampling_from_proto(o.sampling), o.want_features))
+        except DiffSpecError as bad:
+            failures[o.session_id] = bad
+    for v in message.verifies:
+        try:
+            verifies.append(VerifyStep(scope + v.session_id, tree_from_proto(v.tree)))
+        except DiffSpecError as bad:
+            failures[v.session_id] = bad
+    prefills = [PrefillWork(scope + p.session_id, p.num_tokens) for p in message.prefills if p.session_id not in failures]
+    releases = [scope + s for s in message.releases]
+    return TargetBatch(releases, opens, prefills, verifies), failures
+
+
+def result_to_proto(result: TargetBatchResult, scope: str) -> tuple[target_pb2.TargetStepReply, torch.Tensor | None]:
+    """The reply (session ids out of ``scope``) and the features that follow it, if any."""
+    reply = target_pb2.TargetStepReply()
+    rows: list[torch.Tensor] = []
+    for sid, prefill in result.prefills.items():
+        done = reply.prefills.add(session_id=sid.removeprefix(scope), done_tokens=prefill.done_tokens,
+                                  total_tokens=prefill.total_tokens)  # fmt: skip
+        if prefill.first_token is not None:
+            done.first_token = prefill.first_token
+        if prefill.features is not None:
+            done.feature_rows = prefill.features.shape[0]
+            rows.append(prefill.features)
+    for sid, verified in result.verifies.items():
+        done = reply.verifies.add(
+            session_id=sid.removeprefix(scope), accepted_tokens=verified.accepted_tokens,
+            accepted_nodes=verified.accepted_nodes, bonus_token=verified.bonus_token,
+        )  # fmt: skip
+        if verified.features is not None:
+            done.feature_rows = verified.features.shape[0]
+            rows.append(verified.features)
+    reply.failures.extend(failure_to_proto(sid.removeprefix(scope), f) for sid, f in result.failures.items())
+    features = torch.cat(rows) if rows else None
+    reply.feature_rows = 0 if features is None else features.shape[0]
+    return reply, features
+
+
+def result_from_proto(reply: target_pb2.TargetStepReply, features: torch.Tensor | None, peer: str) -> TargetBatchResult:
+    row = 0
+
+    def take(n: int) -> torch.Tensor | None:
+        nonlocal row
+        if n == 0 or features is None:
+            return None
+        row += n
+        return features[row - n : row]
+
+    prefills = {
+        p.session_id: PrefillResult(p.done_tokens, p.total_tokens, p.first_token if p.HasField("first_token") else None,
+                                    take(p.feature_rows))  # fmt: skip
+        for p in reply.prefills
+    }
+    verifies = {
+        v.session_id: VerifyResult(list(v.accepted_tokens), list(v.accepted_nodes), v.bonus_token, take(v.feature_rows))
+        for v in reply.verifies
+    }
+    failures = {f.session_id: error_from_failure(peer, f) for f in reply.failures}
+    return TargetBatchResult(prefills, verifies, failures)
+
+
+def info_to_proto(info: TargetInfo) -> target_pb2.TargetInfoResponse:
     return target_pb2.TargetInfoResponse(
         model=info.model,
         vocab_size=info.vocab_size,
@@ -51,7 +133,6 @@ def info_to_proto(info: TargetInfo, queue_depth: int) -> target_pb2.TargetInfoRe
         active_sessions=info.active_sessions,
         device=info.device,
         dtype=info.dtype,
-        queue_depth=queue_depth,
     )
 
 
@@ -70,5 +151,5 @@ def info_from_proto(message: target_pb2.TargetInfoResponse) -> TargetInfo:
         active_sessions=message.active_sessions,
         device=message.device,
         dtype=message.dtype,
-        extra={"queue_depth": float(message.queue_depth)},
     )
+

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from diffspec.v1 import tensor_pb2 as diffspec_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64iffspec/v1/draft.proto\x12\x0b\x64iffspec.v1\x1a\x18\x64iffspec/v1/tensor.proto\"E\n\x0c\x44raftOptions\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x0btree_config\x18\x02 \x01(\t\x12\x10\n\x08salience\x18\x03 \x01(\x08\"y\n\x0cStartRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x03\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x03\x12*\n\x07options\x18\x03 \x01(\x0b\x32\x19.diffspec.v1.DraftOptions\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x04 \x01(\x03\"\x10\n\x0eProposeRequest\"N\n\rAcceptRequest\x12\x16\n\x0e\x65mitted_tokens\x18\x01 \x03(\x03\x12%\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x13.diffspec.v1.Tensor\"\x0e\n\x0cStatsRequest\"\x15\n\x13\x44raftReleaseRequest\"\xaf\x02\n\x0c\x44raftRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.diffspec.v1.StartRequestH\x00\x12,\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x18.diffspec.v1.TensorChunkH\x00\x12.\n\x07propose\x18\x03 \x01(\x0b\x32\x1b.diffspec.v1.ProposeRequestH\x00\x12,\n\x06\x61\x63\x63\x65pt\x18\x04 \x01(\x0b\x32\x1a.diffspec.v1.AcceptRequestH\x00\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x19.diffspec.v1.StatsRequestH\x00\x12\x33\n\x07release\x18\x06 \x01(\x0b\x32 .diffspec.v1.DraftReleaseRequestH\x00\x42\x06\n\x04kind\"\x0c\n\nStartReply\"4\n\x0cProposeReply\x12$\n\x04tree\x18\x01 \x01(\x0b\x32\x16.diffspec.v1.DraftTree\"\r\n\x0b\x41\x63\x63\x65ptReply\"P\n\nStatsReply\x12\x0e\n\x06hazard\x18\x01 \x03(\x01\x12\x1a\n\x12working_set_tokens\x18\x02 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\x03\"\x13\n\x11\x44raftReleaseReply\"\xf8\x01\n\rDraftResponse\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x17.diffspec.v1.StartReplyH\x00\x12,\n\x07propose\x18\x02 \x01(\x0b\x32\x19.diffspec.v1.ProposeReplyH\x00\x12*\n\x06\x61\x63\x63\x65pt\x18\x03 \x01(\x0b\x32\x18.diffspec.v1.AcceptReplyH\x00\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x17.diffspec.v1.StatsReplyH\x00\x12\x31\n\x07release\x18\x05 \x01(\x0b\x32\x1e.diffspec.v1.DraftReleaseReplyH\x00\x42\x06\n\x04kind\"\x12\n\x10\x44raftInfoRequest\"\xd3\x01\n\x11\x44raftInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\x03\x12\x1a\n\x12target_hidden_size\x18\x04 \x01(\x03\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x03\x12\x15\n\rmax_positions\x18\x06 \x01(\x03\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t2\x94\x01\n\x05\x44raft\x12\x44\n\x07Session\x12\x19.diffspec.v1.DraftRequest\x1a\x1a.diffspec.v1.DraftResponse(\x01\x30\x01\x12\x45\n\x04Info\x12\x1d.diffspec.v1.DraftInfoRequest\x1a\x1e.diffspec.v1.DraftInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64iffspec/v1/draft.proto\x12\x0b\x64iffspec.v1\x1a\x18\x64iffspec/v1/tensor.proto\"E\n\x0c\x44raftOptions\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x0btree_config\x18\x02 \x01(\t\x12\x10\n\x08salience\x18\x03 \x01(\x08\"u\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x03\x12*\n\x07options\x18\x04 \x01(\x0b\x32\x19.diffspec.v1.DraftOptions\"9\n\x0b\x44raftAccept\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x65mitted_tokens\x18\x02 \x03(\x03\"\xcd\x01\n\tDraftStep\x12\x10\n\x08releases\x18\x01 \x03(\t\x12\'\n\x06starts\x18\x02 \x03(\x0b\x32\x17.diffspec.v1.DraftStart\x12)\n\x07\x61\x63\x63\x65pts\x18\x03 \x03(\x0b\x32\x18.diffspec.v1.DraftAccept\x12\x10\n\x08proposes\x18\x04 \x03(\t\x12\x1a\n\x12verify_tree_tokens\x18\x05 \x01(\x03\x12\x16\n\x0everify_seconds\x18\x06 \x01(\x01\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x07 \x01(\x03\"p\n\x10\x44raftStepRequest\x12&\n\x04step\x18\x01 \x01(\x0b\x32\x16.diffspec.v1.DraftStepH\x00\x12,\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x18.diffspec.v1.TensorChunkH\x00\x42\x06\n\x04kind\"H\n\x0cProposedTree\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.diffspec.v1.DraftTree\"P\n\nDraftStats\x12\x0e\n\x06hazard\x18\x01 \x03(\x01\x12\x1a\n\x12working_set_tokens\x18\x02 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\x03\"M\n\x0fReleasedSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.diffspec.v1.DraftStats\"\x99\x01\n\x0e\x44raftStepReply\x12(\n\x05trees\x18\x01 \x03(\x0b\x32\x19.diffspec.v1.ProposedTree\x12.\n\x08released\x18\x02 \x03(\x0b\x32\x1c.diffspec.v1.ReleasedSession\x12-\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x1b.diffspec.v1.SessionFailure\"\x12\n\x10\x44raftInfoRequest\"\xd3\x01\n\x11\x44raftInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\x03\x12\x1a\n\x12target_hidden_size\x18\x04 \x01(\x03\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x03\x12\x15\n\rmax_positions\x18\x06 \x01(\x03\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t2\x96\x01\n\x05\x44raft\x12\x46\n\x04Step\x12\x1d.diffspec.v1.DraftStepRequest\x1a\x1b.diffspec.v1.DraftStepReply(\x01\x30\x01\x12\x45\n\x04Info\x12\x1d.diffspec.v1.DraftInfoRequest\x1a\x1e.diffspec.v1.DraftInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTOPTIONS']._serialized_start=66
   _globals['_DRAFTOPTIONS']._serialized_end=135
-  _globals['_STARTREQUEST']._serialized_start=137
-  _globals['_STARTREQUEST']._serialized_end=258
-  _globals['_PROPOSEREQUEST']._serialized_start=260
-  _globals['_PROPOSEREQUEST']._serialized_end=276
-  _globals['_ACCEPTREQUEST']._serialized_start=278
-  _globals['_ACCEPTREQUEST']._serialized_end=356
-  _globals['_STATSREQUEST']._serialized_start=358
-  _globals['_STATSREQUEST']._serialized_end=372
-  _globals['_DRAFTRELEASEREQUEST']._serialized_start=374
-  _globals['_DRAFTRELEASEREQUEST']._serialized_end=395
-  _globals['_DRAFTREQUEST']._serialized_start=398
-  _globals['_DRAFTREQUEST']._serialized_end=701
-  _globals['_STARTREPLY']._serialized_start=703
-  _globals['_STARTREPLY']._serialized_end=715
-  _globals['_PROPOSEREPLY']._serialized_start=717
-  _globals['_PROPOSEREPLY']._serialized_end=769
-  _globals['_ACCEPTREPLY']._serialized_start=771
-  _globals['_ACCEPTREPLY']._serialized_end=784
-  _globals['_STATSREPLY']._serialized_start=786
-  _globals['_STATSREPLY']._serialized_end=866
-  _globals['_DRAFTRELEASEREPLY']._serialized_start=868
-  _globals['_DRAFTRELEASEREPLY']._serialized_end=887
-  _globals['_DRAFTRESPONSE']._serialized_start=890
-  _globals['_DRAFTRESPONSE']._serialized_end=1138
-  _globals['_DRAFTINFOREQUEST']._serialized_start=1140
-  _globals['_DRAFTINFOREQUEST']._serialized_end=1158
-  _globals['_DRAFTINFORESPONSE']._serialized_start=1161
-  _globals['_DRAFTINFORESPONSE']._serialized_end=1372
-  _globals['_DRAFT']._serialized_start=1375
-  _globals['_DRAFT']._serialized_end=1523
+  _globals['_DRAFTSTART']._serialized_start=137
+  _globals['_DRAFTSTART']._serialized_end=254
+  _globals['_DRAFTACCEPT']._serialized_start=256
+  _globals['_DRAFTACCEPT']._serialized_end=313
+  _globals['_DRAFTSTEP']._serialized_start=316
+  _globals['_DRAFTSTEP']._serialized_end=521
+  _globals['_DRAFTSTEPREQUEST']._serialized_start=523
+  _globals['_DRAFTSTEPREQUEST']._serialized_end=635
+  _globals['_PROPOSEDTREE']._serialized_start=637
+  _globals['_PROPOSEDTREE']._serialized_end=709
+  _globals['_DRAFTSTATS']._serialized_start=711
+  _globals['_DRAFTSTATS']._serialized_end=791
+  _globals['_RELEASEDSESSION']._serialized_start=793
+  _globals['_RELEASEDSESSION']._serialized_end=870
+  _globals['_DRAFTSTEPREPLY']._serialized_start=873
+  _globals['_DRAFTSTEPREPLY']._serialized_end=1026
+  _globals['_DRAFTINFOREQUEST']._serialized_start=1028
+  _globals['_DRAFTINFOREQUEST']._serialized_end=1046
+  _globals['_DRAFTINFORESPONSE']._serialized_start=1049
+  _globals['_DRAFTINFORESPONSE']._serialized_end=1260
+  _globals['_DRAFT']._serialized_start=1263
+  _globals['_DRAFT']._serialized_end=1413
 # @@protoc_insertion_point(module_scope)

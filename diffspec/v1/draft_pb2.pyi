@@ -17,69 +17,61 @@ class DraftOptions(_message.Message):
     salience: bool
     def __init__(self, policy: _Optional[str] = ..., tree_config: _Optional[str] = ..., salience: _Optional[bool] = ...) -> None: ...
 
-class StartRequest(_message.Message):
-    __slots__ = ("prompt_ids", "first_token", "options", "feature_rows")
+class DraftStart(_message.Message):
+    __slots__ = ("session_id", "prompt_ids", "first_token", "options")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
-    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     options: DraftOptions
-    feature_rows: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ..., feature_rows: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ...) -> None: ...
 
-class ProposeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class AcceptRequest(_message.Message):
-    __slots__ = ("emitted_tokens", "features")
+class DraftAccept(_message.Message):
+    __slots__ = ("session_id", "emitted_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
     emitted_tokens: _containers.RepeatedScalarFieldContainer[int]
-    features: _tensor_pb2.Tensor
-    def __init__(self, emitted_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., emitted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class DraftStep(_message.Message):
+    __slots__ = ("releases", "starts", "accepts", "proposes", "verify_tree_tokens", "verify_seconds", "feature_rows")
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    releases: _containers.RepeatedScalarFieldContainer[str]
+    starts: _containers.RepeatedCompositeFieldContainer[DraftStart]
+    accepts: _containers.RepeatedCompositeFieldContainer[DraftAccept]
+    proposes: _containers.RepeatedScalarFieldContainer[str]
+    verify_tree_tokens: int
+    verify_seconds: float
+    feature_rows: int
+    def __init__(self, releases: _Optional[_Iterable[str]] = ..., starts: _Optional[_Iterable[_Union[DraftStart, _Mapping]]] = ..., accepts: _Optional[_Iterable[_Union[DraftAccept, _Mapping]]] = ..., proposes: _Optional[_Iterable[str]] = ..., verify_tree_tokens: _Optional[int] = ..., verify_seconds: _Optional[float] = ..., feature_rows: _Optional[int] = ...) -> None: ...
 
-class DraftReleaseRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class DraftRequest(_message.Message):
-    __slots__ = ("start", "features", "propose", "accept", "stats", "release")
-    START_FIELD_NUMBER: _ClassVar[int]
+class DraftStepRequest(_message.Message):
+    __slots__ = ("step", "features")
+    STEP_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
-    PROPOSE_FIELD_NUMBER: _ClassVar[int]
-    ACCEPT_FIELD_NUMBER: _ClassVar[int]
-    STATS_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_FIELD_NUMBER: _ClassVar[int]
-    start: StartRequest
+    step: DraftStep
     features: _tensor_pb2.TensorChunk
-    propose: ProposeRequest
-    accept: AcceptRequest
-    stats: StatsRequest
-    release: DraftReleaseRequest
-    def __init__(self, start: _Optional[_Union[StartRequest, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ..., accept: _Optional[_Union[AcceptRequest, _Mapping]] = ..., stats: _Optional[_Union[StatsRequest, _Mapping]] = ..., release: _Optional[_Union[DraftReleaseRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, step: _Optional[_Union[DraftStep, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
-class StartReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class ProposeReply(_message.Message):
-    __slots__ = ("tree",)
+class ProposedTree(_message.Message):
+    __slots__ = ("session_id", "tree")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
     tree: _tensor_pb2.DraftTree
-    def __init__(self, tree: _Optional[_Union[_tensor_pb2.DraftTree, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_tensor_pb2.DraftTree, _Mapping]] = ...) -> None: ...
 
-class AcceptReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class StatsReply(_message.Message):
+class DraftStats(_message.Message):
     __slots__ = ("hazard", "working_set_tokens", "context_tokens")
     HAZARD_FIELD_NUMBER: _ClassVar[int]
     WORKING_SET_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -89,23 +81,23 @@ class StatsReply(_message.Message):
     context_tokens: int
     def __init__(self, hazard: _Optional[_Iterable[float]] = ..., working_set_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
-class DraftReleaseReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class DraftResponse(_message.Message):
-    __slots__ = ("start", "propose", "accept", "stats", "release")
-    START_FIELD_NUMBER: _ClassVar[int]
-    PROPOSE_FIELD_NUMBER: _ClassVar[int]
-    ACCEPT_FIELD_NUMBER: _ClassVar[int]
+class ReleasedSession(_message.Message):
+    __slots__ = ("session_id", "stats")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_FIELD_NUMBER: _ClassVar[int]
-    start: StartReply
-    propose: ProposeReply
-    accept: AcceptReply
-    stats: StatsReply
-    release: DraftReleaseReply
-    def __init__(self, start: _Optional[_Union[StartReply, _Mapping]] = ..., propose: _Optional[_Union[ProposeReply, _Mapping]] = ..., accept: _Optional[_Union[AcceptReply, _Mapping]] = ..., stats: _Optional[_Union[StatsReply, _Mapping]] = ..., release: _Optional[_Union[DraftReleaseReply, _Mapping]] = ...) -> None: ...
+    session_id: str
+    stats: DraftStats
+    def __init__(self, session_id: _Optional[str] = ..., stats: _Optional[_Union[DraftStats, _Mapping]] = ...) -> None: ...
+
+class DraftStepReply(_message.Message):
+    __slots__ = ("trees", "released", "failures")
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    trees: _containers.RepeatedCompositeFieldContainer[ProposedTree]
+    released: _containers.RepeatedCompositeFieldContainer[ReleasedSession]
+    failures: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SessionFailure]
+    def __init__(self, trees: _Optional[_Iterable[_Union[ProposedTree, _Mapping]]] = ..., released: _Optional[_Iterable[_Union[ReleasedSession, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[_tensor_pb2.SessionFailure, _Mapping]]] = ...) -> None: ...
 
 class DraftInfoRequest(_message.Message):
     __slots__ = ()

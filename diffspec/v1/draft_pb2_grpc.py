@@ -34,10 +34,10 @@ class DraftStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Session = channel.stream_stream(
-                '/diffspec.v1.Draft/Session',
-                request_serializer=diffspec_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
-                response_deserializer=diffspec_dot_v1_dot_draft__pb2.DraftResponse.FromString,
+        self.Step = channel.stream_stream(
+                '/diffspec.v1.Draft/Step',
+                request_serializer=diffspec_dot_v1_dot_draft__pb2.DraftStepRequest.SerializeToString,
+                response_deserializer=diffspec_dot_v1_dot_draft__pb2.DraftStepReply.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/diffspec.v1.Draft/Info',
@@ -49,8 +49,9 @@ class DraftStub:
 class DraftServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Session(self, request_iterator, context):
-        """Requests and replies alternate; a start request is followed by `features` chunks.
+    def Step(self, request_iterator, context):
+        """A DraftStep that reports feature rows is followed by `features` chunks (starts' prompt
+        rows first, then accepts' rows, in the step's order); each step gets one DraftStepReply.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -65,10 +66,10 @@ class DraftServicer:
 
 def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Session': grpc.stream_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=diffspec_dot_v1_dot_draft__pb2.DraftRequest.FromString,
-                    response_serializer=diffspec_dot_v1_dot_draft__pb2.DraftResponse.SerializeToString,
+            'Step': grpc.stream_stream_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=diffspec_dot_v1_dot_draft__pb2.DraftStepRequest.FromString,
+                    response_serializer=diffspec_dot_v1_dot_draft__pb2.DraftStepReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -87,7 +88,7 @@ class Draft:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Session(request_iterator,
+    def Step(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -100,9 +101,9 @@ class Draft:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/diffspec.v1.Draft/Session',
-            diffspec_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
-            diffspec_dot_v1_dot_draft__pb2.DraftResponse.FromString,
+            '/diffspec.v1.Draft/Step',
+            diffspec_dot_v1_dot_draft__pb2.DraftStepRequest.SerializeToString,
+            diffspec_dot_v1_dot_draft__pb2.DraftStepReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,86 +17,100 @@ class Sampling(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
-class PrefillRequest(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "want_features")
+class SessionOpen(_message.Message):
+    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     want_features: bool
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., want_features: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., want_features: _Optional[bool] = ...) -> None: ...
 
-class VerifyRequest(_message.Message):
-    __slots__ = ("tree",)
+class PrefillWork(_message.Message):
+    __slots__ = ("session_id", "num_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class VerifyWork(_message.Message):
+    __slots__ = ("session_id", "tree")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
     tree: _tensor_pb2.DraftTree
-    def __init__(self, tree: _Optional[_Union[_tensor_pb2.DraftTree, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_tensor_pb2.DraftTree, _Mapping]] = ...) -> None: ...
 
-class DecodeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class TargetStep(_message.Message):
+    __slots__ = ("releases", "opens", "prefills", "verifies")
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    OPENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    releases: _containers.RepeatedScalarFieldContainer[str]
+    opens: _containers.RepeatedCompositeFieldContainer[SessionOpen]
+    prefills: _containers.RepeatedCompositeFieldContainer[PrefillWork]
+    verifies: _containers.RepeatedCompositeFieldContainer[VerifyWork]
+    def __init__(self, releases: _Optional[_Iterable[str]] = ..., opens: _Optional[_Iterable[_Union[SessionOpen, _Mapping]]] = ..., prefills: _Optional[_Iterable[_Union[PrefillWork, _Mapping]]] = ..., verifies: _Optional[_Iterable[_Union[VerifyWork, _Mapping]]] = ...) -> None: ...
 
-class TargetReleaseRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class TargetRequest(_message.Message):
-    __slots__ = ("prefill", "verify", "decode", "release")
-    PREFILL_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_FIELD_NUMBER: _ClassVar[int]
-    DECODE_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_FIELD_NUMBER: _ClassVar[int]
-    prefill: PrefillRequest
-    verify: VerifyRequest
-    decode: DecodeRequest
-    release: TargetReleaseRequest
-    def __init__(self, prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., release: _Optional[_Union[TargetReleaseRequest, _Mapping]] = ...) -> None: ...
-
-class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "num_cached_tokens", "feature_rows")
+class PrefillDone(_message.Message):
+    __slots__ = ("session_id", "done_tokens", "total_tokens", "first_token", "feature_rows")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    done_tokens: int
+    total_tokens: int
     first_token: int
-    num_cached_tokens: int
     feature_rows: int
-    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., feature_rows: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., done_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., feature_rows: _Optional[int] = ...) -> None: ...
 
-class StepReply(_message.Message):
-    __slots__ = ("accepted_tokens", "accepted_nodes", "bonus_token", "features")
+class VerifyDone(_message.Message):
+    __slots__ = ("session_id", "accepted_tokens", "accepted_nodes", "bonus_token", "feature_rows")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
-    features: _tensor_pb2.Tensor
-    def __init__(self, accepted_tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., features: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    feature_rows: int
+    def __init__(self, session_id: _Optional[str] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., feature_rows: _Optional[int] = ...) -> None: ...
 
-class TargetReleaseReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class TargetStepReply(_message.Message):
+    __slots__ = ("prefills", "verifies", "failures", "feature_rows")
+    PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    prefills: _containers.RepeatedCompositeFieldContainer[PrefillDone]
+    verifies: _containers.RepeatedCompositeFieldContainer[VerifyDone]
+    failures: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SessionFailure]
+    feature_rows: int
+    def __init__(self, prefills: _Optional[_Iterable[_Union[PrefillDone, _Mapping]]] = ..., verifies: _Optional[_Iterable[_Union[VerifyDone, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[_tensor_pb2.SessionFailure, _Mapping]]] = ..., feature_rows: _Optional[int] = ...) -> None: ...
 
-class TargetResponse(_message.Message):
-    __slots__ = ("prefill", "features", "step", "release")
-    PREFILL_FIELD_NUMBER: _ClassVar[int]
+class TargetStepResponse(_message.Message):
+    __slots__ = ("reply", "features")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_FIELD_NUMBER: _ClassVar[int]
-    prefill: PrefillReply
+    reply: TargetStepReply
     features: _tensor_pb2.TensorChunk
-    step: StepReply
-    release: TargetReleaseReply
-    def __init__(self, prefill: _Optional[_Union[PrefillReply, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., step: _Optional[_Union[StepReply, _Mapping]] = ..., release: _Optional[_Union[TargetReleaseReply, _Mapping]] = ...) -> None: ...
+    def __init__(self, reply: _Optional[_Union[TargetStepReply, _Mapping]] = ..., features: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class TargetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class TargetInfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "hidden_size", "num_layers", "feature_layers", "eos_token_ids", "max_context", "page_size", "num_pages", "num_free_pages", "active_sessions", "device", "dtype", "queue_depth")
+    __slots__ = ("model", "vocab_size", "hidden_size", "num_layers", "feature_layers", "eos_token_ids", "max_context", "page_size", "num_pages", "num_free_pages", "active_sessions", "device", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -110,7 +124,6 @@ class TargetInfoResponse(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     hidden_size: int
@@ -124,5 +137,4 @@ class TargetInfoResponse(_message.Message):
     active_sessions: int
     device: str
     dtype: str
-    queue_depth: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., active_sessions: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...

@@ -34,10 +34,10 @@ class TargetStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Session = channel.stream_stream(
-                '/diffspec.v1.Target/Session',
-                request_serializer=diffspec_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
-                response_deserializer=diffspec_dot_v1_dot_target__pb2.TargetResponse.FromString,
+        self.Step = channel.stream_stream(
+                '/diffspec.v1.Target/Step',
+                request_serializer=diffspec_dot_v1_dot_target__pb2.TargetStep.SerializeToString,
+                response_deserializer=diffspec_dot_v1_dot_target__pb2.TargetStepResponse.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/diffspec.v1.Target/Info',
@@ -49,9 +49,9 @@ class TargetStub:
 class TargetServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Session(self, request_iterator, context):
-        """Requests and replies alternate: each request gets its reply (a prefill reply is
-        followed by `features` chunks when features were asked for).
+    def Step(self, request_iterator, context):
+        """Each TargetStep gets one TargetStepReply, followed by `features` chunks when it reports
+        feature rows (prefill rows first, then verify rows, in the reply's order).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -66,10 +66,10 @@ class TargetServicer:
 
 def add_TargetServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Session': grpc.stream_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=diffspec_dot_v1_dot_target__pb2.TargetRequest.FromString,
-                    response_serializer=diffspec_dot_v1_dot_target__pb2.TargetResponse.SerializeToString,
+            'Step': grpc.stream_stream_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=diffspec_dot_v1_dot_target__pb2.TargetStep.FromString,
+                    response_serializer=diffspec_dot_v1_dot_target__pb2.TargetStepResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -88,7 +88,7 @@ class Target:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Session(request_iterator,
+    def Step(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -101,9 +101,9 @@ class Target:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/diffspec.v1.Target/Session',
-            diffspec_dot_v1_dot_target__pb2.TargetRequest.SerializeToString,
-            diffspec_dot_v1_dot_target__pb2.TargetResponse.FromString,
+            '/diffspec.v1.Target/Step',
+            diffspec_dot_v1_dot_target__pb2.TargetStep.SerializeToString,
+            diffspec_dot_v1_dot_target__pb2.TargetStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

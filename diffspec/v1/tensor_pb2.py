@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64iffspec/v1/tensor.proto\x12\x0b\x64iffspec.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"X\n\x0bTensorChunk\x12!\n\x04rows\x18\x01 \x01(\x0b\x32\x13.diffspec.v1.Tensor\x12\x12\n\nrow_offset\x18\x02 \x01(\x03\x12\x12\n\ntotal_rows\x18\x03 \x01(\x03\"A\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x0f\n\x07parents\x18\x02 \x03(\x03\x12\x13\n\x0b\x64raft_probs\x18\x03 \x03(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64iffspec/v1/tensor.proto\x12\x0b\x64iffspec.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"X\n\x0bTensorChunk\x12!\n\x04rows\x18\x01 \x01(\x0b\x32\x13.diffspec.v1.Tensor\x12\x12\n\nrow_offset\x18\x02 \x01(\x03\x12\x12\n\ntotal_rows\x18\x03 \x01(\x03\"A\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x0f\n\x07parents\x18\x02 \x03(\x03\x12\x13\n\x0b\x64raft_probs\x18\x03 \x03(\x02\"C\n\x0eSessionFailure\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,4 +37,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORCHUNK']._serialized_end=183
   _globals['_DRAFTTREE']._serialized_start=185
   _globals['_DRAFTTREE']._serialized_end=250
+  _globals['_SESSIONFAILURE']._serialized_start=252
+  _globals['_SESSIONFAILURE']._serialized_end=319
 # @@protoc_insertion_point(module_scope)

@@ -35,3 +35,13 @@ class DraftTree(_message.Message):
     parents: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SessionFailure(_message.Message):
+    __slots__ = ("session_id", "code", "message")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    code: int
+    message: str
+    def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
