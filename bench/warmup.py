@@ -1,11 +1,30 @@
-"""Warm an in-process engine before timing: Triton compiles and CUDA-graph captures must not land in a timed run."""
+"""Warm an engine before timing: Triton compiles and CUDA-graph captures must not land in a timed run."""
 
 from __future__ import annotations
 
-from gateway.engine import SpeculativeEngine
-from target_service.inprocess import InProcessTarget
+from typing import AsyncIterator, Protocol
+
+from draft_service.options import DraftOptions
+from gateway.request import GenerationChunk, GenerationRequest
+from target_service.runtime import TargetRuntime
 
 
-def warm_up_target(engine: SpeculativeEngine) -> int:
-    """Record the target's step graphs; returns how many (0 without graphs or with a remote target)."""
-    return engine.target.runtime.warm_up() if isinstance(engine.target, InProcessTarget) else 0
+class Generates(Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]: ...
+
+
+def warm_up_target(engine: object) -> int:
+    """Record the target's step graphs now; returns how many (0 without graphs, with a remote target,
+    or with an engine that does not expose an in-process target: then the warm-up generations record them)."""
+    target = getattr(engine, "target", None)
+    return target.warm_up() if isinstance(target, TargetRuntime) else 0
+
+
+async def warm_up_generations(
+    engine: Generates, prompt_ids: list[int], drafts: list[DraftOptions | None], max_new_tokens: int
+) -> None:
+    """One short untimed generation per configuration at this prompt's context (the draft's graphs
+    are recorded per context capacity, so every length needs its own)."""
+    for draft in drafts:
+        async for _ in engine.generate(GenerationRequest(prompt_ids, max_new_tokens, draft=draft)):
+            pass

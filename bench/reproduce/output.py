@@ -1,0 +1,70 @@
+"""What a run leaves in its folder: results.json (everything, raw runs included), results.md (the
+tables), one plot per dataset, and reproduce.log (written while it ran)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import subprocess
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import torch
+
+from bench.reproduce.plots import plot_summaries
+from bench.reproduce.presets import ProtocolConfig
+from bench.reproduce.report import markdown, to_dicts
+from diffspec.settings import DiffSpecSettings
+
+if TYPE_CHECKING:
+    from bench.reproduce.protocol import ProtocolResult
+
+log = logging.getLogger("bench.reproduce")
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_outputs(
+    result: ProtocolResult, config: ProtocolConfig, settings: DiffSpecSettings, argv: list[str], started: float
+) -> None:
+    command = "python -m bench.reproduce " + " ".join(argv)
+    header = (f"# Reproduce run: {config.preset}\n\n`{command}`\n\n{device_name()}, torch {torch.__version__}, "
+              f"commit {git_commit()}, {time.strftime('%Y-%m-%d %H:%M', time.localtime(started))}; "
+              f"target `{settings.base_model}`, head `{settings.draft_model}`; temperature {config.temperature}. "
+              "Decode-only: tokens after the first over decode seconds. End-to-end: all new tokens over the "
+              "client's seconds from request to last token (prefill and time to first token included).")
+    counts = {v: sum(1 for r in result.runs if r.exactness and r.exactness.verdict == v)
+              for v in ("exact", "near-tie", "mismatch", "unchecked")}
+    document = {
+        "command": command,
+        "preset": config.preset,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "seconds": round(time.time() - started, 1),
+        "device": device_name(),
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "config": json.loads(json.dumps(asdict(config), default=str)),
+        "settings": json.loads(settings.model_dump_json()),
+        "exactness": {"passed": result.exit_code == 0, **counts},
+        "tuning": to_dicts(result.scores),
+        "summaries": to_dicts(result.summaries),
+        "runs": [r.to_dict() for r in result.runs],
+    }
+    (result.out_dir / "results.json").write_text(json.dumps(document, indent=1))
+    table = markdown(result.summaries, result.scores, header)
+    (result.out_dir / "results.md").write_text(table)
+    plots = plot_summaries(result.summaries, result.out_dir)
+    log.info("wrote %s: results.json, results.md, %s, reproduce.log", result.out_dir, ", ".join(p.name for p in plots))
+    print(table, flush=True)

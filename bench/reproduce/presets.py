@@ -1,0 +1,55 @@
+"""What each preset runs. ``custom`` starts from ``smoke`` and takes every flag as given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench.reproduce.arms import AUTO, BASELINE_TREE_CONFIG, EAGLE3, EAGLE3_SALIENCE
+from diffspec.settings import SHARED_DIR
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    preset: str
+    base_model: Path | None  # None = the settings' (DIFFSPEC_BASE_MODEL or the bundled demo target)
+    draft_model: Path | None  # None = the settings' (DIFFSPEC_DRAFT_MODEL or the bundled demo head)
+    data_files: tuple[Path, ...]  # empty = the shared long-context prompts
+    context_targets: tuple[int, ...]  # prompt tokens per evaluated context
+    candidate_configs: tuple[str, ...]  # DiffSpec tree budgets tuned over, total:threshold:depth
+    policies: tuple[str, ...]  # DiffSpec tree policies tuned over
+    tune_max_new_tokens: int
+    eval_max_new_tokens: int
+    prompts: int  # evaluation prompts per context
+    tune_prompts: int  # tuning prompts per context (taken after the evaluation prompts when the data allows)
+    temperature: float
+    seed: int
+    baseline_arms: tuple[str, ...] = (AUTO, EAGLE3, EAGLE3_SALIENCE)  # compared beside DiffSpec tuned
+    baseline_config: str = BASELINE_TREE_CONFIG  # tree budget of the EAGLE-3 baseline arms
+    warmup_tokens: int = 8  # per arm and context, untimed, before any timed run
+    inflate_8b: bool = False
+    shared_dir: Path = SHARED_DIR  # ../shared beside the repo: default data files and tools/inflate.py
+    out_dir: Path | None = None  # None = results/<preset>_<timestamp>/
+    profile_window: bool = False  # bracket the first evaluated prompt (all arms) for Nsight Systems
+
+
+SMOKE = ProtocolConfig(
+    preset="smoke", base_model=None, draft_model=None, data_files=(), context_targets=(4096,),
+    candidate_configs=("32:0.0:6", "64:0.0:8"), policies=("online",), tune_max_new_tokens=32,
+    eval_max_new_tokens=64, prompts=1, tune_prompts=1, temperature=0.0, seed=0,
+)
+
+FULL = replace(
+    SMOKE, preset="full", context_targets=(4096, 16384, 32768, 65536, 131072),
+    candidate_configs=("16:0.0:4", "32:0.0:6", "48:0.0:8", "64:0.0:8", "96:0.0:10"), policies=("online", "full"),
+    tune_max_new_tokens=64, eval_max_new_tokens=256, prompts=8, tune_prompts=2,
+)
+
+PRESETS = {"smoke": SMOKE, "full": FULL, "custom": SMOKE}
+
+
+def default_out_dir(preset: str, started: float) -> Path:
+    """results/<preset>_<YYYYmmdd-HHMMSS>/ under the working directory."""
+    import time
+
+    return Path("results") / f"{preset}_{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}"

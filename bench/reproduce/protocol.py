@@ -1,0 +1,266 @@
+"""The whole protocol on one engine: for each dataset and context, warm up, tune DiffSpec over the
+grid, evaluate Auto and every arm on the same prompts, then judge exactness and write the report.
+
+Per (dataset, context) the evaluation prompts are the first ``prompts`` that fill the context; the
+tuning prompts come after them when the data has enough, so the chosen configuration is not tuned
+on the prompts it is judged on (with too few prompts, tuning reuses the evaluation prompts and the
+log says so).
+
+End-to-end figures need every evaluated prefill cold. The target keeps a prefix cache, and a
+target-only request (Auto) reuses cached prompt pages while a drafting one recomputes them for their
+features; so warm-up and tuning run on the tuning prompts, and Auto runs first on each evaluated
+prompt, before any other request has seen it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+from transformers.utils import logging as transformers_logging
+
+from bench.reproduce import arms as arm_names
+from bench.reproduce.arms import Arm, baseline_arms, tuning_grid
+from bench.reproduce.exactness import ExactnessResult, classify, first_divergence
+from bench.reproduce.inflate import inflate_pair
+from bench.reproduce.output import write_outputs
+from bench.reproduce.presets import ProtocolConfig, default_out_dir
+from bench.reproduce.profiling import nvtx_range, profiled
+from bench.reproduce.prompts import Dataset, load_datasets, prompts_at
+from bench.reproduce.replay import TargetReplay
+from bench.reproduce.report import ArmSummary, summarise
+from bench.reproduce.runs import Engine, RunRecord, generate_run
+from bench.reproduce.tuning import CandidateScore, score_candidates
+from bench.warmup import warm_up_generations, warm_up_target
+from diffspec.sampling import SamplingParams
+from diffspec.settings import DiffSpecSettings
+from gateway.assembly import build_engine, load_tokenizer
+
+log = logging.getLogger("bench.reproduce")
+SLACK_TOKENS = 64  # context kept free beyond max_new_tokens for a last step's tree
+
+
+@dataclass
+class ProtocolResult:
+    out_dir: Path
+    runs: list[RunRecord]  # tuning and evaluation runs, in the order they ran
+    scores: list[CandidateScore]  # the tuning pass, chosen candidates marked
+    summaries: list[ArmSummary]  # evaluation, per (dataset, context, arm)
+    exit_code: int  # 0, or 1 when an arm's tokens differ from Auto's by more than a near-tie
+
+
+@dataclass(frozen=True)
+class Case:
+    """One (dataset, context) with its prompts."""
+
+    dataset: str
+    context: int
+    eval_prompts: list[tuple[int, list[int]]]  # (index in the dataset, prompt ids)
+    tune_prompts: list[tuple[int, list[int]]]
+
+
+def run_protocol(
+    config: ProtocolConfig, argv: list[str], engine_factory: Callable[[DiffSpecSettings], Engine] = build_engine
+) -> ProtocolResult:
+    started = time.time()
+    out_dir = config.out_dir or default_out_dir(config.preset, started)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    handlers = _log_to(out_dir / "reproduce.log")
+    try:
+        log.info("python -m bench.reproduce %s", " ".join(argv))
+        settings = model_settings(config)
+        transformers_logging.set_verbosity_error()  # long prompts are cut to the context after tokenising
+        tokenizer = load_tokenizer(settings)
+        datasets = load_datasets(list(config.data_files) or [config.shared_dir / "data" / "longctx_eval.jsonl"],
+                                 lambda text: tokenizer(text)["input_ids"])
+        longest = max((len(ids) for d in datasets for ids in d.prompt_ids), default=0)
+        contexts = [c for c in config.context_targets if c <= longest]
+        settings = settings.model_copy(update={"num_pages": pages_for(settings, max(contexts, default=0), config)})
+        engine = engine_factory(settings)
+        result = asyncio.run(_Protocol(config, engine, settings.base_model, out_dir).run(datasets, contexts))
+        write_outputs(result, config, settings, argv, started)
+        return result
+    finally:
+        for handler in handlers:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+def model_settings(config: ProtocolConfig) -> DiffSpecSettings:
+    """The settings (DIFFSPEC_* env included) with the flags' models, or the 8B-shaped pair built from them."""
+    settings = DiffSpecSettings()
+    base, draft = config.base_model or settings.base_model, config.draft_model or settings.draft_model
+    if config.inflate_8b:
+        base, draft = inflate_pair(config.shared_dir, base, draft)
+        log.info("8B-shaped pair: target %s, head %s", base, draft)
+    return settings.model_copy(update={"base_model": base, "draft_model": draft})
+
+
+def pages_for(settings: DiffSpecSettings, context: int, config: ProtocolConfig) -> int:
+    """KV pages for two sequences of the longest context plus generation, and never fewer than set."""
+    tokens = context + max(config.eval_max_new_tokens, config.tune_max_new_tokens) + 2 * SLACK_TOKENS
+    return max(settings.num_pages, 2 * -(-tokens // settings.page_size) + 64)
+
+
+class _Protocol:
+    def __init__(self, config: ProtocolConfig, engine: Engine, base_model: Path, out_dir: Path) -> None:
+        self.config = config
+        self.base_model = base_model  # replayed with transformers at a divergence
+        self.engine = engine
+        self.out_dir = out_dir
+        self.sampling = SamplingParams(temperature=config.temperature, seed=config.seed)
+        fixed = baseline_arms(config.baseline_config)
+        # Auto always, and first on every prompt: every speedup is over it, and its prefill must be cold
+        self.baselines = [fixed[arm_names.AUTO]] + [fixed[n] for n in config.baseline_arms if n != arm_names.AUTO]
+        self.candidates = tuning_grid(list(config.policies), list(config.candidate_configs))
+        self.runs: list[RunRecord] = []
+        self.scores: list[CandidateScore] = []
+        self.chosen: dict[tuple[str, int], Arm] = {}
+        self.arm_of = {arm.label: arm for arm in self.baselines + self.candidates}
+        self.prompt_ids: dict[tuple[str, int, int], list[int]] = {}  # (dataset, context, prompt) -> ids
+
+    async def run(self, datasets: list[Dataset], contexts: list[int]) -> ProtocolResult:
+        torch.manual_seed(self.config.seed)
+        info = await self.engine.target_info()
+        log.info("target %s (%s, %s), max context %d", info.model, info.device, info.dtype, info.max_context)
+        cases = self._cases(datasets, contexts, info.max_context)
+        log.info("recorded %d target step graphs", warm_up_target(self.engine))
+        total = sum(len(c.tune_prompts) * len(self.candidates) + len(c.eval_prompts) * (len(self.baselines) + 1)
+                    for c in cases)
+        warmed: set[int] = set()
+        with tqdm(total=total, unit="run", desc="reproduce", dynamic_ncols=True) as bar:
+            for case in cases:
+                if case.context not in warmed:  # on a tuning prompt: the prefix cache must not hold an evaluated one
+                    bar.set_postfix_str(f"warm-up {case.context}")
+                    drafts = [a.draft for a in self.baselines + self.candidates]
+                    await warm_up_generations(self.engine, case.tune_prompts[0][1], drafts, self.config.warmup_tokens)
+                    warmed.add(case.context)
+                await self._tune(case, bar)
+                await self._evaluate(case, bar)
+        close = getattr(self.engine, "close", None)  # stop the engine's thread before the replays load a model
+        if close is not None:
+            close()
+        del self.engine
+        gc.collect()
+        exit_code = self._judge_exactness(info.dtype)
+        return ProtocolResult(self.out_dir, self.runs, self.scores, summarise([r for r in self.runs if r.phase == "eval"]),
+                              exit_code)
+
+    def _cases(self, datasets: list[Dataset], contexts: list[int], max_context: int) -> list[Case]:
+        cases = []
+        room = max(self.config.eval_max_new_tokens, self.config.tune_max_new_tokens) + SLACK_TOKENS
+        for dataset in datasets:
+            for context in self.config.context_targets:
+                if context not in contexts or context + room > max_context:
+                    log.warning("%s: context %d skipped (longest prompt or the target's %d-token limit)",
+                                dataset.name, context, max_context)
+                    continue
+                evaluated = prompts_at(dataset, context, 0, self.config.prompts)
+                if not evaluated:
+                    log.warning("%s: no prompt fills %d tokens; context skipped", dataset.name, context)
+                    continue
+                if len(evaluated) < self.config.prompts:
+                    log.warning("%s: only %d prompts fill %d tokens", dataset.name, len(evaluated), context)
+                tuning = prompts_at(dataset, context, evaluated[-1][0] + 1, self.config.tune_prompts)
+                if not tuning:
+                    log.warning("%s @ %d: no prompt left for tuning; tuning on the evaluation prompts, so Auto's "
+                                "prefill may hit the prefix cache and its end-to-end figure is flattered",
+                                dataset.name, context)
+                    tuning = evaluated[: self.config.tune_prompts]
+                cases.append(Case(dataset.name, context, evaluated, tuning))
+        if not cases:
+            raise SystemExit("no (dataset, context) pair has prompts long enough: lower --context-targets")
+        return cases
+
+    async def _run(self, bar: tqdm, phase: str, case: Case, prompt: tuple[int, list[int]], arm: Arm, n: int) -> RunRecord:
+        with nvtx_range(f"{phase} {case.context} p{prompt[0]} {arm.label}"):
+            run = await generate_run(self.engine, prompt[1], arm, n, self.sampling)
+        run.phase, run.dataset, run.context, run.prompt = phase, case.dataset, case.context, prompt[0]
+        self.prompt_ids[(case.dataset, case.context, prompt[0])] = prompt[1]
+        self.runs.append(run)
+        bar.update()
+        log.info("%s %s ctx=%d prompt=%d %s: tau=%.2f decode=%.1f tok/s e2e=%.1f tok/s", phase, case.dataset,
+                 case.context, prompt[0], arm.label, run.stats.mean_accepted_length,
+                 run.stats.decode_tokens_per_second, run.end_to_end_tokens_per_second)
+        return run
+
+    async def _tune(self, case: Case, bar: tqdm) -> None:
+        bar.set_postfix_str(f"tune {case.dataset} {case.context}")
+        tuned = [await self._run(bar, "tune", case, prompt, arm, self.config.tune_max_new_tokens)
+                 for prompt in case.tune_prompts for arm in self.candidates]
+        scores = score_candidates(self.candidates, tuned)
+        self.scores += scores
+        best = next(arm for arm, score in zip(self.candidates, scores) if score.chosen)
+        self.chosen[(case.dataset, case.context)] = best
+        log.info("tuned %s @ %d: %s", case.dataset, case.context, best.label)
+
+    async def _evaluate(self, case: Case, bar: tqdm) -> None:
+        bar.set_postfix_str(f"eval {case.dataset} {case.context}")
+        arms = self.baselines + [self.chosen[(case.dataset, case.context)]]
+        profile = self.config.profile_window and not any(r.phase == "eval" for r in self.runs)
+        for i, prompt in enumerate(case.eval_prompts):
+            with profiled(profile and i == 0):
+                for arm in arms:
+                    await self._run(bar, "eval", case, prompt, arm, self.config.eval_max_new_tokens)
+
+    def _judge_exactness(self, serving_dtype: str) -> int:
+        """Verdicts for every evaluated arm against Auto's run of the same prompt; 1 on any mismatch."""
+        evaluated = [r for r in self.runs if r.phase == "eval"]
+        auto = {(r.dataset, r.context, r.prompt): r for r in evaluated if r.arm == arm_names.AUTO}
+        replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device())
+        for run in (r for r in evaluated if r.arm != arm_names.AUTO):
+            key = (run.dataset, run.context, run.prompt)
+            run.exactness = self._verdict(replay, run, auto[key], self.prompt_ids[key])
+            if run.exactness.verdict == "mismatch":
+                assert run.exactness.divergence is not None
+                log.error("EXACTNESS FAILED: %s ctx=%d prompt=%d %s diverges from Auto at token %d: %s", run.dataset,
+                          run.context, run.prompt, run.label, run.exactness.divergence.position, run.exactness.reason)
+        return int(any(r.exactness is not None and r.exactness.verdict == "mismatch" for r in evaluated))
+
+    def _verdict(self, replay: TargetReplay, run: RunRecord, auto: RunRecord, prompt_ids: list[int]) -> ExactnessResult:
+        if self.config.temperature > 0:
+            return ExactnessResult("unchecked", "sampled (temperature > 0): no token-level check")
+        divergence = first_divergence(auto.token_ids, run.token_ids)
+        if divergence is None:
+            return ExactnessResult("exact", "same tokens as Auto")
+        shared = auto.token_ids[: divergence.position]
+        following = auto.token_ids[divergence.position:]
+        draft = self.arm_of[run.label].draft
+        assert draft is not None, "only drafting arms are compared with Auto"
+        verify_tokens = int(draft.tree_config.split(":")[0])  # the budget's total_tokens: its largest verify
+        evidence = replay.evidence(prompt_ids + shared, following, verify_tokens)
+        return classify(divergence, evidence)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16."""
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _log_to(path: Path) -> list[logging.Handler]:
+    """Log to the run's file, and to the console through tqdm so the bar stays whole."""
+    file_handler = logging.FileHandler(path)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console = _TqdmHandler()
+    console.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in (file_handler, console):
+        root.addHandler(handler)
+    return [file_handler, console]
+
+
+class _TqdmHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record))

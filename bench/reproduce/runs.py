@@ -1,0 +1,82 @@
+"""One generation through the engine's public API, timed from the client's side as well."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+import torch
+
+from bench.reproduce.arms import Arm
+from bench.reproduce.exactness import ExactnessResult
+from diffspec.sampling import SamplingParams
+from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
+from target_service.backend import TargetInfo
+
+
+class Engine(Protocol):
+    """What the protocol needs of ``gateway.assembly.build_engine``'s object."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]: ...
+
+    async def target_info(self) -> TargetInfo: ...
+
+
+@dataclass
+class RunRecord:
+    """One prompt generated with one arm; times in seconds, tokens in target-vocab ids."""
+
+    phase: str  # "tune" or "eval"
+    dataset: str
+    context: int  # the context target asked for (the prompt holds this many tokens)
+    prompt: int  # index of the prompt within the dataset
+    arm: str  # arm name
+    label: str  # arm name plus its tree, e.g. diffspec[online 64:0.0:8]
+    token_ids: list[int]  # [new_tokens] generated ids
+    stats: GenerationStats
+    request_seconds: float  # client wall time from the request to the last chunk
+    first_token_seconds: float  # client wall time from the request to the first token
+    peak_memory_bytes: int | None  # peak GPU memory allocated during the run (None on CPU)
+    exactness: ExactnessResult | None = None  # against Auto's run of the same prompt (evaluation runs)
+
+    @property
+    def end_to_end_tokens_per_second(self) -> float:
+        return self.stats.new_tokens / self.request_seconds if self.request_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "phase": self.phase, "dataset": self.dataset, "context": self.context, "prompt": self.prompt,
+            "arm": self.arm, "label": self.label, "token_ids": self.token_ids,
+            "request_seconds": round(self.request_seconds, 6),
+            "first_token_seconds": round(self.first_token_seconds, 6),
+            "peak_memory_bytes": self.peak_memory_bytes, "stats": self.stats.to_dict(),
+            "exactness": self.exactness.to_dict() if self.exactness else None,
+        }
+
+
+async def generate_run(
+    engine: Engine, prompt_ids: list[int], arm: Arm, max_new_tokens: int, sampling: SamplingParams = SamplingParams()
+) -> RunRecord:
+    """Generate and time one request; the record's labels other than the arm's are left for the caller."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    tokens: list[int] = []
+    stats: GenerationStats | None = None
+    started = time.perf_counter()
+    first_token_at = None
+    request = GenerationRequest(prompt_ids, max_new_tokens, sampling=sampling, draft=arm.draft)
+    async for chunk in engine.generate(request):
+        if chunk.token_ids and first_token_at is None:
+            first_token_at = time.perf_counter()
+        tokens += chunk.token_ids
+        stats = chunk.stats or stats
+    ended = time.perf_counter()
+    assert stats is not None, "the engine's last chunk carries the stats"
+    return RunRecord(
+        phase="", dataset="", context=len(prompt_ids), prompt=0, arm=arm.name, label=arm.label,
+        token_ids=tokens, stats=stats, request_seconds=ended - started,
+        first_token_seconds=(first_token_at or ended) - started,
+        peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+    )

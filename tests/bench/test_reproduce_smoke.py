@@ -1,0 +1,81 @@
+"""The smoke preset end to end on the CPU with the bundled tiny pair: files, arms, speedups, exactness."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.reproduce.cli import main
+
+ARMS = ["auto", "eagle3", "eagle3+salience", "diffspec"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(code_prompts, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("results") / "smoke"
+    argv = ["--preset", "smoke", "--data-files", str(code_prompts), "--context-targets", "1024",
+            "--tune-max-new-tokens", "8", "--eval-max-new-tokens", "16", "--warmup-tokens", "4",
+            "--out-dir", str(out_dir)]
+    exit_code = main(argv)
+    return exit_code, out_dir, json.loads((out_dir / "results.json").read_text())
+
+
+def test_writes_every_file(smoke_run):
+    exit_code, out_dir, _ = smoke_run
+    assert exit_code == 0
+    assert {p.name for p in out_dir.iterdir()} == {"results.json", "results.md", "reproduce.log", "repo_code.png"}
+    log = (out_dir / "reproduce.log").read_text()
+    assert "tuned repo_code @ 1024" in log and "EXACTNESS FAILED" not in log
+
+
+def test_every_arm_is_summarised_and_tabled(smoke_run):
+    _, out_dir, result = smoke_run
+    assert [s["arm"] for s in result["summaries"]] == ARMS
+    assert all(s["context"] == 1024 and s["prompts"] == 1 for s in result["summaries"])
+    table = (out_dir / "results.md").read_text()
+    for summary in result["summaries"]:
+        assert f"| 1024 | {summary['label']} |" in table
+
+
+def test_tuning_chooses_the_fastest_candidate_and_evaluates_it(smoke_run):
+    _, _, result = smoke_run
+    scores = result["tuning"]
+    assert [s["label"] for s in scores] == ["diffspec[online 32:0.0:6]", "diffspec[online 64:0.0:8]"]
+    chosen = [s for s in scores if s["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["decode_tokens_per_s"] == max(s["decode_tokens_per_s"] for s in scores)
+    tuned = [r for r in result["runs"] if r["phase"] == "tune"]
+    assert {r["prompt"] for r in tuned} == {1}  # tuned on the prompt after the evaluated one
+    diffspec = next(s for s in result["summaries"] if s["arm"] == "diffspec")
+    assert diffspec["label"] == chosen[0]["label"]
+
+
+def test_speedups_come_from_the_recorded_times(smoke_run):
+    _, _, result = smoke_run
+    runs = {r["arm"]: r for r in result["runs"] if r["phase"] == "eval"}
+
+    def decode(run):
+        return (run["stats"]["new_tokens"] - 1) / run["stats"]["decode_seconds"]
+
+    def end_to_end(run):
+        return run["stats"]["new_tokens"] / run["request_seconds"]
+
+    for summary in result["summaries"]:
+        run = runs[summary["arm"]]
+        assert summary["decode_speedup"] == pytest.approx(decode(run) / decode(runs["auto"]), rel=1e-3)
+        assert summary["end_to_end_speedup"] == pytest.approx(end_to_end(run) / end_to_end(runs["auto"]), rel=1e-3)
+        assert run["first_token_seconds"] <= run["request_seconds"]
+        assert run["stats"]["prefill_seconds"] > 0
+
+
+def test_fp32_arms_are_exact(smoke_run):
+    _, _, result = smoke_run
+    evaluated = [r for r in result["runs"] if r["phase"] == "eval"]
+    auto = next(r for r in evaluated if r["arm"] == "auto")
+    assert auto["exactness"] is None and len(auto["token_ids"]) == 16
+    for run in evaluated:
+        if run["arm"] != "auto":
+            assert run["exactness"]["verdict"] == "exact"
+            assert run["token_ids"] == auto["token_ids"]
+    assert result["exactness"] == {"passed": True, "exact": 3, "near-tie": 0, "mismatch": 0, "unchecked": 0}
+    assert [(s["exact"], s["near_ties"], s["mismatches"]) for s in result["summaries"]] == [(0, 0, 0)] + [(1, 0, 0)] * 3
