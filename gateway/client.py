@@ -6,7 +6,6 @@ exactly the JSON contract of an in-process run. A failed call raises its typed e
 
 from __future__ import annotations
 
-import argparse
 from typing import AsyncIterator
 
 import grpc
@@ -21,26 +20,12 @@ from gateway.request import GenerationChunk
 PEER = "gateway"
 
 
-def generate_request(text: str, args: argparse.Namespace, settings: DiffSpecSettings) -> gateway_pb2.GenerateRequest:
-    """The CLI's generate flags and settings as a request (the settings fill policy, budget and length)."""
-    return gateway_pb2.GenerateRequest(
-        text=text,
-        max_new_tokens=settings.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=args.stop,
-        policy=settings.policy,
-        tree_config=settings.tree_config,
-        salience=settings.salience,
-    )
-
-
 async def stream_generate(
-    address: str, text: str, args: argparse.Namespace, settings: DiffSpecSettings
+    address: str, request: gateway_pb2.GenerateRequest, settings: DiffSpecSettings
 ) -> AsyncIterator[GenerationChunk]:
+    """``settings``: the channel's message size and keepalive; the request's unset fields take the server's defaults."""
     async with open_channel(address, settings) as channel:
-        call = gateway_pb2_grpc.GatewayStub(channel).Generate(generate_request(text, args, settings))
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request)
         try:
             async for response in call:
                 yield chunk_from_proto(response)

@@ -10,8 +10,8 @@ from diffspec.errors import InvalidRequest
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2
-from draft_service.backend import DraftOptions
-from draft_service.runtime import validate_options
+from draft_service.options import DraftOptions, validate_options
+from draft_service.tree_budget import TreeBudget
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
 from target_service.backend import TargetInfo
 
@@ -69,9 +69,11 @@ def _check_prompt(prompt_ids: list[int], info: TargetInfo) -> None:
 
 
 def _draft_options(message: gateway_pb2.GenerateRequest, defaults: DiffSpecSettings) -> DraftOptions | None:
-    """None for Auto; raises InvalidRequest for an unknown policy or a bad tree config."""
+    """None for Auto; raises InvalidRequest for an unknown policy or a bad tree config (given with Auto too)."""
     policy = message.policy or defaults.policy
     if policy == "auto":
+        if message.tree_config:
+            TreeBudget.parse(message.tree_config)
         return None
     options = DraftOptions(
         policy=policy,
@@ -86,12 +88,21 @@ def chunk_to_proto(chunk: GenerationChunk) -> gateway_pb2.GenerateResponse:
     response = gateway_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
     if chunk.stats is not None:
         response.stats.CopyFrom(stats_to_proto(chunk.stats))
+    if chunk.prefill_progress is not None:
+        done, total = chunk.prefill_progress
+        response.prefill_progress.CopyFrom(gateway_pb2.PrefillProgress(done_tokens=done, total_tokens=total))
     return response
 
 
 def chunk_from_proto(response: gateway_pb2.GenerateResponse) -> GenerationChunk:
     stats = stats_from_proto(response.stats) if response.HasField("stats") else None
-    return GenerationChunk(token_ids=list(response.token_ids), text=response.text, stats=stats)
+    progress = response.prefill_progress if response.HasField("prefill_progress") else None
+    return GenerationChunk(
+        token_ids=list(response.token_ids),
+        text=response.text,
+        stats=stats,
+        prefill_progress=(progress.done_tokens, progress.total_tokens) if progress is not None else None,
+    )
 
 
 def stats_to_proto(stats: GenerationStats) -> gateway_pb2.GenerationStats:

@@ -75,5 +75,4 @@ class GenerationChunk:
     token_ids: list[int]  # new generated ids in this chunk
     text: str  # the text they complete (may lag a token behind for split characters)
     stats: GenerationStats | None = None  # set on the last chunk only
-    prefill_progress: tuple[int, int] | None = None  # (done, total) prompt tokens, on progress-only chunks
     prefill_progress: tuple[int, int] | None = None  # (prompt tokens done, prompt tokens) while a prompt prefills

@@ -70,15 +70,25 @@ class GenerationStats(_message.Message):
     working_set_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., stop_depth_histogram: _Optional[_Iterable[int]] = ..., prefill_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., finish_reason: _Optional[str] = ..., fell_back_to_auto: _Optional[bool] = ..., hazard: _Optional[_Iterable[float]] = ..., working_set_tokens: _Optional[int] = ...) -> None: ...
 
+class PrefillProgress(_message.Message):
+    __slots__ = ("done_tokens", "total_tokens")
+    DONE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    done_tokens: int
+    total_tokens: int
+    def __init__(self, done_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "stats")
+    __slots__ = ("token_ids", "text", "stats", "prefill_progress")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     stats: GenerationStats
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+    prefill_progress: PrefillProgress
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., prefill_progress: _Optional[_Union[PrefillProgress, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from diffspec.cli import SERVE_ROLES
+from cli.main import SERVE_ROLES
 from diffspec.settings import REPO_ROOT
 
 yaml = pytest.importorskip("yaml")

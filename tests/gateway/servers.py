@@ -41,7 +41,7 @@ class ServerProcess:
         command = [
             sys.executable,
             "-m",
-            "diffspec.cli",
+            "cli",
             "serve",
             role,
             "--listen",

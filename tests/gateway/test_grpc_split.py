@@ -112,7 +112,7 @@ def test_cli_generate_through_the_gateway_prints_the_in_process_json(split_deplo
         [
             sys.executable,
             "-m",
-            "diffspec.cli",
+            "cli",
             "generate",
             "--gateway",
             split_deployment.gateway.address,

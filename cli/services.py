@@ -1,0 +1,61 @@
+"""The gRPC services of one ``diffspec serve`` process, wired to their models.
+
+``all`` (the embedded default) runs the gateway's engine over the target and the draft in
+this process, on one port. ``target`` and ``draft`` serve one model each; ``gateway`` runs the
+engine over them at ``--target`` / ``--draft`` (in process when unset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from diffspec.serving import Loading, ServiceHost
+from diffspec.settings import DiffSpecSettings
+from diffspec.v1 import draft_pb2_grpc, gateway_pb2_grpc, target_pb2_grpc
+from draft_service import server as draft_server
+from draft_service.inprocess import load_draft_runtime
+from draft_service.runtime import DraftRuntime
+from gateway import server as gateway_server
+from gateway.assembly import build_engine
+from gateway.engine import SpeculativeEngine
+from target_service import server as target_server
+from target_service.runtime import TargetRuntime
+
+
+async def serve(role: str, settings: DiffSpecSettings) -> None:
+    host = ServiceHost(settings, role)
+    target: Loading[TargetRuntime] = Loading("the target model")
+    draft: Loading[DraftRuntime] = Loading("the draft model")
+    engine: Loading[SpeculativeEngine] = Loading("the gateway's engine")
+    if role == "target":
+        servicer = target_server.TargetServicer(target, settings, host.metrics)
+        host.add(servicer, target_pb2_grpc.add_TargetServicer_to_server, target_server.SERVICE_NAME)
+    if role == "draft":
+        servicer = draft_server.DraftServicer(draft, settings, host.metrics)
+        host.add(servicer, draft_pb2_grpc.add_DraftServicer_to_server, draft_server.SERVICE_NAME)
+    if role in ("all", "gateway"):
+        servicer = gateway_server.GatewayServicer(engine, settings, host.metrics)
+        host.add(servicer, gateway_pb2_grpc.add_GatewayServicer_to_server, gateway_server.SERVICE_NAME)
+
+    async def load() -> None:
+        if role == "target":
+            loaded_target = await asyncio.to_thread(TargetRuntime, settings)
+            target.set(loaded_target)
+            host.metrics.watch_target(loaded_target)
+        elif role == "draft":
+            loaded_draft = await asyncio.to_thread(load_draft_runtime, settings)
+            draft.set(loaded_draft)
+            host.metrics.watch_draft(loaded_draft)
+        else:
+            loaded = await asyncio.to_thread(build_engine, settings)
+            engine.set(loaded)
+            if isinstance(loaded.target, TargetRuntime):
+                host.metrics.watch_target(loaded.target)
+            if isinstance(loaded.draft, DraftRuntime):
+                host.metrics.watch_draft(loaded.draft)
+
+    async def close() -> None:
+        if role in ("all", "gateway"):
+            await asyncio.to_thread(engine.get().close)
+
+    await host.run(load, close)
