@@ -8,9 +8,22 @@ is a topologically ordered list. The tree mask and position offsets derive from 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class DeviceTree:
+    """The same tree where the draft built it (the GPU when it has one), padded to the proposal's
+    node capacity, so a target in the same process can read it without a host round trip.
+    Nodes past ``num_nodes`` are padding: token 0, parent -1, depth 0, seeing only themselves."""
+
+    tokens: torch.Tensor  # [capacity] int64
+    parents: torch.Tensor  # [capacity] int64, -1 for the root and padding
+    depths: torch.Tensor  # [capacity] int64: root 0, child = parent + 1 (target positions = committed + depth)
+    ancestor_mask: torch.Tensor  # [capacity, capacity] bool: mask[i, j] = node j is node i or one of its ancestors
+    num_nodes: torch.Tensor  # [] int64
 
 
 @dataclass(frozen=True)
@@ -18,6 +31,7 @@ class DraftTree:
     tokens: torch.Tensor  # [num_nodes] int64, target-vocab ids; tokens[0] is the root
     parents: torch.Tensor  # [num_nodes] int64, parents[0] == -1, parents[i] < i
     draft_probs: torch.Tensor  # [num_nodes] float32, draft probability of each node given its parent (root: 1)
+    on_device: DeviceTree | None = field(default=None, compare=False, repr=False)  # set by the drafter
 
     def __post_init__(self) -> None:
         n = self.tokens.numel()

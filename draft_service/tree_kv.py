@@ -1,45 +1,56 @@
-"""One growing draft tree's own entries on the device: keys, values and who sees whom.
+"""A batch of growing draft trees' own entries on the device: keys, values and who sees whom.
 
-Entries arrive a depth at a time and each sees its ancestors' entries and itself. Buffers are
-preallocated for the tree's plan, so a depth writes its rows in place (no per-depth concat of
-the tree so far), and each entry's path (its ancestors' entries then its own) is kept on the
-device, so a depth's mask rows come from its parents' paths by one gather and one scatter
-instead of a host loop per node.
+Depth d >= 1 of a proposal runs the head once on a fixed number of frontier rows per session
+(``layer_rows[d - 1]``); each row's entry goes to a fixed place, layer after layer, so the
+buffers are sized once per proposal shape and a depth writes its rows in place: no concat,
+no host loop, the same addresses on every replay of a CUDA graph. An entry sees its
+ancestors' entries and itself; its row of ``sees`` is its parent's row plus itself (the root
+has no entry, so depth-1 rows see only themselves). Entries of layers not written yet hold
+stale values that no row sees.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
 
 class TreeKV:
     def __init__(
-        self, capacity: int, max_depth: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        batch: int,
+        layer_rows: list[int],
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
-        self.keys = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)  # [capacity, kv_heads, hd]
-        self.values = torch.empty_like(self.keys)
-        # [capacity + 1, max_depth]: paths[e, i] = entry of e's depth-(i + 1) ancestor (e itself at its own depth);
-        # max_depth bounds the entries' depths; the extra last row stands for the root, which has no entry.
-        self.paths = torch.zeros(capacity + 1, max_depth, dtype=torch.int64, device=device)
-        self.length = 0  # entries written
+        self.starts = [0, *itertools.accumulate(layer_rows)]  # layer d's entries: starts[d - 1]:starts[d]
+        entries = self.starts[-1]
+        self.keys = torch.zeros(batch, entries, num_kv_heads, head_dim, dtype=dtype, device=device)  # [B, E, kv, hd]
+        self.values = torch.zeros_like(self.keys)  # [B, E, kv, hd]
+        self.sees = torch.zeros(batch, entries, entries, dtype=torch.bool, device=device)  # [B, E, E]
+        self._own = torch.eye(entries, dtype=torch.bool, device=device)  # [E, E]: each entry sees itself
 
     @property
-    def root(self) -> int:
-        """The path row to name as the parent of depth-1 entries."""
-        return self.paths.shape[0] - 1
+    def num_entries(self) -> int:
+        return self.keys.shape[1]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
-        """Add depth-``depth`` entries k, v [n, kv_heads, hd] whose parents' entries are ``parents`` [n]
-        (``root`` for depth 1) -> mask [n, length] bool: the entries each new one sees."""
-        start, stop = self.length, self.length + k.shape[0]
-        self.keys[start:stop] = k
-        self.values[start:stop] = v
-        self.paths[start:stop] = self.paths[parents]
-        self.paths[start:stop, depth - 1] = torch.arange(start, stop, device=self.paths.device)
-        self.length = stop
-        mask = torch.zeros(stop - start, stop, dtype=torch.bool, device=self.keys.device)
-        return mask.scatter_(1, self.paths[start:stop, :depth], True)
-
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[length, kv_heads, hd] keys and values of every entry so far."""
-        return self.keys[: self.length], self.values[: self.length]
+    def write(
+        self, depth: int, k: torch.Tensor, v: torch.Tensor, parent_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Store depth ``depth``'s entries k, v [B, rows, kv_heads, hd]; ``parent_rows`` [B, rows] int64 are
+        their parents' rows at the previous depth (ignored at depth 1: the root has no entry)
+        -> [B, rows, E] bool: the entries each new one sees."""
+        start, stop = self.starts[depth - 1], self.starts[depth]
+        self.keys[:, start:stop] = k
+        self.values[:, start:stop] = v
+        own = self._own[start:stop].expand(k.shape[0], -1, -1)  # [B, rows, E]
+        if depth == 1:
+            sees = own
+        else:
+            previous = self.sees[:, self.starts[depth - 2] : start]  # [B, parent rows, E]
+            sees = previous.gather(1, parent_rows[..., None].expand(-1, -1, self.num_entries)) | own
+        self.sees[:, start:stop] = sees
+        return self.sees[:, start:stop]

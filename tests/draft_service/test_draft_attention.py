@@ -27,3 +27,20 @@ def test_matches_softmax_over_concatenated_keys(heads, kv_heads, ctx, new):
     assert torch.allclose(got.nan_to_num(0.0), expected, atol=1e-5)
     if ctx > 0:
         assert not got.isnan().any()
+
+
+def test_a_batch_equals_each_session_alone():
+    """Leading batch dims: each session's queries over its own (padded, masked) context and entries."""
+    gen = torch.Generator().manual_seed(7)
+    batch, n, heads, kv_heads, hd, capacity, m = 3, 4, 4, 2, 8, 20, 5
+    q = torch.randn(batch, n, heads, hd, generator=gen)
+    ctx_k, ctx_v = torch.randn(2, batch, capacity, kv_heads, hd, generator=gen)
+    new_k, new_v = torch.randn(2, batch, m, kv_heads, hd, generator=gen)
+    mask = torch.rand(batch, n, m, generator=gen) < 0.5
+    mask[..., 0] = True
+    lengths = [20, 3, 0]
+    valid = torch.arange(capacity) < torch.tensor(lengths)[:, None]
+    got = draft_attention(q, ctx_k, ctx_v, new_k, new_v, mask, 0.3, valid)
+    for b, length in enumerate(lengths):
+        alone = draft_attention(q[b], ctx_k[b, :length], ctx_v[b, :length], new_k[b], new_v[b], mask[b], 0.3)
+        torch.testing.assert_close(got[b], alone, rtol=1e-5, atol=1e-6)

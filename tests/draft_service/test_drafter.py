@@ -1,151 +1,243 @@
-"""Draft trees from the shipped head: policy shapes, batched proposals, budgets."""
+"""Draft trees proposed on the device against the host-side search they replaced, for every policy shape.
+
+Sessions are started over seeded random prompts and features (no target needed), with
+contexts of different lengths in one batch, with and without a salience working set.
+"""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from transformers import AutoTokenizer
 
-from diffspec.sampling import SamplingParams
-from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
-from draft_service.backend import DraftOptions
+from diffspec.settings import BUNDLED_DRAFT, BUNDLED_TARGET
+from diffspec.tree import DraftTree
+from draft_service.drafter import Drafter, DraftSession, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.depth_graphs import DepthGraphs
-from draft_service.head_graphs import HeadGraphs, top_candidates
-from draft_service.runtime import DraftRuntime
-from target_service.runtime import TargetRuntime
+from draft_service.hazard import widths_to_plan
+from draft_service.target_embedding import load_target_embedding
+from draft_service.tree_budget import DepthPlan, TreeBudget
+from draft_service.tree_proposal import ProposalShape
+from draft_service.working_set import WorkingSetConfig
+from tests.draft_service.reference_proposal import reference_tree
 
-PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):\n        self.items = []", "import os\nimport re"]
+CONTEXT_LENGTHS = (5, 37, 150, 300)  # one batch, four contexts
+SALIENCE = WorkingSetConfig(chunk_size=16, budget_tokens=96, sink_chunks=1, recent_chunks=2)  # a strict subset at 300
+
+# policy shape -> (plan, budget): what runtime.depth_plan and hazard.widths_to_plan give for each policy
+POLICIES = {
+    "chain": ([DepthPlan(1, 1)] * 6, TreeBudget(64, 0.0, 6)),
+    "uniform2": ([DepthPlan(7, 2)] * 3, TreeBudget(15, 0.0, 3)),
+    "uniform3": ([DepthPlan(14, 3)] * 4, TreeBudget(40, 0.0, 4)),
+    "full": ([DepthPlan(10, 10)] * 8, TreeBudget(64, 0.0, 8)),
+    "full-threshold": ([DepthPlan(10, 10)] * 5, TreeBudget(40, 0.01, 5)),
+    "online": (widths_to_plan([4, 2, 1, 3, 1]), TreeBudget(32, 0.0, 6)),
+    "online-threshold": (widths_to_plan([6, 3, 2]), TreeBudget(24, 0.01, 3)),
+}
+
+
+def load_head(device: torch.device, dtype: torch.dtype) -> Eagle3Head:
+    embedding = load_target_embedding(BUNDLED_TARGET, device, dtype)
+    return Eagle3Head.load(BUNDLED_DRAFT, embedding, device, dtype)
+
+
+def start_sessions(
+    drafter: Drafter, lengths: tuple[int, ...], salience: WorkingSetConfig | None, seed: int = 0
+) -> list[DraftSession]:
+    """Sessions over random prompts [length] and features [length, 3 * hidden], the same for a seed."""
+    c, device = drafter.head.config, drafter.head.fc.weight.device
+    generator = torch.Generator().manual_seed(seed)
+    sessions = []
+    for length in lengths:
+        prompt = torch.randint(0, c.vocab_size, (length + 1,), generator=generator).tolist()
+        features = torch.randn(length, 3 * c.target_hidden_size, generator=generator)
+        sessions.append(drafter.start(prompt[:-1], features.to(device), prompt[-1], salience))
+    return sessions
 
 
 @pytest.fixture(scope="module")
-def started(tiny_target_dir):
-    target = TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=256))
-    head = Eagle3Head.load(BUNDLED_DRAFT, target.model.embed_tokens, torch.device("cpu"), torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+def drafter() -> Drafter:
+    return Drafter(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
 
-    def start(runtime: DraftRuntime, options: DraftOptions) -> list[str]:
-        ids = []
-        for i, text in enumerate(PROMPTS):
-            prompt = tokenizer(text)["input_ids"]
-            sid = f"{options.policy}-{options.salience}-{i}-{id(runtime)}"
-            pre = target.prefill(sid, prompt, SamplingParams(), want_features=True)
-            runtime.start(sid, prompt, pre.features, pre.first_token, options)
-            target.release(sid)
-            ids.append(sid)
-        return ids
 
-    return head, start
+def assert_same_tree(got: DraftTree, want: DraftTree) -> None:
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert got.parents.tolist() == want.parents.tolist()
+    torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=1e-5, atol=1e-6)
+
+
+def cumulative_probs(tree: DraftTree) -> list[float]:
+    cumulative = [1.0]
+    for node in range(1, tree.num_nodes):
+        cumulative.append(cumulative[int(tree.parents[node])] * float(tree.draft_probs[node]))
+    return cumulative
+
+
+@pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_device_trees_equal_the_host_search(drafter, policy, salience):
+    plan, budget = POLICIES[policy]
+    sessions = start_sessions(drafter, CONTEXT_LENGTHS, salience)
+    requests = [ProposalRequest(session, plan, budget) for session in sessions]
+    trees = drafter.propose_many(requests)
+    for request, tree in zip(requests, trees):
+        assert_same_tree(tree, reference_tree(drafter, request))
+        assert tree.num_nodes <= budget.total_tokens
+        assert int(tree.depths().max()) <= min(len(plan), budget.depth)
+        assert all(p >= budget.threshold - 1e-6 for p in cumulative_probs(tree))
+    assert sum(tree.num_nodes for tree in trees) >= 2 * len(trees)  # trees, not roots alone
+    if budget.threshold > 0:  # the threshold did cut: some tree is smaller than the same search without it
+        unpruned = [ProposalRequest(s, plan, TreeBudget(budget.total_tokens, 0.0, budget.depth)) for s in sessions]
+        sizes = [t.num_nodes for t in drafter.propose_many(unpruned)]
+        assert any(tree.num_nodes < size for tree, size in zip(trees, sizes))
+    if salience is not None:  # the longest context attends to a strict subset
+        assert sessions[-1].context.view()[0].shape[0] < CONTEXT_LENGTHS[-1]
+
+
+def test_one_batch_mixes_plans_budgets_thresholds_and_salience(drafter):
+    """Widths, depths, budgets and thresholds differ per session: each pads to the batch's widest and is masked."""
+    full_context = start_sessions(drafter, CONTEXT_LENGTHS, None, seed=1)
+    selected = start_sessions(drafter, CONTEXT_LENGTHS[::-1], SALIENCE, seed=2)
+    shapes = list(POLICIES.values())
+    requests = [ProposalRequest(s, *shapes[i % len(shapes)]) for i, s in enumerate(full_context + selected)]
+    for request, tree in zip(requests, drafter.propose_many(requests)):
+        assert_same_tree(tree, reference_tree(drafter, request))
+
+
+def test_reused_buffers_leave_no_trace(drafter):
+    """A shape's static buffers serve the next batch of that shape: shorter contexts and new sessions see none
+    of the last batch's keys or entries."""
+    plan, budget = POLICIES["full"]
+    fresh = Drafter(drafter.head, cuda_graphs=False)
+    long_sessions = start_sessions(fresh, (300, 280, 260), None, seed=3)
+    short_sessions = start_sessions(fresh, (9, 4, 20), None, seed=4)
+    first = fresh.propose_many([ProposalRequest(s, plan, budget) for s in long_sessions])
+    requests = [ProposalRequest(s, plan, budget) for s in short_sessions]
+    for request, tree in zip(requests, fresh.propose_many(requests)):
+        assert_same_tree(tree, reference_tree(fresh, request))
+    again = fresh.propose_many([ProposalRequest(s, plan, budget) for s in long_sessions])
+    for one, other in zip(first, again):
+        assert_same_tree(one, other)
+    assert len(fresh.proposer._runs) == 1  # one shape, one set of buffers
+
+
+def test_device_tree_matches_the_host_tree(drafter):
+    plan, budget = POLICIES["online"]
+    sessions = start_sessions(drafter, CONTEXT_LENGTHS, None)
+    for tree in drafter.propose_many([ProposalRequest(s, plan, budget) for s in sessions]):
+        device, n = tree.on_device, tree.num_nodes
+        assert device is not None and int(device.num_nodes) == n
+        assert torch.equal(device.tokens[:n], tree.tokens) and torch.equal(device.parents[:n], tree.parents)
+        assert torch.equal(device.depths[:n], tree.depths())
+        assert torch.equal(device.ancestor_mask[:n, :n], tree.ancestor_mask())
+        capacity = device.tokens.shape[0]
+        assert bool((device.parents[n:] == -1).all()) and bool((device.tokens[n:] == 0).all())
+        assert torch.equal(device.ancestor_mask[n:], torch.eye(capacity, dtype=torch.bool)[n:])  # padding sees itself
+
+
+def test_the_search_reads_nothing_back_to_the_host(drafter, monkeypatch):
+    """Every choice of a proposal is a tensor op: no host read inside it (a GPU would sync on one)."""
+    plan, budget = POLICIES["full-threshold"]
+    sessions = start_sessions(drafter, CONTEXT_LENGTHS, SALIENCE)
+    requests = [ProposalRequest(s, plan, budget) for s in sessions]
+    proposer = drafter.proposer
+    contexts = [s.context.view() for s in sessions]
+    run = proposer._stage(ProposalShape.of(requests, [k.shape[0] for k, _ in contexts]), requests, contexts)
+
+    def host_read(*_args, **_kwargs):
+        raise AssertionError("a host read inside the proposal")
+
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy"):
+            patch.setattr(torch.Tensor, name, host_read)
+        out = proposer._search(run)
+    trees = drafter.propose_many(requests)
+    assert out.num_nodes[: len(trees)].tolist() == [t.num_nodes for t in trees]
 
 
 @pytest.mark.parametrize(
-    "options, max_nodes, max_depth",
+    "plans, lengths, want",
     [
-        (DraftOptions("chain", "64:0.0:6"), 7, 6),
-        (DraftOptions("uniform2", "15:0.0:3"), 15, 3),
-        (DraftOptions("full", "40:0.0:5"), 40, 5),
-        (DraftOptions("full", "40:0.5:5"), 40, 5),
-        (DraftOptions("online", "32:0.0:6"), 32, 6),
+        ([POLICIES["full"]] * 3, [5, 300, 40], ProposalShape(4, 1024, ((1, 10),) + ((10, 10),) * 7, 64)),
+        ([POLICIES["uniform2"]], [1025], ProposalShape(1, 1152, ((1, 2), (2, 2), (4, 2)), 15)),
+        ([POLICIES["chain"]] * 2, [4500, 3], ProposalShape(2, 4608, ((1, 1),) * 6, 7)),
+        (  # online widths per session: each depth takes the batch's widest, rounded up to a width bucket
+            [(widths_to_plan([5, 2]), TreeBudget(16, 0.0, 2)), (widths_to_plan([1, 7, 3]), TreeBudget(24, 0.0, 3))],
+            [70_000, 10],
+            ProposalShape(2, 73_728, ((1, 6), (6, 8), (8, 3)), 24),
+        ),
     ],
 )
-def test_trees_respect_their_budget(started, options, max_nodes, max_depth):
-    head, start = started
-    runtime = DraftRuntime(head)
-    for sid in start(runtime, options):
-        tree = runtime.propose(sid)
-        assert 1 <= tree.num_nodes <= max_nodes and int(tree.depths().max()) <= max_depth
-        if options.policy == "chain":
-            assert tree.parents.tolist() == list(range(-1, tree.num_nodes - 1))
-        if options.tree_config.split(":")[1] == "0.5":  # every kept node is at least 50% likely
-            cumulative = torch.ones(tree.num_nodes)
-            for i in range(1, tree.num_nodes):
-                cumulative[i] = cumulative[int(tree.parents[i])] * tree.draft_probs[i]
-            assert bool((cumulative[1:] >= 0.5 - 1e-6).all())
+def test_shapes_pad_to_buckets(drafter, plans, lengths, want):
+    session = start_sessions(drafter, (3,), None)[0]
+    requests = [ProposalRequest(session, plan, budget) for plan, budget in plans]
+    assert ProposalShape.of(requests, lengths) == want
 
 
-@pytest.mark.parametrize("salience", [False, True])
-def test_batched_proposals_equal_one_at_a_time(started, salience):
-    head, start = started
-    options = DraftOptions("full", "32:0.0:5", salience=salience)
-    alone, together = DraftRuntime(head), DraftRuntime(head)
-    singles = [alone.propose(sid) for sid in start(alone, options)]
-    batched = together.propose_batch(start(together, options))
-    for one, many in zip(singles, batched):
-        assert torch.equal(one.tokens, many.tokens) and torch.equal(one.parents, many.parents)
-        assert torch.allclose(one.draft_probs, many.draft_probs, atol=1e-5)
-
-
-@pytest.mark.parametrize("options", [DraftOptions("full", "64:0.0:8"), DraftOptions("uniform3", "40:0.0:4", salience=True)])
-def test_padded_head_buckets_give_the_same_trees(started, options):
-    """The bucketed dense halves (what CUDA graphs replay; eager here) change no tree."""
-    head, start = started
-    plain, padded = DraftRuntime(head), DraftRuntime(head)
-    padded.drafter.graphs = HeadGraphs(head, padded.drafter.fused, capture=False)
-    want = plain.propose_batch(start(plain, options))
-    got = padded.propose_batch(start(padded, options))
-    assert padded.drafter.graphs._pre and padded.drafter.graphs._post  # the buckets ran
-    for one, other in zip(want, got):
-        assert torch.equal(one.tokens, other.tokens) and torch.equal(one.parents, other.parents)
-        assert torch.allclose(one.draft_probs, other.draft_probs, atol=1e-6)
+def _graphed_and_eager(dtype: torch.dtype) -> tuple[Drafter, Drafter]:
+    head = load_head(torch.device("cuda"), dtype)
+    return Drafter(head, cuda_graphs=True), Drafter(head, cuda_graphs=False)
 
 
 @pytest.mark.gpu
-def test_head_graph_replays_match_the_eager_head():
-    """Each recorded half, replayed with new rows of several sizes, gives the eager head's numbers."""
-    target = TargetRuntime(DiffSpecSettings(device="cuda", dtype="float32", num_pages=64))
-    head = Eagle3Head.load(BUNDLED_DRAFT, target.model.embed_tokens, torch.device("cuda"), torch.float32)
-    fused = head.fused_projections()
-    graphs = HeadGraphs(head, fused, capture=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    c = head.config
-    with torch.no_grad():
-        for rows in (3, 1, 16, 5, 3):  # repeats replay a recorded bucket with new inputs
-            tokens = torch.randint(0, 4096, (rows,), device="cuda", generator=gen)
-            hidden = torch.randn(rows, c.hidden_size, device="cuda", generator=gen)
-            positions = torch.randint(0, 2048, (rows,), device="cuda", generator=gen)
-            for got, want in zip(graphs.attention_inputs(tokens, hidden, positions),
-                                 head.attention_inputs(tokens, hidden, positions, fused)):  # fmt: skip
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-            attn = torch.randn(rows, c.num_heads, c.head_dim, device="cuda", generator=gen)
-            outputs, top = graphs.outputs_and_top(attn, hidden, 10)
-            want_outputs = head.attention_outputs(attn, hidden, fused)
-            torch.testing.assert_close(outputs, want_outputs, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(top[0], top_candidates(head, want_outputs, 10)[0], rtol=1e-4, atol=1e-4)
-    assert all(half.graph is not None for half in [*graphs._pre.values(), *graphs._post.values()])
-
-
-@pytest.mark.parametrize(
-    "options",
-    [DraftOptions("full", "64:0.0:8"), DraftOptions("full", "48:0.0:6", salience=True), DraftOptions("chain", "8:0.0:7")],
-)
-def test_whole_depth_buckets_give_the_same_trees(started, options):
-    """One session's depths over the static context and tree buffers (eager here) change no tree,
-    proposal after proposal (the buffers are reused with another context each time)."""
-    head, start = started
-    plain, staged = DraftRuntime(head), DraftRuntime(head)
-    staged.drafter.depth_graphs = DepthGraphs(head, staged.drafter.fused, capture=False)
-    for want_sid, got_sid in zip(start(plain, options), start(staged, options)):
-        want, got = plain.propose(want_sid), staged.propose(got_sid)
-        assert torch.equal(want.tokens, got.tokens) and torch.equal(want.parents, got.parents)
-        assert torch.allclose(want.draft_probs, got.draft_probs, atol=1e-6)
-    assert staged.drafter.depth_graphs._recorded  # the staged path ran
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replays_equal_the_eager_proposal(dtype):
+    """Each shape recorded once and replayed, proposal after proposal with new sessions, contexts and plans,
+    gives the eager run's trees and device trees."""
+    graphed, eager = _graphed_and_eager(dtype)
+    names = list(POLICIES)
+    for round_ in range(4):
+        salience = SALIENCE if round_ % 2 else None
+        lengths = tuple(length + 50 * round_ for length in CONTEXT_LENGTHS)
+        pairs = [start_sessions(d, lengths, salience, seed=round_) for d in (graphed, eager)]
+        for offset in range(len(names)):
+            shapes = [POLICIES[names[(offset + i) % len(names)]] for i in range(len(lengths))]
+            if offset % 2:
+                shapes = [POLICIES[names[offset]]] * len(lengths)  # a lone policy's shape
+            trees = [
+                d.propose_many([ProposalRequest(s, *p) for s, p in zip(ss, shapes)])
+                for d, ss in zip((graphed, eager), pairs)
+            ]
+            for got, want in zip(*trees):
+                assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+                torch.testing.assert_close(got.draft_probs, want.draft_probs)
+                assert got.on_device is not None and want.on_device is not None
+                assert torch.equal(got.on_device.ancestor_mask, want.on_device.ancestor_mask)
+                assert got.on_device.tokens.device.type == "cuda"
+        for d, sessions in zip((graphed, eager), pairs):  # the next round's proposals start from longer contexts
+            for s in sessions:
+                d.extend(s, torch.randn(3, 3 * d.head.config.target_hidden_size, device="cuda"), [11, 12, 13])
+    runs = graphed.proposer._runs.values()
+    assert runs and all(run.graph is not None for run in runs)
+    assert all(run.graph is None for run in eager.proposer._runs.values())
 
 
 @pytest.mark.gpu
-def test_depth_graph_replays_equal_their_eager_buckets(tiny_target_dir):
-    """Recorded depths replayed across proposals and contexts give the trees of the same buckets run eagerly."""
-    target = TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, device="cuda", dtype="float32", num_pages=256))
-    head = Eagle3Head.load(BUNDLED_DRAFT, target.model.embed_tokens, torch.device("cuda"), torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
-    graphed, eager = DraftRuntime(head), DraftRuntime(head)
-    eager.drafter.depth_graphs = DepthGraphs(head, eager.drafter.fused, capture=False)
-    for options in (DraftOptions("full", "64:0.0:8"), DraftOptions("full", "48:0.0:6", salience=True)):
-        for i, text in enumerate(PROMPTS):
-            prompt = tokenizer(text)["input_ids"]
-            pre = target.prefill(f"p{i}", prompt, SamplingParams(), want_features=True)
-            target.release(f"p{i}")
-            for runtime in (graphed, eager):
-                runtime.start(f"{options}-{i}", prompt, pre.features, pre.first_token, options)
-            want, got = eager.propose(f"{options}-{i}"), graphed.propose(f"{options}-{i}")
-            assert torch.equal(want.tokens, got.tokens) and torch.equal(want.parents, got.parents)
-    assert all(r.graph is not None for r in graphed.drafter.depth_graphs._recorded.values())
+def test_a_lone_graphed_session_equals_the_host_search():
+    """Batch 1 (the latency case) on the GPU in float32: the graph's trees are the host search's."""
+    graphed, _ = _graphed_and_eager(torch.float32)
+    for policy in ("full", "online", "chain"):
+        plan, budget = POLICIES[policy]
+        for session in start_sessions(graphed, CONTEXT_LENGTHS, SALIENCE):
+            request = ProposalRequest(session, plan, budget)
+            assert_same_tree(graphed.propose_many([request])[0], reference_tree(graphed, request))
+
+
+@pytest.mark.gpu
+def test_the_eager_proposal_never_syncs_the_gpu():
+    """The eager search (what the graph records) launches work only: CUDA's sync check raises on any host wait."""
+    _, eager = _graphed_and_eager(torch.bfloat16)
+    plan, budget = POLICIES["full-threshold"]
+    sessions = start_sessions(eager, CONTEXT_LENGTHS, None)
+    requests = [ProposalRequest(s, plan, budget) for s in sessions]
+    eager.propose_many(requests)  # first use: kernels compile, buffers allocate
+    contexts = [s.context.view() for s in sessions]
+    run = eager.proposer._stage(ProposalShape.of(requests, [k.shape[0] for k, _ in contexts]), requests, contexts)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = eager.proposer._search(run)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.num_nodes.device.type == "cuda" and math.isfinite(float(out.draft_probs.sum()))

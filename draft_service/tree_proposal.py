@@ -1,0 +1,246 @@
+"""A batch of sessions' draft trees, proposed on the device: eagerly, or replayed as one CUDA graph.
+
+Shape. Every session brings its own plan (a ``DepthPlan`` per depth), budget and context. A
+proposal pads them to one static ``ProposalShape``: the batch to a bucket, each depth's frontier
+rows and children to the batch's widest rounded up to a width bucket, the contexts to a capacity
+bucket. What differs per session (plan widths, threshold, total tokens, context length,
+position) sits in static input tensors, so each session's choices are masks, never host branches.
+
+Run. ``_search`` is the whole proposal: per depth, the head over the frontier rows (the root's
+output is the session's last one), attention over the session's staged context and its tree's
+own entries (``TreeKV``), the top children of every row and the next frontier; at the end the
+rerank to ``total_tokens`` and the device tree (``tree_search``). Without ``capture`` it runs
+eagerly; with it, it is recorded once per shape and replayed: one launch per proposal. Either way
+the one host sync is the copy of the finished trees to the host after it.
+
+Staging. Before a run the contexts are copied into a static buffer per (batch, capacity) (device
+to device; keys past a session's length are masked) and the per-session facts go in with one
+host-to-device copy. Padded sessions have no plan: they grow nothing and keep no node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from diffspec.cuda_graphs import record_graph
+from diffspec.tree import DeviceTree, DraftTree
+from draft_service.draft_attention import draft_attention
+from draft_service.eagle3_head import Eagle3Head, FusedProjections
+from draft_service.tree_kv import TreeKV
+from draft_service.tree_search import Candidates, Frontier, TreeTensors, best_frontier, expand, rerank, root_frontier
+
+if TYPE_CHECKING:
+    from draft_service.drafter import ProposalRequest
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIN_CONTEXT_CAPACITY = 1024  # shorter contexts share one capacity
+CONTEXT_STEPS_PER_DOUBLING = 8  # capacities step by 1/8 of a power of two: at most 12.5% of the keys are padding
+
+# Columns of the per-session facts [B, FACTS + 2 * depth] int64; then expand[depth], children[depth].
+ROOT_TOKEN, NUM_ENTRIES, TOTAL_TOKENS, CONTEXT_LENGTH, FACTS = range(5)
+
+
+@dataclass(frozen=True)
+class ProposalShape:
+    batch: int  # sessions, padded to a batch bucket
+    context: int  # context keys per session: the longest context rounded up to a capacity
+    widths: tuple[tuple[int, int], ...]  # per depth: (frontier rows, children per row); depth 0's one row is the root
+    nodes: int  # tree nodes out per session, root included
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @staticmethod
+    def of(requests: list[ProposalRequest], context_lengths: list[int]) -> ProposalShape:
+        plans = [r.plan[: r.budget.depth] for r in requests]
+        depth = max(len(plan) for plan in plans)
+        widths, rows = [], 1
+        for d in range(depth):
+            k = _bucket(max(plan[d].children for plan in plans if len(plan) > d), WIDTH_BUCKETS)
+            widths.append((rows, k))
+            if d + 1 < depth:
+                widest = max(plan[d + 1].expand for plan in plans if len(plan) > d + 1)
+                rows = min(_bucket(widest, WIDTH_BUCKETS), rows * k)
+        slots = sum(rows * k for rows, k in widths)
+        nodes = min(max(r.budget.total_tokens for r in requests), 1 + slots)
+        return ProposalShape(
+            _bucket(len(requests), BATCH_BUCKETS), _context_capacity(max(context_lengths)), tuple(widths), nodes
+        )
+
+
+@dataclass
+class _Run:
+    """Static buffers of one shape (inputs, the trees' own entries) and, when captured, its graph."""
+
+    shape: ProposalShape
+    context: tuple[torch.Tensor, torch.Tensor]  # [B, context, kv_heads, hd] keys, values (shared per batch, capacity)
+    facts: torch.Tensor  # [B, FACTS + 2 * depth] int64 (see the column names)
+    min_log_prob: torch.Tensor  # [B] float64
+    root_outputs: torch.Tensor  # [B, hidden]: each session's last draft output
+    tree: TreeKV
+    host_facts: torch.Tensor  # pinned mirror of facts (a GPU's host-to-device copy does not wait)
+    host_min_log_prob: torch.Tensor  # pinned mirror of min_log_prob
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: TreeTensors | None = field(default=None, repr=False)  # the graph's static outputs
+
+
+class TreeProposer:
+    """Proposals for any batch of sessions; ``capture``: record each shape as a CUDA graph (a GPU only)."""
+
+    def __init__(self, head: Eagle3Head, fused: FusedProjections, capture: bool) -> None:
+        self.head, self.fused, self.capture = head, fused, capture
+        self._contexts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._runs: dict[ProposalShape, _Run] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @torch.no_grad()
+    def propose(self, requests: list[ProposalRequest]) -> list[DraftTree]:
+        contexts = [r.session.context.view() for r in requests]
+        shape = ProposalShape.of(requests, [keys.shape[0] for keys, _ in contexts])
+        if shape.depth == 0:
+            return [DraftTree.root_only(r.session.root_token) for r in requests]
+        run = self._stage(shape, requests, contexts)
+        out = self._replay(run) if self.capture else self._search(run)
+        return _trees(out, len(requests), copy_device=self.capture)
+
+    def _stage(
+        self, shape: ProposalShape, requests: list[ProposalRequest], contexts: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> _Run:
+        run = self._runs.get(shape) or self._allocate(shape)
+        ctx_k, ctx_v = run.context
+        for b, (keys, values) in enumerate(contexts):
+            ctx_k[b, : keys.shape[0]].copy_(keys)
+            ctx_v[b, : values.shape[0]].copy_(values)
+        padding = [0] * (FACTS + 2 * shape.depth)  # a padded session has no plan and keeps no node
+        facts = [_session_facts(r, keys.shape[0], shape.depth) for r, (keys, _) in zip(requests, contexts)]
+        run.host_facts.copy_(torch.tensor([*facts, *[padding] * (shape.batch - len(requests))]))
+        thresholds = [r.budget.threshold for r in requests] + [0.0] * (shape.batch - len(requests))
+        run.host_min_log_prob.copy_(torch.tensor([math.log(t) if t > 0 else -math.inf for t in thresholds]))
+        run.facts.copy_(run.host_facts, non_blocking=True)
+        run.min_log_prob.copy_(run.host_min_log_prob, non_blocking=True)
+        run.root_outputs[: len(requests)].copy_(torch.stack([r.session.last_output for r in requests]))
+        return run
+
+    def _allocate(self, shape: ProposalShape) -> _Run:
+        c, weight = self.head.config, self.head.fc.weight
+        device, batch = weight.device, shape.batch
+        if (batch, shape.context) not in self._contexts:
+            size = (batch, shape.context, c.num_kv_heads, c.head_dim)
+            self._contexts[batch, shape.context] = (
+                torch.zeros(size, dtype=weight.dtype, device=device),
+                torch.zeros(size, dtype=weight.dtype, device=device),
+            )
+        columns = FACTS + 2 * shape.depth
+        pinned = device.type == "cuda"
+        run = _Run(
+            shape=shape,
+            context=self._contexts[batch, shape.context],
+            facts=torch.zeros(batch, columns, dtype=torch.int64, device=device),
+            min_log_prob=torch.zeros(batch, dtype=torch.float64, device=device),
+            root_outputs=torch.zeros(batch, c.hidden_size, dtype=weight.dtype, device=device),
+            tree=TreeKV(batch, [rows for rows, _ in shape.widths[1:]], c.num_kv_heads, c.head_dim, weight.dtype,
+                        device),  # fmt: skip
+            host_facts=torch.zeros(batch, columns, dtype=torch.int64, pin_memory=pinned),
+            host_min_log_prob=torch.zeros(batch, dtype=torch.float64, pin_memory=pinned),
+        )
+        self._runs[shape] = run
+        return run
+
+    def _replay(self, run: _Run) -> TreeTensors:
+        if run.graph is None:
+            run.graph, run.outputs = record_graph(lambda: self._search(run), self._pool, run.facts.device)
+        assert run.outputs is not None
+        run.graph.replay()
+        return run.outputs
+
+    def _search(self, run: _Run) -> TreeTensors:
+        """The whole proposal over the static buffers of ``run``: device tensors only, nothing read back."""
+        shape, facts = run.shape, run.facts
+        depth_count = shape.depth
+        expand_rows, children = facts[:, FACTS : FACTS + depth_count], facts[:, FACTS + depth_count :]  # [B, depth]
+        keys = torch.arange(shape.context, device=facts.device)
+        ctx_valid = keys < facts[:, CONTEXT_LENGTH, None]  # [B, context]
+        frontier = root_frontier(facts[:, ROOT_TOKEN], expand_rows[:, 0] > 0)
+        outputs = run.root_outputs[:, None]  # [B, 1, hidden]: depth 0's one row per session
+        slabs, first_slot = [], 0
+        for depth, (rows, k) in enumerate(shape.widths):
+            if depth > 0:
+                outputs = self._head_pass(run, depth, frontier, outputs, ctx_valid)
+            top_log_probs, top_tokens = self._top_children(outputs, k)
+            slabs.append(expand(frontier, top_log_probs, top_tokens, children[:, depth], run.min_log_prob, depth))
+            if depth + 1 < depth_count:
+                next_rows = shape.widths[depth + 1][0]
+                frontier = best_frontier(slabs[-1], next_rows, k, expand_rows[:, depth + 1], first_slot)
+            first_slot += rows * k
+        return rerank(Candidates.cat(slabs), facts[:, ROOT_TOKEN], facts[:, TOTAL_TOKENS], shape.nodes, depth_count)
+
+    def _head_pass(
+        self, run: _Run, depth: int, frontier: Frontier, previous: torch.Tensor, ctx_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Depth ``depth`` >= 1: the head on every frontier row, each over its session's context and its
+        ancestors' entries; ``previous`` [B, parent rows, hidden] -> this depth's outputs [B, rows, hidden]."""
+        head = self.head
+        batch, rows = frontier.tokens.shape
+        index = frontier.parent_rows[..., None].expand(batch, rows, previous.shape[-1])
+        hidden = previous.gather(1, index).flatten(0, 1)  # [B * rows, hidden]: the parents' outputs
+        positions = (run.facts[:, NUM_ENTRIES, None] - 1 + depth).expand(batch, rows)  # [B, rows]
+        q, k, v = head.attention_inputs(frontier.tokens.flatten(), hidden, positions.flatten(), self.fused)
+        q, k, v = (t.unflatten(0, (batch, rows)) for t in (q, k, v))  # [B, rows, heads or kv_heads, hd]
+        sees = run.tree.write(depth, k, v, frontier.parent_rows)  # [B, rows, entries]
+        attn = draft_attention(q, *run.context, run.tree.keys, run.tree.values, sees, head.scale, ctx_valid)
+        return head.attention_outputs(attn.flatten(0, 1), hidden, self.fused).unflatten(0, (batch, rows))
+
+    def _top_children(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """outputs [B, rows, hidden] -> each row's top ``k`` draft log-probs [B, rows, k] float32, target ids int64."""
+        log_probs = torch.log_softmax(self.head.draft_logits(outputs), dim=-1)
+        top_log_probs, top_ids = log_probs.topk(k, dim=-1)
+        return top_log_probs, self.head.to_target_ids(top_ids)
+
+
+def _trees(out: TreeTensors, count: int, copy_device: bool) -> list[DraftTree]:
+    """Split the batch into DraftTrees: host fields from one copy, device fields as views of the batch's
+    tensors (copied first when they are a graph's outputs, which the next replay overwrites)."""
+    host = out.host_rows[:count].cpu()  # the proposal's one host sync
+    device = [out.tokens, out.parents, out.depths, out.ancestor_mask, out.num_nodes]
+    if copy_device:
+        device = [t.clone() for t in device]
+    nodes = out.tokens.shape[1]
+    trees = []
+    for b in range(count):
+        row, num_nodes = host[b], int(host[b, -1])
+        trees.append(
+            DraftTree(
+                tokens=row[:num_nodes].long(),
+                parents=row[nodes : nodes + num_nodes].long(),
+                draft_probs=row[2 * nodes : 2 * nodes + num_nodes].float(),
+                on_device=DeviceTree(*[t[b] for t in device]),
+            )
+        )
+    return trees
+
+
+def _session_facts(request: ProposalRequest, context_length: int, depth: int) -> list[int]:
+    """One row of the facts: the session's numbers, then its plan's expand and children padded to ``depth``."""
+    session, budget = request.session, request.budget
+    plan = request.plan[: budget.depth]
+    expand_rows = [1, *[step.expand for step in plan[1:]]] if plan else []  # depth 0 expands the root alone
+    padding = [0] * (depth - len(plan))
+    children = [step.children for step in plan]
+    numbers = [session.root_token, session.num_entries, budget.total_tokens, context_length]
+    return [*numbers, *expand_rows, *padding, *children, *padding]
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next((b for b in buckets if b >= n), n)
+
+
+def _context_capacity(length: int) -> int:
+    """The smallest capacity holding ``length`` keys: a multiple of 1/8 of a power of two, at least the minimum."""
+    step = max(1, (1 << (max(1, length).bit_length() - 1)) // CONTEXT_STEPS_PER_DOUBLING)
+    return max(MIN_CONTEXT_CAPACITY, -(-length // step) * step)

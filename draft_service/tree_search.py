@@ -1,0 +1,159 @@
+"""The search half of a proposal as tensor ops over a padded batch: no decision on the host.
+
+Terms. Depth d expands a *frontier* of ``rows`` slots per session into ``k`` children each: a
+*slab* of rows * k *candidate slots*, frontier-row major, so slot order is the order in which a
+host loop creates the nodes. A candidate is *valid* when its frontier row is, its child rank is
+below the session's ``children`` at d, and its cumulative draft log-prob clears the session's
+threshold; an invalid slot is padding and never becomes a node. The next frontier is a
+session's best ``expand`` valid candidates of the slab by cumulative log-prob, ties to the
+earlier slot (a stable sort); the final tree keeps the best ``total_tokens - 1`` valid
+candidates of all depths the same way and lists them in slot order behind the root. A child's
+cumulative log-prob never exceeds its parent's and its slot comes later, so a kept node's
+parent is always kept. Cumulative log-probs are float64 sums of the head's float32 log-probs,
+as a host loop over Python floats adds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOWEST = torch.finfo(torch.float64).min  # a valid candidate's rank key is at least this; padding's is -inf
+
+
+@dataclass
+class Frontier:
+    """The nodes one depth runs the head on, ``rows`` per session (depth 0: the root)."""
+
+    tokens: torch.Tensor  # [B, rows] int64 target ids
+    parent_rows: torch.Tensor  # [B, rows] int64: the parent's row in the previous depth's head outputs
+    log_probs: torch.Tensor  # [B, rows] float64 cumulative draft log-prob from the root
+    valid: torch.Tensor  # [B, rows] bool
+    slots: torch.Tensor  # [B, rows] int64: the node's candidate slot (-1: the root)
+
+
+@dataclass
+class Candidates:
+    """Children proposed at one or more depths, one slot each, in slot order."""
+
+    tokens: torch.Tensor  # [B, slots] int64 target ids
+    log_probs: torch.Tensor  # [B, slots] float64 cumulative
+    own_log_probs: torch.Tensor  # [B, slots] float32: the child's log-prob given its parent
+    valid: torch.Tensor  # [B, slots] bool
+    parent_slots: torch.Tensor  # [B, slots] int64 (-1: the root)
+    depths: torch.Tensor  # [B, slots] int64: 1 for the root's children
+
+    @staticmethod
+    def cat(slabs: list[Candidates]) -> Candidates:
+        fields = zip(*[(s.tokens, s.log_probs, s.own_log_probs, s.valid, s.parent_slots, s.depths) for s in slabs])
+        return Candidates(*[torch.cat(list(f), dim=1) for f in fields])
+
+
+@dataclass
+class TreeTensors:
+    """A batch of finished trees, padded to ``nodes`` (see ``diffspec.tree.DeviceTree``)."""
+
+    tokens: torch.Tensor  # [B, nodes] int64
+    parents: torch.Tensor  # [B, nodes] int64, -1 for the root and padding
+    draft_probs: torch.Tensor  # [B, nodes] float32, 0 for padding
+    depths: torch.Tensor  # [B, nodes] int64
+    ancestor_mask: torch.Tensor  # [B, nodes, nodes] bool
+    num_nodes: torch.Tensor  # [B] int64
+    host_rows: torch.Tensor  # [B, 3 * nodes + 1] float64: tokens | parents | draft_probs | num_nodes, one copy out
+
+
+def root_frontier(root_tokens: torch.Tensor, grows: torch.Tensor) -> Frontier:
+    """Depth 0's frontier: the root, one row per session; ``grows`` [B] bool: the session's plan has a depth."""
+    zeros = torch.zeros_like(root_tokens)[:, None]  # [B, 1]
+    return Frontier(root_tokens[:, None], zeros, zeros.double(), grows[:, None], zeros - 1)
+
+
+def expand(
+    frontier: Frontier,
+    top_log_probs: torch.Tensor,  # [B, rows, k] float32, each row's best children first
+    top_tokens: torch.Tensor,  # [B, rows, k] int64 target ids
+    children: torch.Tensor,  # [B] int64: children per expanded node this depth
+    min_log_prob: torch.Tensor,  # [B] float64: log of the threshold (-inf: none)
+    depth: int,  # 0-based depth of the frontier
+) -> Candidates:
+    """The frontier's children as one slab of rows * k slots."""
+    batch, rows, k = top_log_probs.shape
+    cumulative = frontier.log_probs[..., None] + top_log_probs.double()  # [B, rows, k]
+    rank = torch.arange(k, device=children.device)
+    valid = frontier.valid[..., None] & (rank < children[:, None, None]) & (cumulative >= min_log_prob[:, None, None])
+    return Candidates(
+        tokens=top_tokens.flatten(1),
+        log_probs=cumulative.flatten(1),
+        own_log_probs=top_log_probs.flatten(1),
+        valid=valid.flatten(1),
+        parent_slots=frontier.slots[..., None].expand(batch, rows, k).flatten(1),
+        depths=torch.full((batch, rows * k), depth + 1, dtype=torch.int64, device=children.device),
+    )
+
+
+def best_frontier(slab: Candidates, rows: int, k: int, expand_rows: torch.Tensor, first_slot: int) -> Frontier:
+    """The next depth's ``rows`` frontier slots: each session's best candidates of ``slab`` (made with ``k``
+    children per row, its slots starting at ``first_slot``), valid up to ``expand_rows`` [B] int64 of them."""
+    order = _ranked(slab.log_probs, slab.valid)[:, :rows]  # [B, rows] positions in the slab
+    row = torch.arange(rows, device=order.device)
+    return Frontier(
+        tokens=slab.tokens.gather(1, order),
+        parent_rows=order // k,
+        log_probs=slab.log_probs.gather(1, order),
+        valid=slab.valid.gather(1, order) & (row < expand_rows[:, None]),
+        slots=order + first_slot,
+    )
+
+
+def rerank(
+    candidates: Candidates, root_tokens: torch.Tensor, total_tokens: torch.Tensor, nodes: int, max_depth: int
+) -> TreeTensors:
+    """Each session's root plus its best ``total_tokens - 1`` ([B] int64) valid candidates, in slot order."""
+    batch, slots = candidates.tokens.shape
+    order = _ranked(candidates.log_probs, candidates.valid)  # [B, slots]
+    positions = torch.arange(slots, device=order.device).expand(batch, slots)
+    rank = torch.empty_like(order).scatter_(1, order, positions)  # [B, slots]: each slot's place in the ranking
+    kept = candidates.valid & (rank < (total_tokens - 1)[:, None])
+    index = kept.long().cumsum(1)  # [B, slots]: a kept slot's node index (the root is node 0)
+    dest = torch.where(kept, index, nodes)  # what is not kept lands in a column cut off below
+    parent_index = index.gather(1, candidates.parent_slots.clamp(min=0))
+    parent_index = torch.where(candidates.parent_slots < 0, 0, parent_index)
+    tokens = _place(root_tokens, candidates.tokens, dest, nodes, 0)
+    parents = _place(torch.full_like(root_tokens, -1), parent_index, dest, nodes, -1)
+    probs = candidates.own_log_probs.double().exp().float()
+    draft_probs = _place(torch.ones_like(probs[:, 0]), probs, dest, nodes, 0.0)
+    depths = _place(torch.zeros_like(root_tokens), candidates.depths, dest, nodes, 0)
+    num_nodes = 1 + kept.sum(1)
+    host_rows = torch.cat([tokens.double(), parents.double(), draft_probs.double(), num_nodes[:, None].double()], 1)
+    mask = ancestor_mask(parents, max_depth)
+    return TreeTensors(tokens, parents, draft_probs, depths, mask, num_nodes, host_rows)
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents [B, nodes] int64 (-1: none) of trees at most ``max_depth`` deep -> [B, nodes, nodes] bool,
+    mask[b, i, j] = node j is node i or one of its ancestors; one gather per level."""
+    batch, nodes = parents.shape
+    mask = torch.eye(nodes, dtype=torch.bool, device=parents.device).expand(batch, nodes, nodes).clone()
+    node = torch.arange(nodes, device=parents.device).expand(batch, nodes)
+    for _ in range(max_depth):
+        parent = parents.gather(1, node)
+        node = torch.where(parent < 0, node, parent)
+        mask.scatter_(2, node[..., None], True)
+    return mask
+
+
+def _ranked(log_probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, slots] slot positions, valid ones first, by cumulative log-prob descending, ties in slot order."""
+    key = torch.where(valid, log_probs.clamp(min=LOWEST), float("-inf"))
+    return key.sort(dim=1, descending=True, stable=True).indices
+
+
+def _place(
+    root: torch.Tensor, values: torch.Tensor, dest: torch.Tensor, nodes: int, padding: float
+) -> torch.Tensor:
+    """[B, nodes]: ``root`` [B] at node 0, ``values`` [B, slots] at ``dest`` (column ``nodes`` is dropped)."""
+    out = torch.full((values.shape[0], nodes + 1), padding, dtype=values.dtype, device=values.device)
+    out.scatter_(1, dest, values)
+    out[:, 0] = root
+    return out[:, :nodes]
