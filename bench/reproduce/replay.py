@@ -61,7 +61,7 @@ class TargetReplay:
         cache = DynamicCache()
         for start in range(0, len(ids), PREFILL_CHUNK_TOKENS):
             chunk = torch.tensor([ids[start:start + PREFILL_CHUNK_TOKENS]], device=self.device)
-            model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=chunk, past_key_values=cache, use_cache=True)
         return cache
 
     @torch.inference_mode()
@@ -75,10 +75,8 @@ class TargetReplay:
 
     def _spread(self, model: LlamaForCausalLM, prefix_ids: list[int], following_ids: list[int], verify_tokens: int) -> float:
         cache = self._prefill(model, prefix_ids[:-1])
-        committed = len(prefix_ids) - 1
         verify_ids = (prefix_ids[-1:] + following_ids)[:max(verify_tokens, 2)]
         verify_ids += [verify_ids[-1]] * (max(verify_tokens, 2) - len(verify_ids))  # row 0 never sees them
-        verify_row = self._forward_rows(model, cache, verify_ids)[0]
-        cache.crop(committed)
+        verify_row = self._forward_rows(model, copy.deepcopy(cache), verify_ids)[0]
         decode_row = self._forward_rows(model, cache, prefix_ids[-1:])[0]
         return float((verify_row - decode_row).abs().max())

@@ -1,0 +1,84 @@
+"""A wrong accepted token injected into DiffSpec's output is reported as a mismatch, not a near-tie,
+and the run fails; the fp32 replay behind the verdict agrees with the engine's Auto."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import AsyncIterator
+
+import torch
+
+from bench.reproduce.presets import SMOKE
+from bench.reproduce.protocol import run_protocol
+from bench.reproduce.replay import TargetReplay
+from diffspec.settings import BUNDLED_TARGET, DiffSpecSettings
+from gateway.assembly import build_engine, load_tokenizer
+from gateway.request import GenerationChunk, GenerationRequest
+
+PLANTED_AT = 5  # generated-token index whose accepted token the bug changes
+VOCAB = 8192
+
+
+class PlantedBugEngine:
+    """The real engine, except that drafting requests over the working set (DiffSpec) get one wrong token."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001 - build_engine's object
+        self.engine = engine
+
+    async def target_info(self):  # noqa: ANN201
+        return await self.engine.target_info()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        planted = request.draft is not None and request.draft.salience and request.draft.policy == "online"
+        emitted = 0
+        async for chunk in self.engine.generate(request):
+            ids = list(chunk.token_ids)
+            if planted and emitted <= PLANTED_AT < emitted + len(ids):
+                ids[PLANTED_AT - emitted] = (ids[PLANTED_AT - emitted] + 1) % VOCAB
+            emitted += len(ids)
+            yield replace(chunk, token_ids=ids)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def test_planted_wrong_token_is_a_mismatch(code_prompts, tmp_path):
+    config = replace(
+        SMOKE, data_files=(code_prompts,), context_targets=(1024,), candidate_configs=("32:0.0:6",),
+        baseline_arms=("auto", "eagle3"), tune_max_new_tokens=8, eval_max_new_tokens=12, warmup_tokens=4,
+        out_dir=tmp_path / "planted",
+    )
+    result = run_protocol(config, ["--planted-bug"], engine_factory=lambda s: PlantedBugEngine(build_engine(s)))
+    assert result.exit_code == 1
+    evaluated = {r.arm: r for r in result.runs if r.phase == "eval"}
+    assert evaluated["eagle3"].exactness.verdict == "exact"
+    verdict = evaluated["diffspec"].exactness
+    assert verdict.verdict == "mismatch"
+    assert verdict.divergence.position == PLANTED_AT
+    assert verdict.divergence.auto_token == evaluated["auto"].token_ids[PLANTED_AT]
+    assert verdict.evidence.fp32_top1 == verdict.divergence.auto_token
+    summary = next(s for s in result.summaries if s.arm == "diffspec")
+    assert (summary.exact, summary.near_ties, summary.mismatches) == (0, 0, 1)
+    assert "EXACTNESS FAILED" in (tmp_path / "planted" / "reproduce.log").read_text()
+
+
+def test_replay_agrees_with_the_engines_auto():
+    settings = DiffSpecSettings(num_pages=256)
+    prompt = load_tokenizer(settings)("import os\nimport sys\n\n\ndef main(argv):")["input_ids"]
+    engine = build_engine(settings, with_draft=False)
+
+    async def auto_tokens() -> list[int]:
+        tokens: list[int] = []
+        async for chunk in engine.generate(GenerationRequest(prompt, 6)):
+            tokens += chunk.token_ids
+        return tokens
+
+    tokens = asyncio.run(auto_tokens())
+    engine.close()
+    replay = TargetReplay(BUNDLED_TARGET, torch.float32, torch.device("cpu"))
+    for position in (0, 3):
+        evidence = replay.evidence(prompt + tokens[:position], tokens[position:], verify_tokens=8)
+        assert evidence.fp32_top1 == tokens[position]
+        assert evidence.fp32_top2 != evidence.fp32_top1 and evidence.fp32_margin >= 0
+        assert 0 <= evidence.spread < 1e-3  # fp32 on the CPU: decode and verify round alike up to float noise

@@ -1,0 +1,117 @@
+"""The protocol's parts without an engine: flags and presets, prompts, tuning choice, Nsight and inflate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.reproduce import profiling
+from bench.reproduce.arms import tuning_grid
+from bench.reproduce.cli import config_from, parser
+from bench.reproduce.inflate import inflate_command, inflate_pair
+from bench.reproduce.presets import FULL, SMOKE
+from bench.reproduce.prompts import Dataset, cut_to_context, load_datasets, prompts_at
+from bench.reproduce.protocol import model_settings
+from bench.reproduce.runs import RunRecord
+from bench.reproduce.tuning import score_candidates
+from gateway.request import GenerationStats
+
+
+def config(*argv: str):
+    return config_from(parser().parse_args(list(argv)))
+
+
+def test_flags_replace_preset_fields_and_the_rest_stays():
+    full = config("--preset", "full")
+    assert full == FULL and full.context_targets == (4096, 16384, 32768, 65536, 131072) and full.prompts >= 8
+    custom = config("--preset", "custom", "--context-targets", "2048", "8192", "--policies", "online", "full",
+                    "--candidate-configs", "16:0.0:4", "--prompts", "3", "--temperature", "0.7", "--seed", "5",
+                    "--base-model", "/m/t", "--draft-model", "/m/d", "--inflate-8b")
+    assert custom.context_targets == (2048, 8192) and custom.policies == ("online", "full")
+    assert custom.candidate_configs == ("16:0.0:4",) and custom.prompts == 3
+    assert (custom.temperature, custom.seed, custom.inflate_8b) == (0.7, 5, True)
+    assert (custom.base_model, custom.draft_model) == (Path("/m/t"), Path("/m/d"))
+    assert custom.eval_max_new_tokens == SMOKE.eval_max_new_tokens
+
+
+@pytest.mark.parametrize("bad", [["--candidate-configs", "64:0.0"], ["--policies", "sideways"]])
+def test_a_bad_grid_is_refused_before_anything_loads(bad):
+    with pytest.raises(SystemExit):
+        from bench.reproduce.cli import main
+
+        main(["--preset", "custom", *bad])
+
+
+def test_models_default_to_the_settings_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("DIFFSPEC_BASE_MODEL", str(tmp_path / "llama"))
+    monkeypatch.setenv("DIFFSPEC_DRAFT_MODEL", str(tmp_path / "eagle"))
+    settings = model_settings(config("--preset", "smoke"))
+    assert (settings.base_model, settings.draft_model) == (tmp_path / "llama", tmp_path / "eagle")
+    flagged = model_settings(config("--preset", "smoke", "--base-model", str(tmp_path / "other")))
+    assert (flagged.base_model, flagged.draft_model) == (tmp_path / "other", tmp_path / "eagle")
+
+
+def test_jsonl_and_plain_files_become_datasets(tmp_path):
+    jsonl = tmp_path / "two.jsonl"
+    jsonl.write_text(json.dumps({"text": "ab"}) + "\n" + json.dumps({"text": "abcd"}) + "\n")
+    plain = tmp_path / "one.py"
+    plain.write_text("xyz")
+    datasets = load_datasets([jsonl, plain], lambda text: [0] + [ord(c) for c in text])
+    assert [(d.name, d.prompt_ids) for d in datasets] == [
+        ("two", [[0, 97, 98], [0, 97, 98, 99, 100]]), ("one", [[0, 120, 121, 122]])]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="no 'text'"):
+        load_datasets([bad], list)
+
+
+def test_prompts_keep_bos_and_their_end_and_skip_short_ones():
+    assert cut_to_context([0, 1, 2, 3, 4, 5], 3) == [0, 4, 5]
+    dataset = Dataset("d", [[0, 1, 2], [0, 1, 2, 3, 4], [0, 1], [0, 5, 6, 7]])
+    assert prompts_at(dataset, 4, 0, 5) == [(1, [0, 2, 3, 4]), (3, [0, 5, 6, 7])]
+    assert prompts_at(dataset, 4, 2, 1) == [(3, [0, 5, 6, 7])]
+    assert prompts_at(dataset, 9, 0, 2) == []
+
+
+def _run(label: str, new_tokens: int, decode_seconds: float, steps: int, accepted: int) -> RunRecord:
+    stats = GenerationStats(new_tokens=new_tokens, decode_seconds=decode_seconds, steps=steps, accepted_drafts=accepted)
+    return RunRecord("tune", "d", 64, 0, "diffspec", label, [], stats, 1.0, 0.1, None)
+
+
+def test_tuning_chooses_the_fastest_decode_not_the_highest_tau():
+    grid = tuning_grid(["online", "full"], ["32:0.0:6", "64:0.0:8"])
+    assert [a.label for a in grid] == ["diffspec[online 32:0.0:6]", "diffspec[online 64:0.0:8]",
+                                      "diffspec[full 32:0.0:6]", "diffspec[full 64:0.0:8]"]
+    runs = [_run(grid[0].label, 33, 1.0, 10, 20), _run(grid[1].label, 33, 0.5, 5, 25),  # 32 and 64 tok/s
+            _run(grid[2].label, 33, 0.8, 4, 30), _run(grid[3].label, 33, 2.0, 4, 30)]  # 40 and 16 tok/s
+    scores = score_candidates(grid, runs)
+    assert [s.chosen for s in scores] == [False, True, False, False]
+    assert [s.decode_tokens_per_s for s in scores] == [32.0, 64.0, 40.0, 16.0]
+    assert [s.tau for s in scores] == [3.0, 6.0, 8.5, 8.5]
+    assert (scores[1].policy, scores[1].tree_config) == ("online", "64:0.0:8")
+
+
+def test_nsys_missing_says_so_and_runs_nothing(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert profiling.run_under_nsys(["--preset", "smoke", "--nsys"], SMOKE) == 2
+    assert "no `nsys` on PATH" in capsys.readouterr().err
+
+
+def test_nsys_command_wraps_the_same_run_into_its_folder():
+    command = profiling.nsys_command(["--preset", "smoke", "--nsys", "--prompts", "2"], SMOKE, "/opt/nsys")
+    assert command[:2] == ["/opt/nsys", "profile"] and "--capture-range=cudaProfilerApi" in command
+    inner = command[command.index("bench.reproduce") + 1:]
+    out_dir = Path(inner[inner.index("--out-dir") + 1])
+    assert out_dir.parent == Path("results") and out_dir.name.startswith("smoke_")
+    assert f"--output={out_dir / 'nsys_profile'}" in command
+    assert "--nsys" not in inner and inner[-1] == "--profile-window" and inner[:4] == ["--preset", "smoke", "--prompts", "2"]
+
+
+def test_inflate_calls_the_shared_tool(tmp_path):
+    command = inflate_command(tmp_path, Path("/m/bench-code"), Path("/m/head"), Path("/tmp/b8"))
+    assert command[1:] == [str(tmp_path / "tools" / "inflate.py"), "--target", "/m/bench-code", "--head", "/m/head",
+                           "--out", "/tmp/b8"]
+    with pytest.raises(SystemExit, match="tools/inflate.py"):
+        inflate_pair(tmp_path, Path("/m/bench-code"), Path("/m/head"))
