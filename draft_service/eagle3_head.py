@@ -20,6 +20,7 @@ from torch import nn
 from diffspec.errors import CheckpointError
 from diffspec.rope import RotaryEmbedding
 from draft_service.eagle3_checkpoint import (
+    EMBEDDING_KEY,
     VOCAB_MAP_KEYS,
     check_weights,
     read_head_checkpoint,
@@ -180,4 +181,7 @@ class Eagle3Head(nn.Module):
 
     def save(self, head_dir: Path) -> None:
         """config.json + model.safetensors in the published key layout (embed_tokens only if its own)."""
-        write_head_checkpoint(Path(head_dir), self.config, self.state_dict())
+        tensors = self.state_dict()
+        if "embed_tokens" in tensors:  # a buffer here, a module's weight in the published layout
+            tensors[EMBEDDING_KEY] = tensors.pop("embed_tokens")
+        write_head_checkpoint(Path(head_dir), self.config, tensors)

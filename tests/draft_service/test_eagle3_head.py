@@ -197,3 +197,136 @@ def test_fused_serving_projections_equal_the_separate_layers() -> None:
         torch.testing.assert_close(
             head.attention_outputs(attn, hidden, fused), head.attention_outputs(attn, hidden), rtol=1e-6, atol=1e-6
         )
+
+
+# -- configs as vLLM reads them ----------------------------------------------------------------
+
+AUX = "eagle_aux_hidden_state_layer_ids"
+
+
+def json_without_aux_layers() -> dict:
+    return {k: v for k, v in small_config().to_json().items() if k != "eagle_config"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "layers"),
+    [
+        ({AUX: [1, 5, 9]}, (1, 5, 9)),
+        ({"eagle_config": {AUX: [1, 5, 9]}}, (1, 5, 9)),
+        ({AUX: [1, 5, 9], "eagle_config": {AUX: [1, 5, 9], "use_aux_hidden_state": True}}, (1, 5, 9)),
+        ({"eagle_config": {}}, ()),
+    ],
+    ids=["top-level", "nested", "both", "none"],
+)
+def test_aux_layer_ids_at_either_level(extra: dict, layers: tuple[int, ...]) -> None:
+    assert Eagle3Config.from_json(json_without_aux_layers() | extra).feature_layers == layers
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({AUX: [1, 5, 9], "eagle_config": {AUX: [2, 5, 9]}}, r"\[1, 5, 9\] at the top level but \[2, 5, 9\]"),
+        ({AUX: [1, 5]}, "names 2 layers; fc reads the features of 3"),
+        ({AUX: ["x", 1, 2]}, "must be a list of layer indices"),
+        ({"num_hidden_layers": 2}, "heads of 2 decoder layers are not supported yet: the drafter keeps the KV of one"),
+        ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state: false"),
+    ],
+    ids=["conflict", "two-layers", "not-ints", "multi-layer", "no-aux"],
+)
+def test_unsupported_configs_say_why(extra: dict, message: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        Eagle3Config.from_json(json_without_aux_layers() | extra)
+
+
+def test_norm_before_residual_makes_the_normed_feature_the_residual() -> None:
+    plain = random_head()
+    config = Eagle3Config(**{**small_config().__dict__, "norm_before_residual": True})
+    assert Eagle3Config.from_json(config.to_json()) == config and config.to_json()["norm_before_residual"]
+    normed = Eagle3Head(config, plain.embed_tokens)
+    normed.load_state_dict(plain.state_dict())
+    gen = torch.Generator().manual_seed(4)
+    attn, hidden = torch.randn(5, 4, 8, generator=gen), torch.randn(5, HIDDEN, generator=gen) * 3
+    layer = plain.midlayer
+    with torch.no_grad():
+        x = layer.hidden_norm(hidden) + layer.self_attn.o_proj(attn.flatten(-2))
+        want = x + layer.mlp(layer.post_attention_layernorm(x))
+        torch.testing.assert_close(normed.attention_outputs(attn, hidden), want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(plain.attention_outputs(attn, hidden), want, atol=1e-2)
+
+
+def narrow_head_with_embedding(seed: int = 5) -> Eagle3Head:
+    """A head 32 wide over a target 48 wide: it must ship its own embed_tokens [vocab, 32]."""
+    config = Eagle3Config(**{**small_config().__dict__, "target_hidden_size": 48})
+    generator = torch.Generator().manual_seed(seed)
+    head = Eagle3Head(config, torch.randn(VOCAB, HIDDEN, generator=generator), owns_embedding=True)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return head
+
+
+@pytest.mark.parametrize("target_embedding", [None, torch.zeros(VOCAB, 48)], ids=["no-target", "target"])
+def test_a_head_with_its_own_embedding_reads_wider_target_features(tmp_path: Path, target_embedding) -> None:
+    head = narrow_head_with_embedding()
+    assert head.fc.weight.shape == (HIDDEN, 3 * 48)
+    head.save(tmp_path)
+    loaded = Eagle3Head.load(tmp_path, target_embedding, torch.device("cpu"), torch.float32)
+    assert torch.equal(loaded.embed_tokens, head.embed_tokens)  # the head's own, not the target's zeros
+    assert "embed_tokens" in loaded.state_dict()  # saved with the head
+    features = torch.randn(1, 6, 3 * 48, generator=torch.Generator().manual_seed(6))
+    tokens, positions = torch.randint(0, VOCAB, (1, 6)), torch.arange(6).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.forward_dense(tokens, loaded.fuse(features), positions),
+                                   head.forward_dense(tokens, head.fuse(features), positions))  # fmt: skip
+
+
+def test_a_narrow_head_without_an_embedding_is_refused(tmp_path: Path) -> None:
+    head = narrow_head_with_embedding()
+    state = {k: v for k, v in head.state_dict().items() if k != "embed_tokens"}
+    save_bin(head, tmp_path, state)
+    with pytest.raises(CheckpointError, match="it ships no embed_tokens"):
+        Eagle3Head.load(tmp_path, torch.zeros(VOCAB, 48), torch.device("cpu"), torch.float32)
+
+
+def test_layers_0_keys_read_as_midlayer(tmp_path: Path) -> None:
+    head = random_head()
+    state = {k.replace("midlayer.", "layers.0."): v for k, v in head.state_dict().items()}
+    loaded = Eagle3Head.load(save_bin(head, tmp_path, state), head.embed_tokens, torch.device("cpu"), torch.float32)
+    assert torch.equal(loaded.midlayer.self_attn.q_proj.weight, head.midlayer.self_attn.q_proj.weight)
+
+
+# -- positions past the declared maximum -------------------------------------------------------
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 512}])
+def test_rope_at_64k_is_transformers_rope_for_a_head_that_declares_2048(rope_scaling) -> None:
+    """Published heads declare max_position_embeddings 2048; a table of that size read at 64K is
+    the silent-garbage bug vLLM had. RoPE here has no table: cos/sin at any position equal
+    transformers' for the same config."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    raw = small_config().to_json() | {"max_position_embeddings": 2048, "rope_theta": 500000.0}
+    if rope_scaling:
+        raw["rope_scaling"] = rope_scaling
+    head = Eagle3Head(Eagle3Config.from_json(raw), torch.zeros(VOCAB, HIDDEN))
+    hf = LlamaRotaryEmbedding(HFLlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}))
+    positions = torch.tensor([[0, 2047, 2048, 65_535, 65_536, 131_071]])
+    cos, sin = hf(torch.zeros(1, 6, 8), positions)
+    ours = head.rotary.cos_sin(positions, torch.float32)
+    torch.testing.assert_close(ours[0], cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours[1], sin, rtol=0, atol=1e-6)
+
+
+def test_drafting_at_64k_depends_only_on_relative_positions() -> None:
+    head = random_head()  # declares max_position_embeddings 512
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (1, 9), generator=gen)
+    hidden = head.fuse(torch.randn(1, 9, 3 * HIDDEN, generator=gen))
+    positions = torch.arange(100, 109).unsqueeze(0)
+    with torch.no_grad():
+        near = head.forward_dense(tokens, hidden, positions)
+        for offset in (65_536, 131_072 - 200):
+            torch.testing.assert_close(head.forward_dense(tokens, hidden, positions + offset), near,
+                                       rtol=1e-4, atol=1e-3)  # fmt: skip
