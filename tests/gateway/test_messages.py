@@ -10,8 +10,15 @@ from diffspec.errors import InvalidRequest
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2
 from draft_service.backend import DraftOptions
-from gateway.messages import generation_request, prompt_text, stats_from_proto, stats_to_proto
-from gateway.request import GenerationStats
+from gateway.messages import (
+    chunk_from_proto,
+    chunk_to_proto,
+    generation_request,
+    prompt_text,
+    stats_from_proto,
+    stats_to_proto,
+)
+from gateway.request import GenerationChunk, GenerationStats
 from target_service.backend import TargetInfo
 
 INFO = TargetInfo("m", 100, 8, 2, (0, 1, 1), (1,), 64, 16, 8, 8, 0, "cpu", "float32")
@@ -38,6 +45,7 @@ def test_unset_fields_take_the_server_defaults():
         ({}, [0, 100], "out of the vocabulary"),
         ({"policy": "uniform"}, [0], "policy"),
         ({"stop": ["y" * 257]}, [0], "stop sequences"),
+        ({"policy": "auto", "tree_config": "64:abc:8"}, [0], "bad tree config"),  # checked with Auto too
     ],
 )
 def test_requests_the_target_could_not_serve_are_rejected_up_front(fields, ids, message):
@@ -72,3 +80,12 @@ def test_stats_round_trip_carries_every_field():
     )
     back = stats_from_proto(gateway_pb2.GenerationStats.FromString(stats_to_proto(stats).SerializeToString()))
     assert back == stats and back.to_dict() == stats.to_dict()
+
+
+def test_prefill_progress_crosses_the_wire_on_progress_only_chunks():
+    progress = GenerationChunk([], "", prefill_progress=(2048, 8192))
+    response = chunk_to_proto(progress)
+    assert not response.HasField("stats") and list(response.token_ids) == [] and response.text == ""
+    assert chunk_from_proto(response) == progress
+    tokens = chunk_from_proto(chunk_to_proto(GenerationChunk([5, 6], "ab")))
+    assert tokens.prefill_progress is None and not chunk_to_proto(tokens).HasField("prefill_progress")
