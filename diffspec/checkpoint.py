@@ -8,7 +8,7 @@ import pickle
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from diffspec.errors import CheckpointError
 
@@ -56,7 +56,7 @@ def load_state_dict(files: list[Path], device: torch.device, dtype: torch.dtype 
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 for name in handle.keys():
                     tensors[name] = _cast(handle.get_tensor(name), device, dtype)
-        except (OSError, RuntimeError) as bad:
+        except (OSError, RuntimeError, SafetensorError) as bad:
             raise CheckpointError(f"cannot read {path}: {bad}") from None
     return tensors
 
@@ -84,12 +84,15 @@ def load_tensor(model_dir: Path, name: str, device: torch.device, dtype: torch.d
     model_dir = Path(model_dir)
     weight_map = _weight_map(model_dir)
     files = safetensors_files(model_dir)
-    if weight_map is not None and name in weight_map:
-        files = [model_dir / weight_map[name]]
+    if weight_map is not None:
+        files = [model_dir / weight_map[name]] if name in weight_map else []
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            if name in handle.keys():
-                return _cast(handle.get_tensor(name), device, dtype)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                if name in handle.keys():
+                    return _cast(handle.get_tensor(name), device, dtype)
+        except (OSError, RuntimeError, SafetensorError) as bad:
+            raise CheckpointError(f"cannot read {path}: {bad}") from None
     raise CheckpointError(f"{model_dir} holds no {name}")
 
 

@@ -8,8 +8,9 @@ import shutil
 import pytest
 import torch
 
+from diffspec.checkpoint import load_tensor, load_weights, safetensors_files
 from diffspec.errors import CheckpointError
-from target_service.checkpoint import load_llama_config, parse_llama_config, safetensors_files
+from diffspec.model_config import GenerationConfig, load_generation_config, load_llama_config, parse_llama_config
 from target_service.llama import LlamaModel
 from tests.conftest import write_random_llama
 
@@ -85,3 +86,67 @@ def test_config_of_bundled_model(tiny_target_dir):
     config = load_llama_config(tiny_target_dir)
     assert (config.num_layers, config.hidden_size, config.vocab_size) == (4, 256, 8192)
     assert config.rope.theta == 1_000_000.0 and config.tie_word_embeddings
+
+
+# Llama-3-8B-Instruct names <|eot_id|> (128009) in generation_config.json only; Llama-3.1 in both.
+LLAMA3_GENERATION_CONFIG = {"bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128009],
+                            "max_length": 4096, "temperature": 0.6, "top_p": 0.9}
+
+
+def test_generation_config_eos_ids_join_the_configs(tmp_path):
+    write_random_llama(tmp_path, llama3_rope=True, tie_embeddings=False, max_shard_size="60KB")
+    _edit_config(tmp_path, eos_token_id=1)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1, 3], "bos_token_id": 0}))
+    config = load_llama_config(tmp_path)
+    assert config.eos_token_ids == (1, 2, 3) and config.bos_token_id == 0
+    model = LlamaModel.from_pretrained(tmp_path, torch.device("cpu"), torch.float32)
+    assert model.config.eos_token_ids == (1, 2, 3)
+    (tmp_path / "generation_config.json").unlink()
+    assert load_llama_config(tmp_path).eos_token_ids == (1,)
+    assert load_generation_config(tmp_path) == GenerationConfig()
+
+
+def test_generation_config_sampling_defaults(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(LLAMA3_GENERATION_CONFIG))
+    assert load_generation_config(tmp_path) == GenerationConfig(
+        eos_token_ids=(128001, 128009), bos_token_id=128000, temperature=0.6, top_p=0.9
+    )
+    greedy = LLAMA3_GENERATION_CONFIG | {"do_sample": False, "top_k": 50}
+    (tmp_path / "generation_config.json").write_text(json.dumps(greedy))
+    assert load_generation_config(tmp_path).temperature is None  # transformers ignores them without do_sample
+    (tmp_path / "generation_config.json").write_text(json.dumps(greedy | {"eos_token_id": "end"}))
+    with pytest.raises(CheckpointError, match="generation_config.json has a malformed value"):
+        load_generation_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="is not a JSON object"):
+        load_generation_config(tmp_path)
+
+
+def test_one_tensor_is_read_from_its_shard(tmp_path):
+    write_random_llama(tmp_path, tie_embeddings=False, max_shard_size="60KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    everything = load_weights(tmp_path)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.3.mlp.down_proj.weight"):
+        tensor = load_tensor(tmp_path, name, torch.device("cpu"), torch.float32)
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, everything[name].float())
+    others = sorted(set(index.values()) - {index["lm_head.weight"]})
+    for shard in others:  # only the shard named by the index is opened
+        (tmp_path / shard).write_bytes(b"not safetensors")
+    assert load_tensor(tmp_path, "lm_head.weight", torch.device("cpu"), None).shape == (320, 64)
+    with pytest.raises(CheckpointError, match="holds no model.absent"):
+        load_tensor(tmp_path, "model.absent", torch.device("cpu"), None)
+    with pytest.raises(CheckpointError, match=f"cannot read .*{others[0]}"):
+        load_tensor(tmp_path, next(k for k, v in index.items() if v == others[0]), torch.device("cpu"), None)
+
+
+def test_pytorch_model_bin_is_read_without_running_code(tmp_path):
+    state = {"a.weight": torch.arange(6.0).reshape(2, 3), "d2t": torch.zeros(4, dtype=torch.int64)}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    loaded = load_weights(tmp_path)
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    torch.save({"a": [1, 2]}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="not a flat state dict of tensors"):
+        load_weights(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_weights(tmp_path)
