@@ -1,11 +1,13 @@
-"""What continuous batching buys: aggregate tokens/s with 1, 4 and 16 concurrent streams.
+"""Aggregate tokens/s against concurrent streams, Auto and DiffSpec, through the one engine loop.
 
-Every stream is a full generation through the in-process engine (prefill, then Auto decode
-or speculative steps); the target coalesces the concurrent sessions' decode/verify steps into
-one forward. Reported: total generated tokens over wall time, and per-forward batch sizes.
+Every stream is a full generation (prefill, then Auto decode or speculative steps); the engine
+loop verifies all decoding streams in one target call per iteration. Reported per (mode,
+streams): generated tokens over wall time, requests verified per iteration, and the loop's own
+host time per iteration (wall time outside the draft and target calls). A plot of throughput
+against streams goes beside the JSON.
 
-    python -m bench.batching --base-model ../shared/models/bench-code --draft-model HEAD \
-        --data ../shared/data/shortctx_eval.jsonl --out bench/results/batching.json
+    python -m bench.batching --base-model .carry/b8/target --draft-model .carry/b8/head \
+        --data .carry/data/shortctx_eval.jsonl --streams 1 4 16 32 --out bench/results/batching.json
 """
 
 from __future__ import annotations
@@ -22,12 +24,18 @@ import torch
 
 from bench.warmup import warm_up_target
 from diffspec.settings import DiffSpecSettings
-from draft_service.backend import DraftOptions
+from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest
 
-MODES = {"auto": None, "diffspec": DraftOptions("full", "32:0.0:6")}
+MODES: dict[str, DraftOptions | None] = {
+    "auto": None,
+    "diffspec": DraftOptions("online", "64:0.0:8", salience=True),  # budgets from the hazard profile and the batch
+    "full-32": DraftOptions("full", "32:0.0:6"),  # a fixed EAGLE-2 tree, for reference
+    "full-16": DraftOptions("full", "16:0.0:4"),
+    "chain-4": DraftOptions("chain", "5:0.0:4"),
+}
 
 
 async def one_stream(engine: SpeculativeEngine, ids: list[int], options: DraftOptions | None, n: int) -> int:
@@ -37,10 +45,47 @@ async def one_stream(engine: SpeculativeEngine, ids: list[int], options: DraftOp
     return count
 
 
-async def concurrent(engine: SpeculativeEngine, prompts: list[list[int]], options, n: int) -> tuple[int, float]:
+async def concurrent(engine: SpeculativeEngine, prompts: list[list[int]], options, n: int) -> tuple[int, float]:  # noqa: ANN001
     started = time.perf_counter()
     counts = await asyncio.gather(*(one_stream(engine, ids, options, n) for ids in prompts))
     return sum(counts), time.perf_counter() - started
+
+
+def measure(engine: SpeculativeEngine, mode: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    timing = engine.core.timing
+    timing.reset()
+    tokens, seconds = asyncio.run(concurrent(engine, prompts, MODES[mode], max_new_tokens))
+    return {
+        "mode": mode,
+        "streams": len(prompts),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "mean_requests_per_verify": round(statistics.mean(timing.batch_sizes), 2) if timing.batch_sizes else 0.0,
+        "host_ms_per_iteration": round(timing.host_ms_per_iteration, 3),
+        "draft_ms_per_iteration": round(timing.ms_per_iteration(timing.draft_seconds), 3),
+        "target_ms_per_iteration": round(timing.ms_per_iteration(timing.target_seconds), 3),
+        "ms_per_iteration": round(timing.ms_per_iteration(timing.loop_seconds), 3),
+    }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        ax.plot([r["streams"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> int:
@@ -49,39 +94,39 @@ def main() -> int:
     parser.add_argument("--draft-model", type=Path, required=True)
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--modes", nargs="+", default=["auto", "diffspec", "full-32"], choices=list(MODES))
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash-attn"])
+    parser.add_argument("--num-pages", type=int, default=8192)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    engine = build_engine(
-        DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model, num_pages=8192,
-                         attention_backend=args.attention_backend)
-    )
-    texts = [json.loads(line)["text"] for line in args.data.read_text().splitlines()[: max(args.streams)]]
-    prompts = [engine.tokenizer(t)["input_ids"][-args.prompt_tokens :] for t in texts]
+    batch_sizes = ",".join(str(b) for b in sorted({1, 2, 4, 8, 16, *args.streams}))
+    settings = DiffSpecSettings(
+        base_model=args.base_model, draft_model=args.draft_model, num_pages=args.num_pages,
+        graph_batch_sizes=batch_sizes, max_sessions=max(64, max(args.streams)),
+    )  # fmt: skip
+    engine = build_engine(settings)
+    texts = [json.loads(line)["text"] for line in args.data.read_text().splitlines()]
+    prompts = [engine.tokenizer(t)["input_ids"][-args.prompt_tokens :] for t in texts[: max(args.streams)]]
     print(f"recorded {warm_up_target(engine)} step graphs", flush=True)
-    for options in MODES.values():
-        asyncio.run(concurrent(engine, prompts[:1], options, 8))  # warm-up
+    for mode in args.modes:  # warm-up: the draft's graphs and the planner's first measurements
+        measure(engine, mode, prompts[: min(4, len(prompts))], 16)
     rows = []
-    for mode, options in MODES.items():
+    for mode in args.modes:
         for streams in args.streams:
-            batcher = engine.target.batcher
-            batcher.batch_sizes.clear()
-            tokens, seconds = asyncio.run(concurrent(engine, prompts[:streams], options, args.max_new_tokens))
-            rows.append({
-                "mode": mode, "streams": streams, "tokens": tokens, "seconds": round(seconds, 3),
-                "tokens_per_s": round(tokens / seconds, 1),
-                "mean_sessions_per_forward": round(statistics.mean(batcher.batch_sizes), 2),
-            })
+            rows.append(measure(engine, mode, prompts[:streams], args.max_new_tokens))
             print(json.dumps(rows[-1]), flush=True)
     for row in rows:
         single = next(r for r in rows if r["mode"] == row["mode"] and r["streams"] == min(args.streams))
+        auto = next((r for r in rows if r["mode"] == "auto" and r["streams"] == row["streams"]), None)
         row["vs_one_stream"] = round(row["tokens_per_s"] / single["tokens_per_s"], 2)
+        row["vs_auto"] = round(row["tokens_per_s"] / auto["tokens_per_s"], 2) if auto else None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "device": device, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+    engine.close()
     return 0
 
 

@@ -47,15 +47,19 @@ class LoopTiming:
 
     iterations: int = 0
     loop_seconds: float = 0.0  # whole iterations
-    backend_seconds: float = 0.0  # inside draft and target calls
+    draft_seconds: float = 0.0  # inside draft calls
+    target_seconds: float = 0.0  # inside target calls
     batch_sizes: list[int] = field(default_factory=list)  # requests verified per iteration
+
+    def ms_per_iteration(self, seconds: float) -> float:
+        return 1000 * seconds / self.iterations if self.iterations else 0.0
 
     @property
     def host_ms_per_iteration(self) -> float:
-        return 1000 * (self.loop_seconds - self.backend_seconds) / self.iterations if self.iterations else 0.0
+        return self.ms_per_iteration(self.loop_seconds - self.draft_seconds - self.target_seconds)
 
     def reset(self) -> None:
-        self.iterations, self.loop_seconds, self.backend_seconds = 0, 0.0, 0.0
+        self.iterations, self.loop_seconds, self.draft_seconds, self.target_seconds = 0, 0.0, 0.0, 0.0
         self.batch_sizes.clear()
 
 
@@ -148,10 +152,10 @@ class EngineCore:
         started = time.perf_counter()
         self._take_inbox()
         self._end_expired()
-        backend_seconds = self._draft_step() + self._target_step()
+        self.timing.draft_seconds += self._draft_step()
+        self.timing.target_seconds += self._target_step()
         self.timing.iterations += 1
         self.timing.loop_seconds += time.perf_counter() - started
-        self.timing.backend_seconds += backend_seconds
 
     def _take_inbox(self) -> None:
         while not self._inbox.empty():
