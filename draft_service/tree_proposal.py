@@ -121,7 +121,8 @@ class TreeProposer:
         facts = [_session_facts(r, keys.shape[0], shape.depth) for r, (keys, _) in zip(requests, contexts)]
         run.host_facts.copy_(torch.tensor([*facts, *[padding] * (shape.batch - len(requests))]))
         thresholds = [r.budget.threshold for r in requests] + [0.0] * (shape.batch - len(requests))
-        run.host_min_log_prob.copy_(torch.tensor([math.log(t) if t > 0 else -math.inf for t in thresholds]))
+        min_log_probs = [math.log(t) if t > 0 else -math.inf for t in thresholds]  # as the host search's floats
+        run.host_min_log_prob.copy_(torch.tensor(min_log_probs, dtype=torch.float64))
         run.facts.copy_(run.host_facts, non_blocking=True)
         run.min_log_prob.copy_(run.host_min_log_prob, non_blocking=True)
         run.root_outputs[: len(requests)].copy_(torch.stack([r.session.last_output for r in requests]))
@@ -138,14 +139,14 @@ class TreeProposer:
             )
         columns = FACTS + 2 * shape.depth
         pinned = device.type == "cuda"
+        layer_rows = [rows for rows, _ in shape.widths[1:]]  # depth 0 (the root) has no entry
         run = _Run(
             shape=shape,
             context=self._contexts[batch, shape.context],
             facts=torch.zeros(batch, columns, dtype=torch.int64, device=device),
             min_log_prob=torch.zeros(batch, dtype=torch.float64, device=device),
             root_outputs=torch.zeros(batch, c.hidden_size, dtype=weight.dtype, device=device),
-            tree=TreeKV(batch, [rows for rows, _ in shape.widths[1:]], c.num_kv_heads, c.head_dim, weight.dtype,
-                        device),  # fmt: skip
+            tree=TreeKV(batch, layer_rows, c.num_kv_heads, c.head_dim, weight.dtype, device),
             host_facts=torch.zeros(batch, columns, dtype=torch.int64, pin_memory=pinned),
             host_min_log_prob=torch.zeros(batch, dtype=torch.float64, pin_memory=pinned),
         )
