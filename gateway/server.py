@@ -13,6 +13,7 @@ from contextlib import aclosing
 
 import grpc
 
+from diffspec.errors import InvalidRequest
 from diffspec.metrics import ServingMetrics
 from diffspec.serving import Loading
 from diffspec.settings import DiffSpecSettings
@@ -20,6 +21,9 @@ from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.engine import SpeculativeEngine
 from gateway.messages import chunk_to_proto, generation_request, prompt_text
 
+# A token is rarely longer than this many characters; longer texts are refused before they are tokenized,
+# so a huge text cannot cost seconds of tokenizer time and gigabytes of memory before its length check.
+MAX_CHARS_PER_TOKEN = 16
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 Context = grpc.aio.ServicerContext
 
@@ -66,4 +70,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @staticmethod
     async def _tokenize(engine: SpeculativeEngine, text: str) -> list[int]:
         """The target's tokenizer, off the event loop (a long prompt takes a while)."""
+        max_context = (await engine.target_info()).max_context
+        if len(text) > MAX_CHARS_PER_TOKEN * max_context:
+            raise InvalidRequest(
+                f"a text of {len(text)} characters cannot fit the context of {max_context} tokens"
+            )
         return (await asyncio.to_thread(engine.tokenizer, text))["input_ids"]
