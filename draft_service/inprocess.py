@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 
 from diffspec.devices import resolve_device, resolve_dtype
 from diffspec.errors import CheckpointError
+from diffspec.model_config import load_llama_config
 from diffspec.settings import DiffSpecSettings
 from draft_service.eagle3_head import Eagle3Head
+from draft_service.head_fit import check_head_fits_target, read_head_config
 from draft_service.runtime import DraftRuntime
 from draft_service.target_embedding import load_target_embedding
 from draft_service.working_set import WorkingSetConfig
@@ -32,6 +34,9 @@ def load_draft_runtime(settings: DiffSpecSettings, target: TargetRuntime | None 
     """Load the head; the target's embedding is shared when the target runs in this process."""
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
+    target_config = target.model.config if target is not None else load_llama_config(settings.base_model)
+    head_config = read_head_config(settings.draft_model)
+    check_head_fits_target(head_config, target_config, settings.draft_model, settings.base_model)  # before weights
     embedding = target.model.embed_tokens if target is not None else None
     if embedding is None:
         embedding = load_target_embedding(settings.base_model, device, dtype)

@@ -104,3 +104,14 @@ def test_layers_outside_the_target_are_named(llama31_dir, tmp_path):
     head_dir = published_head(llama31_dir, tmp_path / "head", [2, 16, 29], nested=True)
     with pytest.raises(CheckpointError, match=r"trained on target layers \[2, 16, 29\], the target has layers 0..3"):
         check_head_fits_target(read_head_config(head_dir), load_llama_config(llama31_dir), head_dir, llama31_dir)
+
+
+def test_loading_checks_the_fit_before_any_weight(llama31_dir):
+    """The issue's reproduction: DIFFSPEC_BASE_MODEL alone, the demo head left as the draft."""
+    from diffspec.settings import BUNDLED_TARGET
+    from draft_service.inprocess import load_draft_runtime
+
+    check_head_fits_target(read_head_config(BUNDLED_DRAFT), load_llama_config(BUNDLED_TARGET), BUNDLED_DRAFT,
+                           BUNDLED_TARGET)  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"does not fit target .*: its vocabulary has 8192 tokens"):
+        load_draft_runtime(DiffSpecSettings(base_model=llama31_dir, device="cpu"))
