@@ -50,13 +50,18 @@ def build_target(settings: DiffSpecSettings) -> TargetBackend:
 
 def build_draft(settings: DiffSpecSettings, target: TargetBackend) -> DraftBackend | None:
     """A gRPC client when ``draft_address`` is set, else the in-process draft, or None (Auto only)
-    when the draft model directory is absent."""
+    when no head is configured for this target or the head directory is absent."""
     if settings.draft_address:
         from draft_service.grpc_client import RemoteDraft
 
         return RemoteDraft.connect(settings.draft_address, settings)
-    if not settings.draft_model.exists():
-        log.warning("no draft model at %s: only policy 'auto' is served", settings.draft_model)
+    from draft_service.head_fit import draft_model_for
+
+    head_dir = draft_model_for(settings)
+    if head_dir is None:
+        return None
+    if not head_dir.exists():
+        log.warning("no draft model at %s: only policy 'auto' is served", head_dir)
         return None
     from draft_service.inprocess import load_draft_runtime
     from target_service.runtime import TargetRuntime

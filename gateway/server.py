@@ -19,6 +19,7 @@ from diffspec.serving import Loading
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.engine import SpeculativeEngine
+from gateway.prompt import encode_prompt
 from gateway.messages import chunk_to_proto, generation_request, prompt_text
 
 # A token is rarely longer than this many characters; longer texts are refused before they are tokenized,
@@ -75,4 +76,4 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequest(
                 f"a text of {len(text)} characters cannot fit the context of {max_context} tokens"
             )
-        return (await asyncio.to_thread(engine.tokenizer, text))["input_ids"]
+        return await asyncio.to_thread(encode_prompt, engine.tokenizer, text)
