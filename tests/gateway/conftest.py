@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -74,21 +73,16 @@ def split_deployment(draft_head_dir, tmp_path_factory) -> Iterator[SplitDeployme
 
 @pytest.fixture(scope="session")
 def embedded_server(draft_head_dir, tmp_path_factory) -> Iterator[ServerProcess]:
-    """``diffspec serve`` (all three services in one process), admitting at most 3 generations,
-    with Prometheus metrics on ``server.metrics_port``."""
-    with socket.socket() as probe:  # a free port for the metrics endpoint (HTTP, not gRPC)
-        probe.bind(("127.0.0.1", 0))
-        metrics_port = probe.getsockname()[1]
+    """``diffspec serve`` (the gateway over an in-process target and draft, one port), admitting
+    at most 3 generations, with Prometheus metrics (``server.scrape()``)."""
     server = ServerProcess(
         "all",
         tmp_path_factory.mktemp("all-logs"),
         "--max-sessions",
         "3",
-        "--metrics-port",
-        str(metrics_port),
         env={"DIFFSPEC_DRAFT_MODEL": str(draft_head_dir)},
+        metrics=True,
     )
-    server.metrics_port = metrics_port
     try:
         server.wait_serving()
         yield server

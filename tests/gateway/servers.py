@@ -1,17 +1,20 @@
 """Run ``diffspec serve ROLE`` as a child process on a loopback port, and query it, for the gRPC tests.
 
 Each server binds ``127.0.0.1:0`` and prints the port it got, so tests never race for free
-ports. ``stop`` sends SIGTERM (a graceful drain) and kills the process if it lingers.
+ports (a restarted server binds the address its predecessor had). ``stop`` sends SIGTERM (a
+graceful drain) and kills the process if it lingers.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import socket
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -34,10 +37,27 @@ COMMON_FLAGS = [
 ]
 
 
+def free_port() -> int:
+    """A loopback port nobody listens on now (for HTTP endpoints and dead addresses)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class ServerProcess:
-    def __init__(self, role: str, log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        log_dir: Path,
+        *flags: str,
+        env: dict[str, str] | None = None,
+        listen: str = "127.0.0.1:0",
+        metrics: bool = False,
+    ) -> None:
+        """``metrics``: serve Prometheus metrics on ``self.metrics_port`` (see ``scrape``)."""
         self.role = role
         self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
+        self.metrics_port = free_port() if metrics else 0
         command = [
             sys.executable,
             "-m",
@@ -45,8 +65,9 @@ class ServerProcess:
             "serve",
             role,
             "--listen",
-            "127.0.0.1:0",
+            listen,
             *COMMON_FLAGS,
+            *(["--metrics-port", str(self.metrics_port)] if metrics else []),
             *flags,
         ]
         with open(self.log_path, "w") as log:
@@ -86,6 +107,13 @@ class ServerProcess:
         self.process.kill()
         self.process.wait(timeout=10)
 
+    def scrape(self) -> dict[str, float]:
+        """Every sample of the server's Prometheus page: ``'name{labels}' -> value``."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as page:
+            lines = page.read().decode().splitlines()
+        samples = (line.rsplit(" ", 1) for line in lines if line[:1] not in ("", "#"))
+        return {name: float(value) for name, value in samples}
+
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -99,16 +127,19 @@ class ServerProcess:
 
 
 class SplitDeployment:
-    """Target, draft and gateway as three processes; the target and the draft load in parallel."""
+    """Target, draft and gateway as three processes; the target and the draft load in parallel.
 
-    def __init__(self, log_dir: Path, draft_dir: Path, *gateway_flags: str) -> None:
-        env = {"DIFFSPEC_DRAFT_MODEL": str(draft_dir)}
+    ``metrics``: the target and the draft serve Prometheus metrics (``server.scrape()``)."""
+
+    def __init__(self, log_dir: Path, draft_dir: Path, *gateway_flags: str, metrics: bool = False) -> None:
+        self.log_dir = log_dir
+        self.env = {"DIFFSPEC_DRAFT_MODEL": str(draft_dir)}
         self.servers: list[ServerProcess] = []
         try:
-            self.target = self._start(ServerProcess("target", log_dir, env=env))
-            self.draft = self._start(ServerProcess("draft", log_dir, env=env))
+            self.target = self._start(ServerProcess("target", log_dir, env=self.env, metrics=metrics))
+            self.draft = self._start(ServerProcess("draft", log_dir, env=self.env, metrics=metrics))
             peers = ["--target", self.target.address, "--draft", self.draft.address]
-            self.gateway = self._start(ServerProcess("gateway", log_dir, *peers, *gateway_flags, env=env))
+            self.gateway = self._start(ServerProcess("gateway", log_dir, *peers, *gateway_flags, env=self.env))
             for server in self.servers:
                 server.wait_serving()
         except BaseException:
@@ -118,6 +149,12 @@ class SplitDeployment:
     def _start(self, server: ServerProcess) -> ServerProcess:
         self.servers.append(server)
         return server
+
+    def restart_draft(self) -> None:
+        """A fresh draft process at the address the gateway knows (the old one must be gone)."""
+        self.servers.remove(self.draft)
+        self.draft = self._start(ServerProcess("draft", self.log_dir, env=self.env, listen=self.draft.address))
+        self.draft.wait_serving()
 
     def stop(self) -> None:
         for server in reversed(self.servers):
@@ -132,6 +169,15 @@ def target_info(deployment: SplitDeployment) -> target_pb2.TargetInfoResponse:
 def draft_info(deployment: SplitDeployment) -> draft_pb2.DraftInfoResponse:
     with grpc.insecure_channel(deployment.draft.address) as channel:
         return draft_pb2_grpc.DraftStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=5)
+
+
+def wait_until(condition, timeout: float, what: str) -> None:  # noqa: ANN001 - () -> bool
+    """Poll ``condition`` every 50 ms; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
 
 
 def wait_all_released(deployment: SplitDeployment, timeout: float = 3.0) -> target_pb2.TargetInfoResponse:

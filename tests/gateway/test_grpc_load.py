@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 
 import grpc
 
@@ -65,16 +64,11 @@ def test_headless_locust_run_has_no_failures(embedded_server, tmp_path):
 def test_prometheus_metrics_cover_requests_tokens_tau_and_the_kv_pool(embedded_server):
     with grpc.insecure_channel(embedded_server.address) as channel:
         generate(gateway_pb2_grpc.GatewayStub(channel), text=PROMPTS[2], max_new_tokens=24, policy="full")
-    with urllib.request.urlopen(f"http://127.0.0.1:{embedded_server.metrics_port}/metrics", timeout=10) as page:
-        text = page.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+    samples = embedded_server.scrape()
     assert samples['diffspec_kv_pages{state="total"}'] == 1024
     assert samples['diffspec_kv_pages{state="free"}'] == 1024  # nothing in flight
-    assert samples["diffspec_step_queue_depth"] == 0
+    assert samples['diffspec_sessions{service="target"}'] == samples['diffspec_sessions{service="draft"}'] == 0
+    assert samples["diffspec_active_generations"] == 0
     assert samples['diffspec_requests_total{code="OK",method="/diffspec.v1.Gateway/Generate"}'] >= 1
     assert samples["diffspec_generated_tokens_total"] >= 24
     assert samples["diffspec_mean_accepted_length_count"] >= 1

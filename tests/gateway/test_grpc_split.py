@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -14,12 +14,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from diffspec.health_probe import is_serving
+from diffspec.sampling import SamplingParams
 from diffspec.settings import REPO_ROOT
-from diffspec.v1 import gateway_pb2
-from gateway.request import GenerationStats
+from diffspec.v1 import gateway_pb2, target_pb2, target_pb2_grpc
+from gateway.engine import SpeculativeEngine
+from gateway.request import GenerationRequest, GenerationStats
 from tests.conftest import short_prompts
 from tests.gateway.conftest import CODE_PROMPTS, generate
-from tests.gateway.servers import target_info, wait_all_released
+from tests.gateway.servers import SplitDeployment, draft_info, free_port, target_info, wait_all_released, wait_until
 
 MAX_NEW = 32
 LONG = 2000  # ~15 s of generation: a cancel lands mid-stream, and only a propagated one frees pages in time
@@ -58,9 +60,38 @@ def test_sixteen_concurrent_streams_each_equal_their_single_stream(gateway_stub,
     assert info.num_free_pages == info.num_pages and info.active_sessions == 0
 
 
+def test_sampling_with_a_seed_is_reproducible_and_auto_equals_in_process(gateway_stub, reference_target, tokenizer):
+    text = CODE_PROMPTS[0]
+    fields = {"text": text, "max_new_tokens": MAX_NEW, "temperature": 0.8, "top_p": 0.95, "seed": 7}
+    with ThreadPoolExecutor(4) as pool:  # the same request twice at once, batched with others, and once more alone
+        jobs = [{**fields, "policy": policy} for policy in ("full", "full", "auto", "chain")]
+        runs = list(pool.map(lambda job: generate(gateway_stub, **job)[0], jobs))
+    assert runs[0] == runs[1] == generate(gateway_stub, **fields, policy="full")[0]
+    assert runs[3] == generate(gateway_stub, **fields, policy="chain")[0]
+    assert generate(gateway_stub, **{**fields, "seed": 8}, policy="full")[0] != runs[0]
+    engine = SpeculativeEngine(reference_target, None, tokenizer)  # Auto in process: the target's draws alone
+
+    async def auto_in_process() -> list[int]:
+        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+        request = GenerationRequest(tokenizer(text)["input_ids"], MAX_NEW, sampling)
+        return [t async for chunk in engine.generate(request) for t in chunk.token_ids]
+
+    try:
+        assert runs[2] == asyncio.run(auto_in_process())
+    finally:
+        engine.close()
+
+
+def sessions(deployment: SplitDeployment) -> tuple[int, int]:
+    """Open sessions at the target and at the draft."""
+    return target_info(deployment).active_sessions, draft_info(deployment).active_sessions
+
+
 def test_cancel_mid_stream_releases_every_page(gateway_stub, split_deployment):
-    call = gateway_stub.Generate(gateway_pb2.GenerateRequest(text=CODE_PROMPTS[0], max_new_tokens=LONG), timeout=60)
+    request = gateway_pb2.GenerateRequest(text=CODE_PROMPTS[0], max_new_tokens=LONG, policy="full")
+    call = gateway_stub.Generate(request, timeout=60)
     next(call), next(call)
+    wait_until(lambda: sessions(split_deployment) == (1, 1), 5, "one session at the target and at the draft")
     call.cancel()
     with pytest.raises(grpc.RpcError) as ended:
         list(call)
@@ -71,7 +102,7 @@ def test_cancel_mid_stream_releases_every_page(gateway_stub, split_deployment):
 
 def test_deadline_mid_stream_releases_every_page(gateway_stub, split_deployment):
     with pytest.raises(grpc.RpcError) as ended:
-        generate(gateway_stub, timeout=0.5, text=CODE_PROMPTS[1], max_new_tokens=LONG)
+        generate(gateway_stub, timeout=0.5, text=CODE_PROMPTS[1], max_new_tokens=LONG, policy="full")
     assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     info = wait_all_released(split_deployment)
     assert info.num_free_pages == info.num_pages and info.active_sessions == 0
@@ -81,7 +112,7 @@ CLIENT_THAT_VANISHES = """
 import sys, time, grpc
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
 stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(sys.argv[1]))
-call = stub.Generate(gateway_pb2.GenerateRequest(text="def main(argv):", max_new_tokens=2000))
+call = stub.Generate(gateway_pb2.GenerateRequest(text="def main(argv):", max_new_tokens=2000, policy="full"))
 next(call)
 print("streaming", flush=True)
 time.sleep(60)
@@ -97,7 +128,8 @@ def test_client_disconnect_mid_stream_releases_every_page(split_deployment):
     )
     try:
         assert client.stdout.readline().strip() == "streaming"
-        assert target_info(split_deployment).active_sessions == 1
+        # the draft session starts in the iteration after the first token
+        wait_until(lambda: sessions(split_deployment) == (1, 1), 5, "one session at the target and at the draft")
     finally:
         client.kill()
         client.wait(timeout=10)
@@ -136,6 +168,17 @@ def test_cli_generate_through_the_gateway_prints_the_in_process_json(split_deplo
     assert set(last["stats"]) == set(GenerationStats().to_dict()) and last["stats"]["new_tokens"] == MAX_NEW
 
 
+def services_of(address: str) -> set[str]:
+    """The services a server lists through reflection."""
+    with grpc.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        return {s.name for s in next(replies).list_services_response.service}
+
+
+BASE_SERVICES = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+
+
 def test_model_info_health_and_reflection(gateway_stub, split_deployment):
     info = gateway_stub.ModelInfo(gateway_pb2.ModelInfoRequest(), timeout=10)
     assert info.vocab_size == 8192 and info.draft_available and info.max_context == 16384
@@ -146,11 +189,19 @@ def test_model_info_health_and_reflection(gateway_stub, split_deployment):
             for service in ("", expected[server.role]):
                 reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            assert is_serving(server.address, expected[server.role])
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
-            names = {s.name for s in next(replies).list_services_response.service}
-        assert names == {expected[server.role], "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
-    with socket.socket() as nobody_listens:
-        nobody_listens.bind(("127.0.0.1", 0))
-        assert not is_serving(f"127.0.0.1:{nobody_listens.getsockname()[1]}")
+        assert is_serving(server.address, expected[server.role])
+        assert services_of(server.address) == {expected[server.role], *BASE_SERVICES}
+    assert not is_serving(f"127.0.0.1:{free_port()}")
+
+
+def test_serve_all_exposes_only_the_gateway(embedded_server):
+    """The in-process target and draft are not reachable on the client port."""
+    assert services_of(embedded_server.address) == {"diffspec.v1.Gateway", *BASE_SERVICES}
+    with grpc.insecure_channel(embedded_server.address) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            target_pb2_grpc.TargetStub(channel).Info(target_pb2.TargetInfoRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        step = channel.stream_stream("/diffspec.v1.Draft/Step")
+        with pytest.raises(grpc.RpcError) as refused:
+            list(step(iter([b""]), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
