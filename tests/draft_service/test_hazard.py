@@ -6,7 +6,16 @@ import random
 
 import pytest
 
-from draft_service.hazard import EPS, HazardProfile, StepCostModel, plan_tree, tree_size, widths_to_plan
+from draft_service.hazard import (
+    EPS,
+    BatchLoad,
+    HazardProfile,
+    StepCostModel,
+    expected_tokens,
+    plan_tree,
+    tree_size,
+    widths_to_plan,
+)
 
 
 def simulate_step(rng: random.Random, rank_probs: list[list[float]], widths: list[int]) -> tuple[list[int], int]:
@@ -94,6 +103,22 @@ def test_censored_steps_do_not_count_as_stops():
     for _ in range(100):
         profile.observe([0, 0], stop_width=0)  # ran off the end of a depth-2 tree
     assert sum(profile.depths[2].tried) == 0 and profile.depths[1].failed[0] == 0
+
+
+def test_a_compute_bound_batch_gets_smaller_trees():
+    """Each of 15 other sessions verifies the lone session's tree in the same batch; at a cost where
+    100 tree tokens double a step, the plan that pays for itself alone is too big in the batch."""
+    profile = HazardProfile(max_depth=16, decay=0.97, prior=HazardProfile(16, 0.999))
+    run_stream(profile, StepCostModel(), [EASY, HARD, EASY], 300)
+    cost = StepCostModel(default_intercept=1.0, default_slope=0.01, draft_seconds_per_depth=0.02)
+    alone = plan_tree(profile, cost, max_tokens=64, max_depth=8)
+    assert plan_tree(profile, cost, max_tokens=64, max_depth=8, batch=BatchLoad()) == alone
+    sizes = [tree_size(alone)]
+    for others in (1, 3, 7, 15):
+        load = BatchLoad(others * tree_size(alone), others * expected_tokens(profile.pass_table(8), alone))
+        sizes.append(tree_size(plan_tree(profile, cost, max_tokens=64, max_depth=8, batch=load)))
+    assert sizes == sorted(sizes, reverse=True), sizes  # more tokens beside it, never a larger tree
+    assert sizes[0] >= 16 and sizes[-1] <= sizes[0] // 4, sizes
 
 
 def test_cost_model_fits_a_line():

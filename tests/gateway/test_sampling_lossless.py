@@ -10,8 +10,9 @@ from transformers import AutoTokenizer
 from diffspec.acceptance import accept_sampling
 from diffspec.sampling import SamplingParams, target_probs
 from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
-from draft_service.backend import DraftOptions
+from draft_service.backend import DraftBatch, DraftStart
 from draft_service.eagle3_head import Eagle3Head
+from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
 from kernels.attention_metadata import AttentionMetadata
 from target_service.runtime import TargetRuntime
@@ -32,8 +33,8 @@ def test_first_emitted_token_follows_the_target(runtimes, policy):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
     prompt = tokenizer("def parse_args(argv):\n    parser = argparse.ArgumentParser(")["input_ids"]
     pre = target.prefill(policy, prompt, params, want_features=True)
-    draft.start(policy, prompt, pre.features, pre.first_token, DraftOptions(policy, "24:0.0:4"))
-    tree = draft.propose(policy)
+    start = DraftStart(policy, prompt, pre.features, pre.first_token, DraftOptions(policy, "24:0.0:4"))
+    tree = draft.step(DraftBatch(starts=[start], proposes=[policy])).trees[policy]
     assert tree.num_nodes > 1
     # the target's distribution at every tree node, from one tree forward over the prompt's pages
     ctx = target.committed_length(policy)
@@ -58,4 +59,4 @@ def test_first_emitted_token_follows_the_target(runtimes, policy):
     keep = expected > 0  # no pooled bin when every token is frequent
     assert chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue > 1e-3
     target.release(policy)
-    draft.release(policy)
+    assert policy in draft.step(DraftBatch(releases=[policy])).released

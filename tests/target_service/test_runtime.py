@@ -1,4 +1,4 @@
-"""Target runtime: Auto generation, chunked prefill, tree verification and KV commit."""
+"""Target runtime: Auto generation, chunked prefill, tree verification, KV commit, per-session failures."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+import target_service.acceptance_step
+import target_service.runtime
 from diffspec.errors import InvalidRequest, KVPoolExhausted
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata
+from target_service.backend import PrefillWork, SessionOpen, TargetBatch, VerifyStep
 from target_service.runtime import TargetRuntime
 from tests.conftest import short_prompts
 
@@ -19,7 +22,7 @@ GREEDY = SamplingParams()
 
 @pytest.fixture(scope="module")
 def runtime(tiny_target_dir) -> TargetRuntime:
-    return TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=1024, prefill_chunk=300))
+    return TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=1024))
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +49,28 @@ def test_auto_greedy_equals_transformers_generate(runtime, hf_model, tiny_target
 
 
 def test_chunked_prefill_features_equal_dense_forward(runtime):
-    prompt = torch.randint(3, 8192, (777,), generator=torch.Generator().manual_seed(0)).tolist()
-    result = runtime.prefill("feat", prompt, GREEDY, want_features=True)
-    hidden, features = runtime.model.forward_dense(torch.tensor([prompt]), runtime.feature_layers)
-    assert result.features.shape == (777, 3 * 256)
-    assert torch.allclose(result.features, features[0], atol=1e-4)
-    assert result.first_token == int(runtime.model.logits(hidden[0, -1]).argmax())
-    runtime.release("feat")
+    """Two prompts prefilled together in 300-token chunks, one step per chunk: every row's features
+    and the first token equal one dense forward of the whole prompt."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = {"feat": torch.randint(3, 8192, (777,), generator=gen).tolist(), "short": [0, 5, 6, 7, 8]}
+    opens = [SessionOpen(sid, prompt, GREEDY, want_features=True) for sid, prompt in prompts.items()]
+    parts: dict[str, list] = {sid: [] for sid in prompts}
+    batch = TargetBatch(opens=opens, prefills=[PrefillWork(sid, 300) for sid in prompts])
+    while batch.prefills:
+        result = runtime.step(batch)
+        assert not result.failures
+        for sid, part in result.prefills.items():
+            parts[sid].append(part)
+        batch = TargetBatch(prefills=[PrefillWork(sid, 300) for sid in prompts if parts[sid][-1].first_token is None])
+    assert [(p.done_tokens, p.total_tokens) for p in parts["feat"]] == [(300, 777), (600, 777), (777, 777)]
+    assert [p.first_token is None for p in parts["feat"]] == [True, True, False] and len(parts["short"]) == 1
+    for sid, prompt in prompts.items():
+        hidden, features = runtime.model.forward_dense(torch.tensor([prompt]), runtime.feature_layers)
+        got = torch.cat([p.features for p in parts[sid]])
+        assert got.shape == (len(prompt), 3 * 256)
+        assert torch.allclose(got, features[0], atol=1e-4)
+        assert parts[sid][-1].first_token == int(runtime.model.logits(hidden[0, -1]).argmax())
+        runtime.release(sid)
 
 
 @pytest.mark.parametrize("num_nodes, seed", [(1, 0), (9, 1), (40, 2)])
@@ -110,9 +128,11 @@ def test_shared_prefix_pages_are_reused(runtime):
     prompt = torch.randint(3, 8192, (100,), generator=torch.Generator().manual_seed(3)).tolist()
     first = _auto(runtime, "p1", prompt, 10)
     free_after_one = runtime.info().num_free_pages
-    second = runtime.prefill("p2", prompt, GREEDY, want_features=False)
-    assert second.num_cached_tokens == 96
+    runtime.step(TargetBatch(opens=[SessionOpen("p2", prompt, GREEDY, want_features=False)]))
+    assert runtime.sessions["p2"].prefilled == 96  # six full pages shared: only the last 4 tokens are computed
     assert runtime.info().num_free_pages == free_after_one - 1  # only the partial last page is new
+    second = runtime.step(TargetBatch(prefills=[PrefillWork("p2", 100)])).prefills["p2"]
+    assert (second.done_tokens, second.features) == (100, None)
     assert [second.first_token] + [runtime.decode("p2").bonus_token for _ in range(9)] == first
     runtime.release("p1")
     runtime.release("p2")
@@ -143,3 +163,62 @@ def test_pool_exhaustion_is_typed_and_leaks_nothing(tiny_target_dir):
     with pytest.raises(KVPoolExhausted):
         small.prefill("big", list(range(3, 100)), GREEDY, want_features=False)
     assert small.info().num_free_pages == 4 and not small.sessions
+
+
+def _nan_for_marked(target_probs):  # noqa: ANN001, ANN202
+    """target_probs, but a distribution of NaNs for sampling at the marker temperature 0.5."""
+
+    def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        out = target_probs(logits, params)
+        return torch.full_like(out, float("nan")) if params.temperature == 0.5 else out
+
+    return probs
+
+
+def test_a_failing_session_leaves_its_batch_untouched(runtime, monkeypatch):
+    """A sampling failure at the first token, a bad tree, a bad prompt: each fails its session
+    alone (reported, released), and the other sessions of the same steps get their own results."""
+    monkeypatch.setattr(target_service.runtime, "target_probs", _nan_for_marked(target_service.runtime.target_probs))
+    prompt = torch.randint(3, 8192, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    expected = _auto(runtime, "alone", prompt, 4)
+    runtime.release("alone")
+    marked = SamplingParams(temperature=0.5, seed=1)
+    opens = [
+        SessionOpen("ok", prompt, GREEDY, want_features=False),
+        SessionOpen("nan", prompt, marked, want_features=False),
+        SessionOpen("vocab", [0, 9000], GREEDY, want_features=False),
+        SessionOpen("tree", prompt[:20], GREEDY, want_features=False),
+    ]
+    result = runtime.step(TargetBatch(opens=opens, prefills=[PrefillWork(o.session_id, 64) for o in opens]))
+    assert sorted(result.failures) == ["nan", "vocab"] and sorted(result.prefills) == ["ok", "tree"]
+    assert "sampling failed" in str(result.failures["nan"]) and "vocabulary" in str(result.failures["vocab"])
+    assert result.prefills["ok"].first_token == expected[0]
+    assert sorted(runtime.sessions) == ["ok", "tree"] and not runtime.pool.has_sequence("nan")
+    bad_root = runtime.pending_token("tree") + 1
+    steps = [VerifyStep("ok", DraftTree.root_only(expected[0])), VerifyStep("tree", DraftTree.chain([bad_root, 5]))]
+    result = runtime.step(TargetBatch(verifies=steps))
+    assert list(result.failures) == ["tree"] and "not the session's last token" in str(result.failures["tree"])
+    assert result.verifies["ok"].bonus_token == expected[1]
+    assert [runtime.decode("ok").bonus_token for _ in range(2)] == expected[2:]
+    runtime.release("ok")
+    assert runtime.info().num_free_pages == runtime.info().num_pages and not runtime.sessions
+
+
+def test_a_failing_acceptance_leaves_the_other_sessions_their_commits(runtime, monkeypatch):
+    patched = _nan_for_marked(target_service.acceptance_step.target_probs)
+    monkeypatch.setattr(target_service.acceptance_step, "target_probs", patched)  # the first token still samples
+    prompt = torch.randint(3, 8192, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = _auto(runtime, "alone", prompt, 3)
+    runtime.release("alone")
+    runtime.prefill("ok", prompt, GREEDY, want_features=False)
+    runtime.prefill("nan", prompt, SamplingParams(temperature=0.5, seed=1), want_features=False)  # first token fine
+    steps = [
+        VerifyStep("nan", DraftTree.root_only(runtime.pending_token("nan"))),
+        VerifyStep("ok", DraftTree.chain([expected[0], expected[1]])),
+    ]
+    result = runtime.step(TargetBatch(verifies=steps))
+    assert list(result.failures) == ["nan"] and "sampling failed" in str(result.failures["nan"])
+    assert result.verifies["ok"].accepted_tokens == [expected[1]] and result.verifies["ok"].bonus_token == expected[2]
+    assert runtime.committed_length("ok") == len(prompt) + 2 and not runtime.pool.has_sequence("nan")
+    runtime.release("ok")
+    assert runtime.info().num_free_pages == runtime.info().num_pages

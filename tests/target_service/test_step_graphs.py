@@ -14,10 +14,11 @@ import torch
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from diffspec.tree import DraftTree
-from draft_service.backend import DraftOptions
+from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
 from gateway.request import GenerationRequest
-from target_service.runtime import TargetRuntime, VerifyStep
+from target_service.backend import TargetBatch, VerifyStep
+from target_service.runtime import TargetRuntime
 from target_service.step_graphs import StepGraphs
 
 GREEDY = SamplingParams()
@@ -26,7 +27,7 @@ PROMPTS = {"a": list(range(5, 405)), "b": list(range(900, 1037)), "c": [7, 8, 9]
 
 def _runtime(tiny_target_dir, **overrides) -> TargetRuntime:
     return TargetRuntime(
-        DiffSpecSettings(base_model=tiny_target_dir, device="cpu", num_pages=256, prefill_chunk=128, **overrides)
+        DiffSpecSettings(base_model=tiny_target_dir, device="cpu", num_pages=256, **overrides)
     )
 
 
@@ -60,8 +61,10 @@ def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int) -> li
         for i, sid in enumerate(batch):
             good = truth[sid][emitted[sid] : emitted[sid] + 1 + (r + i) % 4]
             steps.append(VerifyStep(sid, _tree(runtime.pending_token(sid), good, extra=(3 * r + i) % 13, seed=r)))
-        for step, result in zip(steps, runtime.verify_batch(steps)):
-            emitted[step.session_id] += len(result.accepted_tokens) + 1
+        results = runtime.step(TargetBatch(verifies=steps)).verifies
+        assert list(results) == [step.session_id for step in steps]
+        for sid, result in results.items():
+            emitted[sid] += len(result.accepted_tokens) + 1
             seen.append((result.accepted_tokens, result.accepted_nodes, result.bonus_token, result.features))
     for sid in PROMPTS:
         committed = runtime.pool.num_committed(sid)
@@ -126,7 +129,7 @@ def test_auto_decode_through_buckets_equals_eager(tiny_target_dir, truth):
 @pytest.mark.gpu
 def test_cuda_graph_replays_equal_eager_steps(tiny_target_dir):
     common = dict(base_model=tiny_target_dir, device="cuda", dtype="float32", attention_backend="triton",
-                  num_pages=256, prefill_chunk=128, graph_batch_sizes="1,2,4", graph_tree_sizes="1,4,8,16")  # fmt: skip
+                  num_pages=256, graph_batch_sizes="1,2,4", graph_tree_sizes="1,4,8,16")  # fmt: skip
     eager = TargetRuntime(DiffSpecSettings(cuda_graphs=False, **common))
     truth = _auto_tokens(eager)
     graphed = TargetRuntime(DiffSpecSettings(cuda_graphs=True, **common))
@@ -139,7 +142,7 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_target_dir):
 
 @pytest.mark.gpu
 def test_concurrent_speculative_streams_with_graphs_equal_auto(tiny_target_dir):
-    """Eight streams at once: buckets record while other sessions draft in their own threads."""
+    """Eight streams at once through the engine loop: verify batches of several sessions replay padded buckets."""
     settings = DiffSpecSettings(base_model=tiny_target_dir, device="cuda", dtype="float32", num_pages=1024)
     engine = build_engine(settings)
     prompts = [list(range(5 + 40 * i, 300 + 40 * i)) for i in range(8)]
@@ -153,5 +156,8 @@ def test_concurrent_speculative_streams_with_graphs_equal_auto(tiny_target_dir):
     async def all_streams(options: DraftOptions | None) -> list[list[int]]:
         return await asyncio.gather(*(one(ids, options) for ids in prompts))
 
-    auto = [asyncio.run(one(ids, None)) for ids in prompts]  # one at a time: batch-1 buckets only
-    assert asyncio.run(all_streams(DraftOptions("full"))) == auto
+    try:
+        auto = [asyncio.run(one(ids, None)) for ids in prompts]  # one at a time: batch-1 buckets only
+        assert asyncio.run(all_streams(DraftOptions("full"))) == auto
+    finally:
+        engine.close()

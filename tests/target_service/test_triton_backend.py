@@ -9,7 +9,7 @@ import torch
 
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
-from draft_service.backend import DraftOptions
+from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
 from gateway.request import GenerationRequest
 from kernels.attention_metadata import AttentionMetadata, causal_mask
@@ -28,7 +28,7 @@ def _greedy(runtime: TargetRuntime, prompt: list[int], steps: int) -> list[int]:
 
 def test_triton_backend_greedy_equals_reference_over_256_steps(tiny_target_dir):
     prompt = torch.randint(3, 8192, (1500,), generator=torch.Generator().manual_seed(0)).tolist()
-    common = dict(base_model=tiny_target_dir, device="cuda", dtype="float32", num_pages=512, prefill_chunk=512)
+    common = dict(base_model=tiny_target_dir, device="cuda", dtype="float32", num_pages=512)
     ref = _greedy(TargetRuntime(DiffSpecSettings(attention_backend="torch", **common)), prompt, 256)
     got = _greedy(TargetRuntime(DiffSpecSettings(attention_backend="triton", **common)), prompt, 256)
     assert got == ref
@@ -70,6 +70,9 @@ def test_speculative_with_triton_equals_auto(tiny_target_dir):
             tokens += chunk.token_ids
         return tokens
 
-    auto = asyncio.run(run(None))
-    for options in (DraftOptions("full"), DraftOptions("online", salience=True)):
-        assert asyncio.run(run(options)) == auto
+    try:
+        auto = asyncio.run(run(None))
+        for options in (DraftOptions("full"), DraftOptions("online", salience=True)):
+            assert asyncio.run(run(options)) == auto
+    finally:
+        engine.close()
