@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -13,8 +14,7 @@ from transformers import AutoTokenizer
 from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.engine import SpeculativeEngine
-from gateway.request import GenerationRequest
-from target_service.inprocess import InProcessTarget
+from gateway.request import GenerationRequest, GenerationStats
 from target_service.runtime import TargetRuntime
 from tests.gateway.servers import ServerProcess, SplitDeployment
 
@@ -25,11 +25,12 @@ CODE_PROMPTS = [
     "import numpy as np\n\n\ndef normalize(x, axis=0):",
 ]
 Generated = tuple[list[int], str, gateway_pb2.GenerationStats | None]
+Collected = tuple[list[int], str, GenerationStats | None]
 
 
 @pytest.fixture(scope="session")
-def reference_target(tiny_target_dir) -> InProcessTarget:
-    return InProcessTarget(TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=1024)))
+def reference_target(tiny_target_dir) -> TargetRuntime:
+    return TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=1024))
 
 
 @pytest.fixture(scope="session")
@@ -44,23 +45,51 @@ def draft_head_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def auto_reference(reference_target, tokenizer) -> Callable[[str, int], list[int]]:
+def auto_reference(reference_target, tokenizer) -> Iterator[Callable[[str, int], list[int]]]:
     """prompt text, max_new_tokens -> the in-process Auto output (greedy), memoised."""
     engine = SpeculativeEngine(reference_target, None, tokenizer)
     memo: dict[tuple[str, int], list[int]] = {}
 
-    async def run(text: str, n: int) -> list[int]:
-        ids: list[int] = []
-        async for chunk in engine.generate(GenerationRequest(tokenizer(text)["input_ids"], n)):
-            ids += chunk.token_ids
-        return ids
-
     def reference(text: str, n: int) -> list[int]:
         if (text, n) not in memo:
-            memo[(text, n)] = asyncio.run(run(text, n))
+            memo[(text, n)] = collect(engine, GenerationRequest(tokenizer(text)["input_ids"], n))[0]
         return memo[(text, n)]
 
-    return reference
+    yield reference
+    engine.close()
+
+
+def collect(engine: SpeculativeEngine, request: GenerationRequest, timeout: float | None = None) -> Collected:
+    """Run one in-process generation to the end: (token ids, text, final stats)."""
+    return asyncio.run(collect_async(engine, request, timeout))
+
+
+async def collect_async(
+    engine: SpeculativeEngine, request: GenerationRequest, timeout: float | None = None
+) -> Collected:
+    ids: list[int] = []
+    text = ""
+    stats = None
+    async for chunk in engine.generate(request, timeout):
+        ids += chunk.token_ids
+        text += chunk.text
+        stats = chunk.stats or stats
+    return ids, text, stats
+
+
+def assert_all_released(engine: SpeculativeEngine, timeout: float = 10.0) -> None:
+    """Releases go out with the engine's next iterations: wait for them, then check every page and session."""
+    target, draft = engine.target, engine.draft
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = target.info()
+        draft_sessions = draft.sessions if draft is not None else {}
+        if info.num_free_pages == info.num_pages and not info.active_sessions and not draft_sessions:
+            return
+        time.sleep(0.01)
+    info = target.info()
+    assert info.num_free_pages == info.num_pages and info.active_sessions == 0
+    assert draft is None or not draft.sessions
 
 
 @pytest.fixture(scope="session")
