@@ -48,7 +48,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+    drop = mass_before >= params.top_p
+    drop[..., 0] = False  # the most likely token always stays (a top_p below float32's range would drop it)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return kept / kept.sum(-1, keepdim=True)
 

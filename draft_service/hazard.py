@@ -23,7 +23,7 @@ and a step costs  T(w) = D * t_draft + c(N(w)),  N(w) = 1 + w_1 + sum_{d>=2} w_{
 with c(N) the verification cost measured as a function of the tokens a verify batch holds (a
 running least-squares line) and t_draft the measured draft time per depth. In a batch, one
 session's tree shares the verify with the others' trees: its plan maximises the batch's
-tokens per second, (E(w) + E_others) / (D * t_draft + c(N(w) + N_others)), the others' trees
+tokens per second, (E(w) + E_others) / (max(D, D_others) * t_draft + c(N(w) + N_others)), the others' trees
 taken as they were at the last step. A large batch at a compute-bound verify so gets
 smaller trees, and a lone session keeps the tree that pays for itself alone. For every depth D the plan starts as a
 chain of D tokens and greedily takes whichever single extra child (at any depth) raises E/T
@@ -178,6 +178,7 @@ class BatchLoad:
 
     tree_tokens: int = 0  # tokens of the other sessions' trees
     expected_tokens: float = 0.0  # tokens the other sessions expect to emit per step
+    depth: int = 0  # the deepest of their trees: a batched proposal runs that many head passes anyway
 
 
 PLAN_HYSTERESIS = 0.03  # a new plan must beat the current one by 3% to replace it
@@ -210,7 +211,7 @@ def plan_tree(
 
     def value(widths: list[int]) -> float:
         tokens = batch.tree_tokens + tree_size(widths)
-        seconds = len(widths) * cost.draft_seconds_per_depth + cost.verify_seconds(tokens)
+        seconds = max(len(widths), batch.depth) * cost.draft_seconds_per_depth + cost.verify_seconds(tokens)
         return (batch.expected_tokens + expected_tokens(passes, widths)) / seconds
 
     def widen(widths: list[int]) -> list[int]:

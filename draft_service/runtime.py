@@ -24,6 +24,7 @@ from draft_service.options import DraftOptions, validate_options
 from draft_service.tree_budget import MAX_DEPTH, DepthPlan, TreeBudget, TreePolicy
 from draft_service.working_set import WorkingSetConfig
 
+REPLAN_EVERY = 4  # steps between a session's plans: planning is host time, and a hazard moves slowly
 REQUEST_DECAY = 0.9  # a request's hazard forgets old steps fast: it follows the text
 GLOBAL_DECAY = 0.995  # the global prior moves slowly
 
@@ -37,6 +38,7 @@ class _SessionState:
     widths: list[int] = field(default_factory=list)  # children per depth of the last proposal
     last_tree: DraftTree | None = None
     expected_tokens: float = 1.0  # what the last plan expected to emit per step
+    steps_to_replan: int = 0  # proposals left before the plan is made again
 
 
 def depth_plan(policy: TreePolicy, budget: TreeBudget) -> list[DepthPlan]:
@@ -106,6 +108,8 @@ class DraftRuntime:
         state = self.drafter.start(start.prompt_ids, features, start.first_token, salience)
         hazard = HazardProfile(MAX_DEPTH, REQUEST_DECAY, prior=self.global_hazard)
         self.sessions[start.session_id] = _SessionState(state, policy, budget, hazard)
+        # sessions started together replan in different steps, so no step plans for all of them
+        self.sessions[start.session_id].steps_to_replan = len(self.sessions) % REPLAN_EVERY
 
     def _accept(self, accept: DraftAccept) -> None:
         session = self._session(accept.session_id)
@@ -139,22 +143,32 @@ class DraftRuntime:
         """Each session's plan, ``online`` ones as a best response to the rest of the batch's last trees."""
         sizes = [tree_size(s.widths) if s.widths else 1 for s in sessions]
         total_size, total_expected = sum(sizes), sum(s.expected_tokens for s in sessions)
+        depths = sorted((len(s.widths) for s in sessions), reverse=True) + [0]
         plans = []
         for session, size in zip(sessions, sizes):
+            if session.steps_to_replan <= 0 or not session.widths:
+                deepest_other = depths[1] if len(session.widths) == depths[0] else depths[0]
+                others = BatchLoad(total_size - size, total_expected - session.expected_tokens, deepest_other)
+                self._replan(session, others)
+            session.steps_to_replan -= 1
             if session.policy.name == "online":
-                others = BatchLoad(total_size - size, total_expected - session.expected_tokens)
-                session.widths = plan_tree(
-                    session.hazard, self.step_cost, session.budget.total_tokens, session.budget.depth,
-                    session.widths, others,
-                )  # fmt: skip
-                plan = widths_to_plan(session.widths)
+                plans.append(widths_to_plan(session.widths))
             else:
-                plan = depth_plan(session.policy, session.budget)
-                session.widths = [step.children for step in plan]
-            passes = session.hazard.pass_table(max(1, len(session.widths)))
-            session.expected_tokens = expected_tokens(passes, session.widths)
-            plans.append(plan)
+                plans.append(depth_plan(session.policy, session.budget))
         return plans
+
+    def _replan(self, session: _SessionState, others: BatchLoad) -> None:
+        """A new plan (``online``: from the hazard and the batch's cost) and what it expects to emit."""
+        if session.policy.name == "online":
+            session.widths = plan_tree(
+                session.hazard, self.step_cost, session.budget.total_tokens, session.budget.depth,
+                session.widths, others,
+            )  # fmt: skip
+        else:
+            session.widths = [step.children for step in depth_plan(session.policy, session.budget)]
+        passes = session.hazard.pass_table(max(1, len(session.widths)))
+        session.expected_tokens = expected_tokens(passes, session.widths)
+        session.steps_to_replan = REPLAN_EVERY
 
     def _observe_step(self, session: _SessionState, accepted: list[int]) -> None:
         """Feed the hazard profile: the sibling rank that passed at each depth, and where the path stopped."""

@@ -49,6 +49,8 @@ class LoopTiming:
     loop_seconds: float = 0.0  # whole iterations
     draft_seconds: float = 0.0  # inside draft calls
     target_seconds: float = 0.0  # inside target calls
+    verify_only_iterations: int = 0  # iterations whose target call verified and prefilled nothing
+    verify_only_seconds: float = 0.0  # their target calls
     batch_sizes: list[int] = field(default_factory=list)  # requests verified per iteration
 
     def ms_per_iteration(self, seconds: float) -> float:
@@ -58,8 +60,14 @@ class LoopTiming:
     def host_ms_per_iteration(self) -> float:
         return self.ms_per_iteration(self.loop_seconds - self.draft_seconds - self.target_seconds)
 
+    @property
+    def verify_ms(self) -> float:
+        """Mean target call of the iterations without prompt work: what one verification batch costs."""
+        return 1000 * self.verify_only_seconds / self.verify_only_iterations if self.verify_only_iterations else 0.0
+
     def reset(self) -> None:
         self.iterations, self.loop_seconds, self.draft_seconds, self.target_seconds = 0, 0.0, 0.0, 0.0
+        self.verify_only_iterations, self.verify_only_seconds = 0, 0.0
         self.batch_sizes.clear()
 
 
@@ -243,8 +251,11 @@ class EngineCore:
             return time.perf_counter() - started
         seconds = time.perf_counter() - started
         if batch.verifies:
-            self._verify_cost = VerifyCost(batch.tree_tokens, seconds)
             self.timing.batch_sizes.append(len(batch.verifies))
+        if batch.verifies and not batch.prefills:  # a prompt chunk in the same call is no verify cost
+            self._verify_cost = VerifyCost(batch.tree_tokens, seconds)
+            self.timing.verify_only_iterations += 1
+            self.timing.verify_only_seconds += seconds
         for session_id, failure in result.failures.items():
             if session_id in self._requests:
                 self._requests[session_id].target_session = False  # the target released it
@@ -277,7 +288,7 @@ class EngineCore:
                 opens.append(SessionOpen(running.request_id, request.prompt_ids, request.sampling, running.drafting))
                 running.phase, running.target_session = Phase.PREFILLING, True
             if running.phase is Phase.PREFILLING:
-                tokens = min(self.limits.prefill_chunk, budget)
+                tokens = min(self.limits.prefill_chunk, budget, running.prompt_tokens - running.prefilled_tokens)
                 prefills.append(PrefillWork(running.request_id, tokens))
                 budget -= tokens
         return TargetBatch(releases, opens, prefills, verifies)

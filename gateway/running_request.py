@@ -51,6 +51,7 @@ class RunningRequest:
     draft_session: bool = False  # the draft holds a session for it
     target_session: bool = False  # the target holds a session for it
     last_token: int = -1  # last emitted token: the next tree's root
+    prefilled_tokens: int = 0  # prompt tokens the target has reported done
     prompt_features: list[torch.Tensor] = field(default_factory=list)  # per prefill chunk, until the draft starts
     pending_start: DraftStart | None = None
     pending_accept: DraftAccept | None = None
@@ -88,6 +89,7 @@ class RunningRequest:
 
     def on_prefill(self, result: PrefillResult) -> None:
         """Stream the progress; once the prompt is done, emit the first token and queue the draft's start."""
+        self.prefilled_tokens = result.done_tokens
         if result.features is not None and self.drafting:
             self.prompt_features.append(result.features)
         if result.first_token is None:

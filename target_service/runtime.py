@@ -141,27 +141,32 @@ class TargetRuntime:
         commits, results, row = [], {}, 0
         for sid, start, end in chunks:
             session = self.sessions[sid]
-            skip = max(0, self.pool.num_committed(sid) - start)  # rows already in shared prefix pages
-            commits.append(Commit(sid, list(range(row + skip, row + end - start)), session.prompt_ids[start + skip : end]))
-            session.prefilled = end
+            rows, row = range(row, row + end - start), row + end - start
             first = None
             if end == len(session.prompt_ids):
-                first = self._first_token(session, out.hidden[row + end - start - 1])
-            features = out.features[row : row + end - start] if session.want_features else None
+                self._guard(sid, failures, self._first_token, session, out.hidden[rows[-1]])
+                if sid in failures:
+                    continue  # released with the step's other failures; nothing of it is committed
+                first = session.pending_token
+            skip = max(0, self.pool.num_committed(sid) - start)  # rows already in shared prefix pages
+            commits.append(Commit(sid, list(rows[skip:]), session.prompt_ids[start + skip : end]))
+            session.prefilled = end
+            features = out.features[rows.start : rows.stop] if session.want_features else None
             results[sid] = PrefillResult(end, len(session.prompt_ids), first, features)
-            row += end - start
         self._commit(out, commits)
         return results
 
-    def _first_token(self, session: TargetSession, hidden: torch.Tensor) -> int:
+    def _first_token(self, session: TargetSession, hidden: torch.Tensor) -> None:
+        """Sample the token after the prompt; a distribution that is not one fails this session alone."""
         logits = self.model.logits(hidden)
         if session.sampling.greedy:
-            token = int(logits.argmax())
-        else:
-            assert session.generator is not None
-            token = sample(target_probs(logits, session.sampling), session.generator)
-        session.pending_token = token
-        return token
+            session.pending_token = int(logits.argmax())
+            return
+        assert session.generator is not None
+        try:
+            session.pending_token = sample(target_probs(logits, session.sampling), session.generator)
+        except (RuntimeError, ValueError) as failure:
+            raise InvalidRequest(f"sampling failed for this request: {failure}") from None
 
     # -- verify ---------------------------------------------------------------------------------
 
