@@ -16,6 +16,8 @@ the emitted tokens (accepted drafts then the bonus) as the next committed entrie
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 
 import torch
@@ -64,34 +66,67 @@ class Drafter:
         self.extend(session, features, [*prompt_ids[1:], first_token])
         return session
 
-    @torch.no_grad()
     def extend(self, session: DraftSession, features: torch.Tensor, next_tokens: list[int]) -> None:
-        """Commit entries (features[i], next_tokens[i]) at the next positions.
+        """Commit entries (features[i], next_tokens[i]) at the session's next positions."""
+        self.extend_many([Extension(session, features, next_tokens)])
 
-        A one-layer draft's keys and values do not depend on its attention, so only the last
-        entry attends (its output predicts the next tree): ingesting a prompt is O(length).
+    @torch.no_grad()
+    def extend_many(self, extensions: list[Extension]) -> None:
+        """Commit every extension's entries: one projection pass over all sessions' rows (in chunks of
+        ``EXTEND_CHUNK``), then each session's last entry attends to its context, and one output pass
+        gives every session's next root output.
+
+        A one-layer draft's keys and values do not depend on its attention, so only the last entry
+        of each session attends: ingesting a prompt is O(length), and a step's accepts for a whole
+        batch cost one pass rather than one per session.
         """
+        if not extensions:
+            return
         device, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
-        features = features.to(device=device, dtype=dtype)
-        tokens = torch.tensor(next_tokens, device=device)
-        for start in range(0, len(next_tokens), EXTEND_CHUNK):
-            stop = min(start + EXTEND_CHUNK, len(next_tokens))
+        counts = [len(e.next_tokens) for e in extensions]
+        features = torch.cat([e.features for e in extensions]).to(device=device, dtype=dtype)
+        tokens = torch.tensor([t for e in extensions for t in e.next_tokens], device=device)
+        positions = torch.cat(
+            [torch.arange(e.session.num_entries, e.session.num_entries + n) for e, n in zip(extensions, counts)]
+        ).to(device)
+        keys, values, queries, hiddens = [], [], [], []
+        for start in range(0, len(tokens), EXTEND_CHUNK):
+            stop = min(start + EXTEND_CHUNK, len(tokens))
             hidden = self.head.fuse(features[start:stop])
-            positions = torch.arange(session.num_entries, session.num_entries + stop - start, device=device)
-            q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, positions, self.fused)
-            session.context.append(k, v)
-            session.num_entries += stop - start
-        session.context.refresh(q[-1])
-        ctx_k, ctx_v = session.context.view()
-        no_new = torch.zeros(1, 0, dtype=torch.bool, device=device)
-        attn = draft_attention(q[-1:], ctx_k, ctx_v, k[:0], v[:0], no_new, self.head.scale)
-        session.last_output = self.head.attention_outputs(attn, hidden[-1:], self.fused)[0]
-        session.root_token = next_tokens[-1]
+            q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, positions[start:stop], self.fused)
+            keys.append(k)
+            values.append(v)
+            last = [row - start for row in itertools.accumulate(counts) if start < row <= stop]  # 1 past each last row
+            queries += [q[row - 1] for row in last]
+            hiddens += [hidden[row - 1] for row in last]
+        keys_all, values_all = torch.cat(keys), torch.cat(values)
+        attended = []
+        for extension, first, n, query in zip(extensions, itertools.accumulate([0, *counts]), counts, queries):
+            session = extension.session
+            session.context.append(keys_all[first : first + n], values_all[first : first + n])
+            session.num_entries += n
+            session.root_token = extension.next_tokens[-1]
+            session.context.refresh(query)
+            ctx_k, ctx_v = session.context.view()
+            no_new = torch.zeros(1, 0, dtype=torch.bool, device=device)
+            attended.append(draft_attention(query[None], ctx_k, ctx_v, keys_all[:0], values_all[:0], no_new, self.head.scale))
+        outputs = self.head.attention_outputs(torch.cat(attended), torch.stack(hiddens), self.fused)
+        for extension, output in zip(extensions, outputs):
+            extension.session.last_output = output
 
     def propose_many(self, requests: list[ProposalRequest]) -> list[DraftTree]:
         """One tree per session, all grown together; each follows its own plan and keeps its best
         ``total_tokens`` nodes. The trees carry their device tensors too (``DraftTree.on_device``)."""
         return self.proposer.propose(requests)
+
+
+@dataclass(frozen=True)
+class Extension:
+    """Entries to commit to one session: features[i] paired with next_tokens[i]."""
+
+    session: DraftSession
+    features: torch.Tensor  # [len(next_tokens), 3 * target_hidden]
+    next_tokens: list[int]
 
 
 @dataclass(frozen=True)

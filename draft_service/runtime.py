@@ -17,7 +17,7 @@ import torch
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.tree import DraftTree
 from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats
-from draft_service.drafter import Drafter, DraftSession, ProposalRequest
+from draft_service.drafter import Drafter, DraftSession, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.hazard import BatchLoad, HazardProfile, StepCostModel, expected_tokens, plan_tree, tree_size, widths_to_plan
 from draft_service.options import DraftOptions, validate_options
@@ -75,8 +75,10 @@ class DraftRuntime:
                 self.step_cost.observe_verify(batch.verify_cost.tree_tokens, batch.verify_cost.seconds)
             for start in batch.starts:
                 self._guard(start.session_id, failures, self._start, start)
+            extensions: list[tuple[str, Extension]] = []
             for accept in batch.accepts:
-                self._guard(accept.session_id, failures, self._accept, accept)
+                self._guard(accept.session_id, failures, lambda a: extensions.append((a.session_id, self._accept(a))), accept)
+            self._extend_all(extensions, failures)
             proposes = [sid for sid in batch.proposes if sid not in failures]
             for sid in proposes:
                 if sid not in self.sessions:
@@ -111,7 +113,8 @@ class DraftRuntime:
         # sessions started together replan in different steps, so no step plans for all of them
         self.sessions[start.session_id].steps_to_replan = len(self.sessions) % REPLAN_EVERY
 
-    def _accept(self, accept: DraftAccept) -> None:
+    def _accept(self, accept: DraftAccept) -> Extension:
+        """Check an accept and feed its step to the hazard profile; the entries it commits."""
         session = self._session(accept.session_id)
         emitted, features = accept.emitted_tokens, accept.features
         expected = 3 * self.head.config.target_hidden_size
@@ -123,7 +126,14 @@ class DraftRuntime:
         self._check_token_ids(emitted)
         if session.last_tree is not None:
             self._observe_step(session, emitted[:-1])
-        self.drafter.extend(session.drafter_state, features, emitted)
+        return Extension(session.drafter_state, features, emitted)
+
+    def _extend_all(self, extensions: list[tuple[str, Extension]], failures: dict[str, DiffSpecError]) -> None:
+        """Every accepted session's entries in one drafter pass; if that pass fails, each of them fails."""
+        try:
+            self.drafter.extend_many([extension for _, extension in extensions])
+        except (RuntimeError, ValueError) as failure:
+            failures.update({sid: InvalidRequest(f"draft extension failed: {failure}") for sid, _ in extensions})
 
     def _propose(self, session_ids: list[str]) -> dict[str, DraftTree]:
         """Trees for several sessions, grown together (one head pass per depth for all)."""

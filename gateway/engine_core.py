@@ -139,7 +139,7 @@ class EngineCore:
 
     def _run(self) -> None:
         while not self._stopping:
-            if not self._has_work():
+            if not self.has_work():
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -152,7 +152,7 @@ class EngineCore:
         for running in list(self._requests.values()):
             self._fail(running, PeerUnavailable("the server is shutting down"))
 
-    def _has_work(self) -> bool:
+    def has_work(self) -> bool:
         return bool(self._requests or self._target_releases or self._draft_releases or not self._inbox.empty())
 
     def step(self) -> None:
