@@ -31,6 +31,7 @@ from draft_service.tree_proposal import TreeProposer
 from draft_service.working_set import WorkingSetConfig
 
 EXTEND_CHUNK = 4096  # committed entries per projection when ingesting a long prompt
+PADDED_ATTENTION_KEYS = 1 << 18  # sessions x longest context up to which an extension pads contexts into one batch
 
 
 @dataclass
@@ -100,19 +101,45 @@ class Drafter:
             queries += [q[row - 1] for row in last]
             hiddens += [hidden[row - 1] for row in last]
         keys_all, values_all = torch.cat(keys), torch.cat(values)
-        attended = []
+        contexts = []
         for extension, first, n, query in zip(extensions, itertools.accumulate([0, *counts]), counts, queries):
             session = extension.session
             session.context.append(keys_all[first : first + n], values_all[first : first + n])
             session.num_entries += n
             session.root_token = extension.next_tokens[-1]
             session.context.refresh(query)
-            ctx_k, ctx_v = session.context.view()
-            no_new = torch.zeros(1, 0, dtype=torch.bool, device=device)
-            attended.append(draft_attention(query[None], ctx_k, ctx_v, keys_all[:0], values_all[:0], no_new, self.head.scale))
-        outputs = self.head.attention_outputs(torch.cat(attended), torch.stack(hiddens), self.fused)
+            contexts.append(session.context.view())
+        attended = self._last_entry_attention(torch.stack(queries), contexts)
+        outputs = self.head.attention_outputs(attended, torch.stack(hiddens), self.fused)
         for extension, output in zip(extensions, outputs):
             extension.session.last_output = output
+
+    def _last_entry_attention(
+        self, queries: torch.Tensor, contexts: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """queries [B, heads, hd], each over its session's context -> [B, heads, hd]. Contexts are padded into
+        one batch when that stays small (a few launches for the whole batch), else attended one by one."""
+        longest = max(keys.shape[0] for keys, _ in contexts)
+        empty = queries.new_zeros(0, *contexts[0][0].shape[1:])
+        if len(contexts) == 1 or len(contexts) * longest > PADDED_ATTENTION_KEYS:
+            no_new = torch.zeros(1, 0, dtype=torch.bool, device=queries.device)
+            return torch.cat([
+                draft_attention(q[None], keys, values, empty, empty, no_new, self.head.scale)
+                for q, (keys, values) in zip(queries, contexts)
+            ])  # fmt: skip
+        batch_keys = queries.new_zeros(len(contexts), longest, *empty.shape[1:])
+        batch_values = torch.zeros_like(batch_keys)
+        for b, (keys, values) in enumerate(contexts):
+            batch_keys[b, : keys.shape[0]] = keys
+            batch_values[b, : values.shape[0]] = values
+        lengths = torch.tensor([keys.shape[0] for keys, _ in contexts], device=queries.device)
+        valid = torch.arange(longest, device=queries.device) < lengths[:, None]  # [B, longest]
+        no_new = torch.zeros(len(contexts), 1, 0, dtype=torch.bool, device=queries.device)
+        empty_batch = empty.expand(len(contexts), *empty.shape)
+        attended = draft_attention(
+            queries[:, None], batch_keys, batch_values, empty_batch, empty_batch, no_new, self.head.scale, valid
+        )
+        return attended[:, 0]
 
     def propose_many(self, requests: list[ProposalRequest]) -> list[DraftTree]:
         """One tree per session, all grown together; each follows its own plan and keeps its best

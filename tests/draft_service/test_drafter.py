@@ -13,7 +13,7 @@ import torch
 
 from diffspec.settings import BUNDLED_DRAFT, BUNDLED_TARGET
 from diffspec.tree import DraftTree
-from draft_service.drafter import Drafter, DraftSession, ProposalRequest
+from draft_service.drafter import Drafter, DraftSession, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.hazard import widths_to_plan
 from draft_service.target_embedding import load_target_embedding
@@ -233,3 +233,25 @@ def test_the_eager_proposal_never_syncs_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.num_nodes.device.type == "cuda" and math.isfinite(float(out.draft_probs.sum()))
+
+
+@pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
+def test_one_extension_pass_for_a_batch_equals_one_per_session(drafter, salience):
+    """The batched accept (one projection, padded last-entry attention, one output pass) commits what
+    extending each session alone commits."""
+    together = start_sessions(drafter, CONTEXT_LENGTHS, salience, seed=3)
+    alone = start_sessions(drafter, CONTEXT_LENGTHS, salience, seed=3)
+    c = drafter.head.config
+    generator = torch.Generator().manual_seed(4)
+    steps = []
+    for n in (1, 3, 2, 5):
+        tokens = torch.randint(0, c.vocab_size, (n,), generator=generator).tolist()
+        steps.append((torch.randn(n, 3 * c.target_hidden_size, generator=generator), tokens))
+    drafter.extend_many([Extension(s, f, t) for s, (f, t) in zip(together, steps)])
+    for session, (features, tokens) in zip(alone, steps):
+        drafter.extend(session, features, tokens)
+    for got, want in zip(together, alone):
+        assert (got.num_entries, got.root_token) == (want.num_entries, want.root_token)
+        torch.testing.assert_close(got.last_output, want.last_output, rtol=1e-5, atol=1e-5)
+        got_keys, want_keys = got.context.view()[0], want.context.view()[0]
+        torch.testing.assert_close(got_keys, want_keys)
