@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -36,13 +37,11 @@ def engine_limits(settings: DiffSpecSettings) -> EngineLimits:
 
 
 def build_target(settings: DiffSpecSettings) -> TargetBackend:
-    """A gRPC client when ``target_address`` is set (it waits until the target answers), else the model in process."""
+    """A gRPC client when ``target_address`` is set (not yet known to answer), else the model in process."""
     if settings.target_address:
         from target_service.grpc_client import RemoteTarget
 
-        target = RemoteTarget.connect(settings.target_address, settings)
-        wait_for_target(target, settings.peer_wait_seconds)
-        return target
+        return RemoteTarget.connect(settings.target_address, settings)
     from target_service.runtime import TargetRuntime
 
     return TargetRuntime(settings)
@@ -70,22 +69,38 @@ def build_draft(settings: DiffSpecSettings, target: TargetBackend) -> DraftBacke
 
 
 def build_engine(settings: DiffSpecSettings, with_draft: bool = True) -> SpeculativeEngine:
-    """The whole gateway: backends, tokenizer and the engine loop (blocking: models load here)."""
+    """The whole gateway: backends, tokenizer and the engine loop (blocking: models load, a remote target
+    is waited for, here)."""
     target = build_target(settings)
+    if settings.target_address:
+        asyncio.run(wait_for_target(target, settings.peer_wait_seconds))
+    return _assemble(settings, target, with_draft)
+
+
+async def load_engine(settings: DiffSpecSettings) -> SpeculativeEngine:
+    """``build_engine`` for a server's event loop: the wait for a remote target can be cancelled (a SIGTERM
+    while the target is still down ends the process at once), and models load in a worker thread."""
+    target = build_target(settings)
+    if settings.target_address:
+        await wait_for_target(target, settings.peer_wait_seconds)
+    return await asyncio.to_thread(_assemble, settings, target, True)
+
+
+def _assemble(settings: DiffSpecSettings, target: TargetBackend, with_draft: bool) -> SpeculativeEngine:
     draft = build_draft(settings, target) if with_draft else None
     return SpeculativeEngine(target, draft, load_tokenizer(settings), engine_limits(settings))
 
 
-def wait_for_target(target, timeout: float) -> None:  # noqa: ANN001 - a RemoteTarget
+async def wait_for_target(target, timeout: float) -> None:  # noqa: ANN001 - a RemoteTarget
     """Poll ``info`` until the target answers (it is UNAVAILABLE while it loads), at most ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     delay = 0.05
     while True:
         try:
-            target.info(timeout=PEER_POLL_TIMEOUT_S)
+            await asyncio.to_thread(target.info, PEER_POLL_TIMEOUT_S)
             return
         except PeerUnavailable as failure:
             if time.monotonic() + delay > deadline:
                 raise PeerUnavailable(f"the target did not answer within {timeout:.0f} s: {failure}") from None
-        time.sleep(delay)
+        await asyncio.sleep(delay)
         delay = min(2 * delay, 1.0)

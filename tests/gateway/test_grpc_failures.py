@@ -156,11 +156,6 @@ def test_gateway_is_not_serving_until_its_target_answers(tmp_path):
         gateway.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway.assembly.build_engine waits for the target on a worker thread, which SIGTERM cannot stop: "
-    "the process lingers until peer_wait_seconds have passed",
-)
 def test_a_gateway_waiting_for_its_target_stops_at_once_on_sigterm(tmp_path):
     gateway = ServerProcess("gateway", tmp_path, "--target", f"127.0.0.1:{free_port()}", "--peer-wait-seconds", "60")
     try:
