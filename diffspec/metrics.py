@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol, Sized
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,10 +20,35 @@ from prometheus_client import (
     start_http_server,
 )
 
-if TYPE_CHECKING:  # the shared library does not import the services at run time
-    from draft_service.runtime import DraftRuntime
-    from gateway.request import GenerationStats
-    from target_service.runtime import TargetRuntime
+
+
+class KVPoolCounts(Protocol):
+    num_pages: int
+    num_free_pages: int
+    num_used_pages: int
+
+
+class WatchedTarget(Protocol):
+    """What the metrics read from a target runtime (the shared library names no service class)."""
+
+    pool: KVPoolCounts
+    sessions: Sized
+
+
+class WatchedDraft(Protocol):
+    sessions: Sized
+
+
+class FinishedGeneration(Protocol):
+    """The per-request numbers a finished generation reports (``gateway.request.GenerationStats``)."""
+
+    new_tokens: int
+    steps: int
+    prefill_seconds: float
+    decode_seconds: float
+    mean_accepted_length: float
+    stop_depth_histogram: list[int]
+
 
 _TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 _DEPTH_BUCKETS = tuple(float(d) for d in range(0, 17))
@@ -79,7 +104,7 @@ class ServingMetrics:
         """Expose ``/metrics`` on ``host:port`` from a daemon thread."""
         start_http_server(port, addr=host, registry=self.registry)
 
-    def watch_target(self, target: TargetRuntime) -> None:
+    def watch_target(self, target: WatchedTarget) -> None:
         """Read KV pool and session counts from the target at every scrape."""
         pool = target.pool
         self.kv_pages.labels("total").set_function(lambda: pool.num_pages)
@@ -87,7 +112,7 @@ class ServingMetrics:
         self.kv_pages.labels("used").set_function(lambda: pool.num_used_pages)
         self.sessions.labels("target").set_function(lambda: len(target.sessions))
 
-    def watch_draft(self, draft: DraftRuntime) -> None:
+    def watch_draft(self, draft: WatchedDraft) -> None:
         self.sessions.labels("draft").set_function(lambda: len(draft.sessions))
 
     @contextmanager
@@ -97,7 +122,7 @@ class ServingMetrics:
         yield
         self.session_call_seconds.labels(call).observe(time.perf_counter() - start)
 
-    def record_generation(self, stats: GenerationStats) -> None:
+    def record_generation(self, stats: FinishedGeneration) -> None:
         self.generated_tokens.inc(stats.new_tokens)
         self.prefill_seconds.observe(stats.prefill_seconds)
         if stats.steps:

@@ -10,18 +10,16 @@ from __future__ import annotations
 import torch
 
 from kernels.chunk_scoring_ref import chunk_scores_reference
+from kernels.dispatch import triton_kernels_on
 
 
-def _scorer():  # noqa: ANN202 - one of two functions of the same signature
-    """The Triton scorer where a GPU and Triton are present, else the PyTorch reference."""
-    if torch.cuda.is_available():
-        try:
-            from kernels.chunk_scoring_triton import chunk_scores_triton
+def _scorer(device: torch.device):  # noqa: ANN202 - one of two functions of the same signature
+    """The Triton scorer for a GPU's keys, else the PyTorch reference."""
+    if not triton_kernels_on(device):
+        return chunk_scores_reference
+    from kernels.chunk_scoring_triton import chunk_scores_triton
 
-            return chunk_scores_triton
-        except ImportError:
-            pass
-    return chunk_scores_reference
+    return chunk_scores_triton
 
 
 class ChunkIndex:
@@ -29,7 +27,7 @@ class ChunkIndex:
         self.chunk_size = chunk_size
         self.key_min = torch.empty(0, num_kv_heads, head_dim, dtype=dtype, device=device)  # [chunks, kv_heads, hd]
         self.key_max = torch.empty_like(self.key_min)
-        self._score = _scorer() if device.type == "cuda" else chunk_scores_reference
+        self._score = _scorer(device)
 
     @property
     def num_chunks(self) -> int:

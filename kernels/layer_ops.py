@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from kernels import layer_ops_ref
+from kernels.dispatch import triton_kernels_on
 
 Tensor = torch.Tensor
 
@@ -30,7 +31,7 @@ REFERENCE_OPS = LayerOps(
 
 def layer_ops_for(device: torch.device) -> LayerOps:
     """Fused kernels on CUDA/ROCm, the reference elsewhere."""
-    if device.type != "cuda":
+    if not triton_kernels_on(device):
         return REFERENCE_OPS
     from kernels import layer_ops_triton
 

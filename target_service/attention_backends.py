@@ -8,6 +8,7 @@ import importlib.util
 import torch
 
 from diffspec.errors import InvalidRequest
+from kernels.dispatch import triton_kernels_on
 from target_service.llama import AttentionBackend
 
 # setting value -> (module, function); every function has the reference's signature
@@ -42,4 +43,4 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     """``auto`` is the Triton kernel on a GPU and the PyTorch reference elsewhere."""
     if name != "auto":
         return name
-    return "triton" if device.type == "cuda" else "torch"
+    return "triton" if triton_kernels_on(device) else "torch"

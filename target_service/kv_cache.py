@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from kernels.kv_commit_ref import kv_commit_reference
+from kernels.dispatch import triton_kernels_on
 from target_service.checkpoint import LlamaConfig
 from target_service.kv_pool import PageCopy
 
@@ -19,7 +20,7 @@ KVCommit = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tor
 
 
 def _kv_commit_for(device: torch.device) -> KVCommit:
-    if device.type != "cuda":
+    if not triton_kernels_on(device):
         return kv_commit_reference
     from kernels.kv_commit_triton import kv_commit_triton
 
