@@ -10,6 +10,7 @@ COPY target_service ./target_service
 COPY draft_service ./draft_service
 COPY gateway ./gateway
 COPY kernels ./kernels
+COPY cli ./cli
 # the gateway imports torch for its types only: the CPU wheel keeps the image small
 RUN pip install 'torch==2.13.0' --index-url https://download.pytorch.org/whl/cpu && pip install .
 

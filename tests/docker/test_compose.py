@@ -69,3 +69,13 @@ def test_model_services_reserve_one_gpu(compose, role):
     assert "50051" in service["expose"]
     (device,) = service["deploy"]["resources"]["reservations"]["devices"]
     assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_each_image_copies_every_package_it_installs(role):
+    """`pip install .` installs what pyproject.toml lists; a package the image never copied breaks the entry point."""
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    listed = re.search(r"include = \[(.*?)\]", pyproject).group(1)
+    packages = {name.strip(' "*') for name in listed.split(",")}
+    copied = {args.split()[0] for kind, args in instructions(DOCKER / f"{role}.Dockerfile") if kind == "COPY"}
+    assert packages <= copied
