@@ -75,17 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
-    # its flags come from TrainConfig, which lives beside the torch trainer: parsed only when asked for
+    # its flags come from TrainConfig: _train_draft parses the arguments this parser leaves
     sub.add_parser("train-draft", add_help=False, help="train an EAGLE-3 head for a target on a text/code corpus")
     return parser
 
 
 def _train_draft(rest: list[str]) -> int:
-    from draft_service.trainer import TrainConfig, train_draft
+    from draft_service.train_config import TrainConfig
 
     parser = argparse.ArgumentParser(prog="diffspec train-draft", description="Train an EAGLE-3 head.")
     add_model_flags(parser, TrainConfig, TrainConfig.model_fields, "training")
-    summary = train_draft(model_from_flags(TrainConfig, parser.parse_args(rest)))
+    config = model_from_flags(TrainConfig, parser.parse_args(rest))
+    from draft_service.trainer import train_draft  # torch: only once the arguments are known good
+
+    summary = train_draft(config)
     print(json.dumps(dataclasses.asdict(summary)))
     return 0
 

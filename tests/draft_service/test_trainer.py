@@ -11,15 +11,10 @@ from transformers import AutoTokenizer
 
 from diffspec.errors import InvalidRequest
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.trainer import (
-    STATE_FILE,
-    TrainConfig,
-    corpus_files,
-    tokenize_corpus,
-    train_draft,
-    ttt_attention,
-    ttt_forward,
-)
+from draft_service.train_config import TrainConfig
+from draft_service.train_corpus import corpus_files, tokenize_corpus
+from draft_service.trainer import STATE_FILE, train_draft
+from draft_service.ttt_unroll import ttt_attention, ttt_forward
 from target_service.llama import LlamaModel
 from tests.draft_service.test_eagle3_head import HIDDEN, VOCAB, random_head
 
