@@ -2,7 +2,9 @@
 
 ``all`` (the embedded default) runs the gateway's engine over the target and the draft in
 this process, on one port. ``target`` and ``draft`` serve one model each; ``gateway`` runs the
-engine over them at ``--target`` / ``--draft`` (in process when unset).
+engine over them at ``--target`` / ``--draft`` (in process when unset). With ``http_listen`` set,
+``all`` and ``gateway`` also serve the OpenAI-compatible HTTP API from the same engine, started
+before the models load and stopped after the gRPC drain.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from draft_service.runtime import DraftRuntime
 from gateway import server as gateway_server
 from gateway.assembly import build_engine
 from gateway.engine import SpeculativeEngine
+from gateway.http_api import HttpServer, create_app
 from target_service import server as target_server
 from target_service.runtime import TargetRuntime
 
@@ -36,8 +39,15 @@ async def serve(role: str, settings: DiffSpecSettings) -> None:
     if role in ("all", "gateway"):
         servicer = gateway_server.GatewayServicer(engine, settings, host.metrics)
         host.add(servicer, gateway_pb2_grpc.add_GatewayServicer_to_server, gateway_server.SERVICE_NAME)
+    http = None
+    if role in ("all", "gateway") and settings.http_listen:
+        app = create_app(engine, settings, host.metrics)
+        http = HttpServer(app, settings.http_listen, settings.shutdown_grace_seconds)
 
     async def load() -> None:
+        if http is not None:  # up while the models load: /health answers, /ready says 503
+            address = await http.start()
+            print(f"diffspec {role} OpenAI-compatible HTTP API on http://{address}/v1", flush=True)
         if role == "target":
             loaded_target = await asyncio.to_thread(TargetRuntime, settings)
             target.set(loaded_target)
@@ -55,7 +65,13 @@ async def serve(role: str, settings: DiffSpecSettings) -> None:
                 host.metrics.watch_draft(loaded.draft)
 
     async def close() -> None:
+        if http is not None:
+            await http.stop()
         if role in ("all", "gateway"):
             await asyncio.to_thread(engine.get().close)
 
-    await host.run(load, close)
+    try:
+        await host.run(load, close)
+    finally:
+        if http is not None:  # a failed or interrupted load skips close()
+            await http.stop()

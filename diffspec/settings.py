@@ -68,6 +68,11 @@ class DiffSpecSettings(BaseSettings):
 
     # Services
     listen: str = Field("127.0.0.1:50051", description="Address this server listens on.")
+    http_listen: str = Field(
+        "",
+        description="host:port of the OpenAI-compatible HTTP API that serve all|gateway runs beside gRPC "
+        "(e.g. 127.0.0.1:8000; port 0 picks one; empty = off).",
+    )
     target_address: str = Field("", description="Remote target service host:port (empty = in process).")
     draft_address: str = Field("", description="Remote draft service host:port (empty = in process).")
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=65536, description="Largest gRPC message sent or received.")

@@ -1,0 +1,282 @@
+"""The OpenAI-compatible HTTP API over the process's one engine loop, beside the gRPC gateway.
+
+``create_app`` is a FastAPI app: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``
+(streamed as server-sent events ``data: {...}`` ending with ``data: [DONE]``, or whole), ``/health``
+(liveness), ``/ready`` (200 once the engine is loaded, 503 while it loads or drains) and
+``/metrics`` (the process's Prometheus registry). ``HttpServer`` runs it with uvicorn as a task
+of the gateway's event loop.
+
+Errors are OpenAI's JSON shape: 400 for a bad request, 429 when ``max_sessions`` generations are
+in flight, 503 while the models load or when a service is unreachable, 504 past a deadline. A
+streamed request answers its status once the first chunk is out of the engine, so admission and
+validation failures get a status rather than an error inside a 200 stream. A client that goes away
+mid-stream closes the engine's stream, which aborts the request and frees its KV pages and sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Iterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from diffspec.errors import DeadlineExceeded, DiffSpecError, InvalidRequest, PeerUnavailable, ResourceExhausted
+from diffspec.metrics import ServingMetrics
+from diffspec.serving import Loading
+from diffspec.settings import DiffSpecSettings
+from gateway import openai_schema as oai
+from gateway.engine import SpeculativeEngine
+from gateway.messages import generation_request
+from gateway.prompt import encode_prompt, render_chat
+from gateway.request import GenerationChunk, GenerationRequest
+from gateway.server import MAX_CHARS_PER_TOKEN
+from target_service.backend import TargetInfo
+
+# error class -> (HTTP status, OpenAI error type); the first match in order wins
+ERROR_STATUS: list[tuple[type[DiffSpecError], int, str]] = [
+    (InvalidRequest, 400, "invalid_request_error"),
+    (ResourceExhausted, 429, "rate_limit_exceeded"),
+    (PeerUnavailable, 503, "service_unavailable"),
+    (DeadlineExceeded, 504, "timeout"),
+]
+
+
+def status_of(error: DiffSpecError) -> tuple[int, str]:
+    for kind, status, name in ERROR_STATUS:
+        if isinstance(error, kind):
+            return status, name
+    return 500, "internal_error"
+
+
+def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, metrics: ServingMetrics) -> FastAPI:
+    app = FastAPI(title="DiffSpec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.draining = False  # set by HttpServer.stop: /ready answers 503 from then on
+
+    @app.exception_handler(DiffSpecError)
+    async def _diffspec_error(request: Request, error: DiffSpecError) -> JSONResponse:
+        status, kind = status_of(error)
+        return JSONResponse(oai.error_body(str(error), kind, status), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(_describe(problem) for problem in error.errors())
+        return JSONResponse(oai.error_body(problems, "invalid_request_error", 400), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return JSONResponse(oai.error_body(str(error.detail), "invalid_request_error", error.status_code), error.status_code)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        engine.get()  # PeerUnavailable (503) while the models load
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        info = await engine.get().target_info()
+        card = {"id": info.model, "object": "model", "created": 0, "owned_by": "diffspec", "max_model_len": info.max_context}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: oai.CompletionRequest) -> Response:
+        loaded = engine.get()
+        info = await loaded.target_info()
+        prompt = body.prompt_value()
+        prompt_ids = prompt if isinstance(prompt, list) else await _encode(loaded, info, prompt)
+        request = generation_request(body.generate_message(body.max_tokens), prompt_ids, info, settings)
+        return await _respond(loaded, request, body, info.model, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: oai.ChatRequest) -> Response:
+        loaded = engine.get()
+        info = await loaded.target_info()
+        messages = body.chat_messages()
+        chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        _check_chars(chars, info)
+        prompt_ids = await asyncio.to_thread(render_chat, loaded.tokenizer, messages)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        request = generation_request(body.generate_message(max_tokens), prompt_ids, info, settings)
+        return await _respond(loaded, request, body, info.model, chat=True)
+
+    async def _respond(
+        loaded: SpeculativeEngine, request: GenerationRequest, body: oai.SamplingFields, model: str, chat: bool
+    ) -> Response:
+        reply = _Reply(model, chat)
+        chunks = _generation(loaded, request, metrics)
+        if not body.stream:
+            text, stats = "", None
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    text += chunk.text
+                    stats = chunk.stats or stats
+            assert stats is not None  # the engine's last chunk carries them
+            return JSONResponse(reply.whole(text, stats))
+        try:
+            first = await anext(chunks)  # admission and the engine's checks fail here, with a status
+        except BaseException:
+            await chunks.aclose()
+            raise
+        return StreamingResponse(
+            _events(reply, first, chunks, body.include_usage), media_type="text/event-stream"
+        )
+
+    return app
+
+
+class _Reply:
+    """The OpenAI objects of one response: one id and creation time for all its chunks."""
+
+    def __init__(self, model: str, chat: bool) -> None:
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.chat = chat
+
+    def _object(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, **fields}
+
+    def whole(self, text: str, stats: Any) -> dict[str, Any]:
+        """A non-streamed response; ``diffspec`` holds the request's speculation statistics."""
+        kind = "chat.completion" if self.chat else "text_completion"
+        one = oai.choice("chat" if self.chat else "completion", text, oai.finish_reason(stats))
+        return self._object(kind, choices=[one], usage=oai.usage(stats), diffspec=stats.to_dict())
+
+    def chunk(self, text: str, finish: str | None) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._object(kind, choices=[oai.choice("chat_delta" if self.chat else "completion", text, finish)])
+
+    def role_chunk(self) -> dict[str, Any]:
+        return self._object("chat.completion.chunk", choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+
+    def usage_chunk(self, stats: Any) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._object(kind, choices=[], usage=oai.usage(stats), diffspec=stats.to_dict())
+
+
+async def _generation(
+    engine: SpeculativeEngine, request: GenerationRequest, metrics: ServingMetrics
+) -> AsyncIterator[GenerationChunk]:
+    """The engine's stream, counted in the metrics; closing it aborts the request."""
+    metrics.active_generations.inc()
+    try:
+        async with aclosing(engine.generate(request)) as chunks:
+            async for chunk in chunks:
+                if chunk.stats is not None:
+                    metrics.record_generation(chunk.stats)
+                yield chunk
+    finally:
+        metrics.active_generations.dec()
+
+
+async def _events(
+    reply: _Reply, first: GenerationChunk, chunks: AsyncIterator[GenerationChunk], include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per engine chunk with text, the finish reason on the last one."""
+    async with aclosing(chunks):  # type: ignore[type-var]
+        if reply.chat:
+            yield _sse(reply.role_chunk())
+        chunk: GenerationChunk | None = first
+        try:
+            while chunk is not None:
+                if chunk.text or chunk.stats is not None:
+                    finish = oai.finish_reason(chunk.stats) if chunk.stats is not None else None
+                    yield _sse(reply.chunk(chunk.text, finish))
+                if chunk.stats is not None:
+                    if include_usage:
+                        yield _sse(reply.usage_chunk(chunk.stats))
+                    break
+                chunk = await anext(chunks, None)
+        except DiffSpecError as failure:  # after the 200: the error goes in the stream, as OpenAI's does
+            status, kind = status_of(failure)
+            yield _sse(oai.error_body(str(failure), kind, status))
+        yield "data: [DONE]\n\n"
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+def _describe(problem: dict[str, Any]) -> str:
+    where = ".".join(str(part) for part in problem.get("loc", ()) if part != "body")
+    return f"{where}: {problem.get('msg')}" if where else str(problem.get("msg"))
+
+
+def _check_chars(num_chars: int, info: TargetInfo) -> None:
+    """A text too long for the context is refused before it costs tokenizer time."""
+    if num_chars > MAX_CHARS_PER_TOKEN * info.max_context:
+        raise InvalidRequest(f"a text of {num_chars} characters cannot fit the context of {info.max_context} tokens")
+
+
+async def _encode(engine: SpeculativeEngine, info: TargetInfo, text: str) -> list[int]:
+    if not text:
+        raise InvalidRequest("the prompt is empty")
+    _check_chars(len(text), info)
+    return await asyncio.to_thread(encode_prompt, engine.tokenizer, text)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # SIGTERM/SIGINT belong to the ServiceHost, which drains gRPC and then stops this server
+        yield
+
+
+class HttpServer:
+    """uvicorn serving ``app`` on ``listen`` (host:port; port 0 picks one) in the running event loop."""
+
+    def __init__(self, app: FastAPI, listen: str, grace_seconds: float) -> None:
+        self.app = app
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidRequest(f"http_listen must be host:port, got {listen!r}")
+        self.host, self.port = host.strip("[]"), int(port)
+        config = uvicorn.Config(
+            app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=grace_seconds
+        )
+        self.server = _EmbeddedServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> str:
+        """Bind, start serving, and return the bound host:port."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            sock = socket.create_server((self.host, self.port), family=family)
+        except OSError as bad:
+            raise InvalidRequest(f"cannot listen on {self.host}:{self.port}: {bad}") from None
+        self._task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()
+                raise InvalidRequest(f"the HTTP server on {self.host}:{self.port} did not start")
+            await asyncio.sleep(0.01)
+        port = sock.getsockname()[1]
+        return f"[{self.host}]:{port}" if family == socket.AF_INET6 else f"{self.host}:{port}"
+
+    async def stop(self) -> None:
+        """Stop accepting, give open responses the grace period, then cancel them (which aborts their requests)."""
+        self.app.state.draining = True
+        if self._task is not None:
+            self.server.should_exit = True
+            await self._task
+            self._task = None

@@ -1,0 +1,153 @@
+"""OpenAI's request and response shapes for ``/v1/completions`` and ``/v1/chat/completions``.
+
+A request becomes the gateway's ``GenerateRequest`` message, so HTTP requests pass exactly the
+checks and defaults of gRPC ones (``gateway/messages.py``). OpenAI fields this server cannot honour
+yet (``n`` > 1, ``logprobs``, penalties, ``top_k``) are refused with a 400 rather than ignored;
+unknown fields are refused too. DiffSpec's own options (``policy``, ``tree_config``, ``salience``)
+are extra body fields (``extra_body`` in the ``openai`` client).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from diffspec.errors import InvalidRequest
+from diffspec.v1 import gateway_pb2
+from gateway.request import GenerationStats
+
+INT32_MAX = 2**31 - 1
+INT64 = 2**63
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # one more chunk before [DONE]: no choices, the usage
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share: sampling, stop, streaming, and DiffSpec's options."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # echoed; the server serves one model
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # unset = the server's max_new_tokens
+    temperature: float = 1.0  # OpenAI's default; 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int = 1
+    logprobs: Any = None
+    top_k: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # DiffSpec's extension fields ("" / None = the server's default)
+    policy: str = ""  # auto, chain, uniform<K>, full, online
+    tree_config: str = ""  # total_tokens:threshold:depth
+    salience: bool | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> SamplingFields:
+        if self.n != 1:
+            raise ValueError("n must be 1: several choices per request are not supported yet")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs are not supported yet")
+        if self.top_k not in (None, -1, 0):
+            raise ValueError("top_k is not supported yet (use top_p)")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def generate_message(self, max_tokens: int | None) -> gateway_pb2.GenerateRequest:
+        """The gRPC request with these fields (the prompt travels separately, as token ids)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        message = gateway_pb2.GenerateRequest(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=stops,
+            policy=self.policy,
+            tree_config=self.tree_config,
+        )
+        if max_tokens is not None:
+            message.max_new_tokens = max_tokens
+        if self.seed is not None:
+            message.seed = self.seed
+        if self.salience is not None:
+            message.salience = self.salience
+        return message
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        if self.echo or self.best_of not in (None, 1) or self.suffix:
+            raise ValueError("echo, best_of and suffix are not supported")
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) != 1:
+                raise ValueError("one prompt per request: send a string or a list of token ids")
+        return self
+
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt: its text, or its token ids."""
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            return self.prompt[0]  # type: ignore[return-value]
+        return self.prompt  # type: ignore[return-value]
+
+
+class ChatRequest(SamplingFields):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # the newer name of max_tokens
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages with OpenAI's content parts ([{"type": "text", "text": ...}]) joined into one string."""
+        return [{**m, "content": _content_text(m.get("content"))} for m in self.messages]
+
+
+def _content_text(content: Any) -> Any:
+    if not isinstance(content, list):
+        return content  # render_chat checks that it is a string
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        raise InvalidRequest("only text content parts are supported")
+    return "".join(p["text"] for p in content)
+
+
+def finish_reason(stats: GenerationStats) -> str:
+    """eos / stop -> "stop"; length / context -> "length"."""
+    return FINISH_REASONS.get(stats.finish_reason, "stop")
+
+
+def usage(stats: GenerationStats) -> dict[str, int]:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+    }
+
+
+def choice(kind: Literal["completion", "chat", "chat_delta"], text: str, finish: str | None) -> dict[str, Any]:
+    """One choice: ``text`` for completions, ``message`` for a chat reply, ``delta`` for a chat chunk."""
+    body: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    if kind == "completion":
+        body["text"] = text
+    elif kind == "chat":
+        body["message"] = {"role": "assistant", "content": text}
+    else:
+        body["delta"] = {"content": text} if text else {}
+    return body
+
+
+def error_body(message: str, kind: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
