@@ -18,7 +18,7 @@ from draft_service import server as draft_server
 from draft_service.inprocess import load_draft_runtime
 from draft_service.runtime import DraftRuntime
 from gateway import server as gateway_server
-from gateway.assembly import build_engine
+from gateway.assembly import load_engine
 from gateway.engine import SpeculativeEngine
 from gateway.http_api import HttpServer, create_app
 from target_service import server as target_server
@@ -57,7 +57,7 @@ async def serve(role: str, settings: DiffSpecSettings) -> None:
             draft.set(loaded_draft)
             host.metrics.watch_draft(loaded_draft)
         else:
-            loaded = await asyncio.to_thread(build_engine, settings)
+            loaded = await load_engine(settings)
             engine.set(loaded)
             if isinstance(loaded.target, TargetRuntime):
                 host.metrics.watch_target(loaded.target)
