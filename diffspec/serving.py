@@ -5,11 +5,15 @@ and a life cycle of load -> serve -> drain on SIGTERM/SIGINT.
 Health is NOT_SERVING while the models load and from the moment a drain starts; in between
 it is SERVING. A drain stops accepting calls, gives in-flight streams
 ``shutdown_grace_seconds`` to finish, then cancels them, which releases their sessions.
+
+With ``tls_cert``/``tls_key`` the port speaks only TLS (``tls_client_ca`` also asks every client
+for a certificate), and with ``auth_token`` every call but a health check needs that bearer token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import signal
@@ -22,7 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from diffspec.errors import DiffSpecError, InvalidRequest, PeerUnavailable
-from diffspec.grpc_options import server_options
+from diffspec.grpc_options import read_pem, server_options
 from diffspec.health_probe import process_service
 from diffspec.metrics import ServingMetrics
 from diffspec.rpc_status import status_for
@@ -33,6 +37,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 OWN_METHODS = "/diffspec.v1."
+HEALTH_METHODS = "/grpc.health.v1.Health/"
 _HANDLER_FACTORIES = {
     "unary_unary": grpc.unary_unary_rpc_method_handler,
     "unary_stream": grpc.unary_stream_rpc_method_handler,
@@ -115,6 +120,53 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         return guarded
 
 
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call but a health check unless it carries ``authorization: Bearer <token>``.
+
+    Health checks stay open so probes and load balancers need no secret; they reveal only SERVING or not.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_METHODS) or self._authorized(details):
+            return handler
+        for kind, factory in _HANDLER_FACTORIES.items():
+            if getattr(handler, kind) is not None:
+                return factory(
+                    _refuse,
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        # constant time, so the answer's timing does not spell out the token
+        return hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected)
+
+
+async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+
+def server_credentials(settings: DiffSpecSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials from ``tls_cert``/``tls_key`` (and ``tls_client_ca`` for mutual TLS); None = plaintext."""
+    if not settings.tls_cert:
+        return None
+    pair = [(read_pem(settings.tls_key, "tls_key"), read_pem(settings.tls_cert, "tls_cert"))]
+    if not settings.tls_client_ca:
+        return grpc.ssl_server_credentials(pair)
+    client_ca = read_pem(settings.tls_client_ca, "tls_client_ca")
+    return grpc.ssl_server_credentials(pair, root_certificates=client_ca, require_client_auth=True)
+
+
 class ServiceHost:
     """One server process: its services on ``settings.listen``, plus health, reflection and metrics."""
 
@@ -122,7 +174,11 @@ class ServiceHost:
         self.settings = settings
         self.role = role  # for the startup line: all, target, draft, gateway
         self.metrics = ServingMetrics()
-        self.server = grpc.aio.server(interceptors=[StatusInterceptor(self.metrics)], options=server_options(settings))
+        # the status interceptor is outermost, so refused calls are counted too
+        interceptors: list[grpc.aio.ServerInterceptor] = [StatusInterceptor(self.metrics)]
+        if settings.auth_token:
+            interceptors.append(BearerTokenInterceptor(settings.auth_token))
+        self.server = grpc.aio.server(interceptors=interceptors, options=server_options(settings))
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names: list[str] = []
@@ -164,8 +220,12 @@ class ServiceHost:
         ]
         reflection.enable_server_reflection(names, self.server)
         host = self.settings.listen.rsplit(":", 1)[0].strip("[]")
+        credentials = server_credentials(self.settings)
         try:
-            port = self.server.add_insecure_port(self.settings.listen)
+            if credentials is None:
+                port = self.server.add_insecure_port(self.settings.listen)
+            else:
+                port = self.server.add_secure_port(self.settings.listen, credentials)
         except RuntimeError as bad:
             raise InvalidRequest(f"cannot listen on {self.settings.listen}: in use, or not this host's ({bad})") from None
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +96,35 @@ class DiffSpecSettings(BaseSettings):
     peer_wait_seconds: float = Field(
         120.0, gt=0, description="How long a starting gateway waits for a remote target to answer before giving up."
     )
+    tokenize_threads: int = Field(
+        2, ge=1, description="Threads of the gateway's own tokenizer pool (apart from the pool that other work shares)."
+    )
+    max_tokenizations: int = Field(
+        8, ge=1, description="Tokenizations in flight at once (running or waiting for a tokenizer thread) before "
+        "RESOURCE_EXHAUSTED; Generate's text prompts and Tokenize both count.",
+    )
+
+    # Security
+    tls_cert: str = Field(
+        "",
+        description="PEM certificate chain this server presents, and its clients present to a server that asks "
+        "for one (with tls_key; empty = plaintext).",
+    )
+    tls_key: str = Field("", description="PEM private key of tls_cert.")
+    tls_ca: str = Field(
+        "", description="PEM CA bundle that the gateway's and the CLI's channels trust (empty = plaintext channels)."
+    )
+    tls_client_ca: str = Field(
+        "",
+        description="PEM CA bundle a client certificate must chain to (mutual TLS); empty = no client certificate "
+        "asked for.",
+    )
+    auth_token: str = Field(
+        "",
+        description="Shared bearer token: servers refuse calls without 'authorization: Bearer <token>' (health "
+        "checks exempt) and clients send it; empty = no check. Prefer the DIFFSPEC_AUTH_TOKEN variable to the "
+        "flag, which other users can read from ps.",
+    )
 
     @field_validator("feature_layers")
     @classmethod
@@ -105,6 +134,14 @@ class DiffSpecSettings(BaseSettings):
             if len(parts) != 3 or not all(p.isdigit() for p in parts):
                 raise ValueError(f"feature_layers must be 'auto' or three layer indices like '2,16,29', got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> DiffSpecSettings:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key: mutual TLS is TLS first")
+        return self
 
     @field_validator("graph_batch_sizes", "graph_tree_sizes")
     @classmethod

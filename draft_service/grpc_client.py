@@ -8,7 +8,9 @@ so a restarted draft is picked up again.
 
 from __future__ import annotations
 
-from diffspec.grpc_options import open_blocking_channel
+from functools import partial
+
+from diffspec.grpc_options import Metadata, call_metadata, open_blocking_channel
 from diffspec.settings import DiffSpecSettings
 from diffspec.step_stream import StepStream
 from diffspec.v1 import draft_pb2, draft_pb2_grpc
@@ -20,17 +22,25 @@ PEER = "draft service"
 
 
 class RemoteDraft:
-    def __init__(self, channel, step_timeout: float, max_message_bytes: int) -> None:  # noqa: ANN001 - grpc.Channel
+    def __init__(
+        self, channel, step_timeout: float, max_message_bytes: int, metadata: Metadata = ()  # noqa: ANN001 - grpc.Channel
+    ) -> None:
+        """``metadata``: sent with the step stream (the bearer token)."""
         self.channel = channel
         self.max_message_bytes = max_message_bytes
         stub = draft_pb2_grpc.DraftStub(channel)
         self._stream: StepStream[draft_pb2.DraftStepRequest, draft_pb2.DraftStepReply] = StepStream(
-            stub.Step, PEER, step_timeout
+            partial(stub.Step, metadata=metadata), PEER, step_timeout
         )
 
     @classmethod
     def connect(cls, address: str, settings: DiffSpecSettings) -> RemoteDraft:
-        return cls(open_blocking_channel(address, settings), settings.step_timeout_seconds, settings.max_message_bytes)
+        return cls(
+            open_blocking_channel(address, settings),
+            settings.step_timeout_seconds,
+            settings.max_message_bytes,
+            call_metadata(settings),
+        )
 
     def step(self, batch: DraftBatch) -> DraftBatchResult:
         step, features = batch_to_proto(batch)

@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from diffspec.grpc_options import open_channel
+from diffspec.grpc_options import call_metadata, open_channel
 from diffspec.rpc_status import error_for
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -23,9 +23,10 @@ PEER = "gateway"
 async def stream_generate(
     address: str, request: gateway_pb2.GenerateRequest, settings: DiffSpecSettings
 ) -> AsyncIterator[GenerationChunk]:
-    """``settings``: the channel's message size and keepalive; the request's unset fields take the server's defaults."""
+    """``settings``: the channel's message size, keepalive, TLS and token; the request's unset fields take the
+    server's defaults."""
     async with open_channel(address, settings) as channel:
-        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request)
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, metadata=call_metadata(settings))
         try:
             async for response in call:
                 yield chunk_from_proto(response)

@@ -4,11 +4,14 @@ Admission is the engine's: at most ``max_sessions`` requests are in it at once a
 gets RESOURCE_EXHAUSTED at once (clients retry with backoff; a queue here would only hide
 overload). A request runs within the call's deadline; when the call is cancelled, leaving the
 engine's stream aborts the request, which frees its sessions on both services.
+
+Prompt text is tokenized before admission to the engine, so it has admission of its own: a text
+longer than ``MAX_CHARS_PER_TOKEN`` per context token is refused unread, and at most
+``max_tokenizations`` run at once, on the ``TokenizerPool``'s own threads (``Tokenize`` too).
 """
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import aclosing
 
 import grpc
@@ -21,6 +24,7 @@ from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.engine import SpeculativeEngine
 from gateway.prompt import encode_prompt
 from gateway.messages import chunk_to_proto, generation_request, prompt_text
+from gateway.tokenizer_pool import TokenizerPool
 
 # A token is rarely longer than this many characters; longer texts are refused before they are tokenized,
 # so a huge text cannot cost seconds of tokenizer time and gigabytes of memory before its length check.
@@ -34,6 +38,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        self.tokenizer_pool = TokenizerPool(settings.tokenize_threads, settings.max_tokenizations)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: Context) -> None:
         engine = self.engine.get()
@@ -68,12 +73,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_sessions=self.settings.max_sessions,
         )
 
-    @staticmethod
-    async def _tokenize(engine: SpeculativeEngine, text: str) -> list[int]:
-        """The target's tokenizer, off the event loop (a long prompt takes a while)."""
+    async def _tokenize(self, engine: SpeculativeEngine, text: str) -> list[int]:
+        """The target's tokenizer on the tokenizer pool, after the length bound (a long prompt takes a while)."""
         max_context = (await engine.target_info()).max_context
         if len(text) > MAX_CHARS_PER_TOKEN * max_context:
             raise InvalidRequest(
                 f"a text of {len(text)} characters cannot fit the context of {max_context} tokens"
             )
-        return await asyncio.to_thread(encode_prompt, engine.tokenizer, text)
+        return await self.tokenizer_pool.run(encode_prompt, engine.tokenizer, text)

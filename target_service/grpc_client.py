@@ -7,8 +7,10 @@ session on the target, and the next step opens a fresh one.
 
 from __future__ import annotations
 
+from functools import partial
+
 from diffspec.errors import PeerUnavailable
-from diffspec.grpc_options import open_blocking_channel
+from diffspec.grpc_options import Metadata, call_metadata, open_blocking_channel
 from diffspec.settings import DiffSpecSettings
 from diffspec.step_stream import StepStream, unary_call
 from diffspec.v1 import target_pb2, target_pb2_grpc
@@ -20,16 +22,18 @@ PEER = "target service"
 
 
 class RemoteTarget:
-    def __init__(self, channel, step_timeout: float) -> None:  # noqa: ANN001 - grpc.Channel
+    def __init__(self, channel, step_timeout: float, metadata: Metadata = ()) -> None:  # noqa: ANN001 - grpc.Channel
+        """``metadata``: sent with every call (the bearer token)."""
         self.channel = channel
+        self.metadata = metadata
         self._stub = target_pb2_grpc.TargetStub(channel)
         self._stream: StepStream[target_pb2.TargetStep, target_pb2.TargetStepResponse] = StepStream(
-            self._stub.Step, PEER, step_timeout
+            partial(self._stub.Step, metadata=metadata), PEER, step_timeout
         )
 
     @classmethod
     def connect(cls, address: str, settings: DiffSpecSettings) -> RemoteTarget:
-        return cls(open_blocking_channel(address, settings), settings.step_timeout_seconds)
+        return cls(open_blocking_channel(address, settings), settings.step_timeout_seconds, call_metadata(settings))
 
     def step(self, batch: TargetBatch) -> TargetBatchResult:
         self._stream.send([batch_to_proto(batch)])
@@ -43,7 +47,10 @@ class RemoteTarget:
         return result_from_proto(reply, features, PEER)
 
     def info(self, timeout: float | None = None) -> TargetInfo:
-        return info_from_proto(unary_call(PEER, lambda: self._stub.Info(target_pb2.TargetInfoRequest(), timeout=timeout)))
+        request = target_pb2.TargetInfoRequest()
+        return info_from_proto(
+            unary_call(PEER, lambda: self._stub.Info(request, timeout=timeout, metadata=self.metadata))
+        )
 
     def close(self) -> None:
         self._stream.close()

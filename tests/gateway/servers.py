@@ -53,9 +53,12 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         listen: str = "127.0.0.1:0",
         metrics: bool = False,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        """``metrics``: serve Prometheus metrics on ``self.metrics_port`` (see ``scrape``)."""
+        """``metrics``: serve Prometheus metrics on ``self.metrics_port`` (see ``scrape``);
+        ``credentials``: what ``wait_serving`` connects with to a TLS server."""
         self.role = role
+        self.credentials = credentials
         self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
         self.metrics_port = free_port() if metrics else 0
         command = [
@@ -88,7 +91,7 @@ class ServerProcess:
     def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
         """Poll the standard health check until the server says SERVING."""
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        with self.channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
@@ -101,6 +104,12 @@ class ServerProcess:
                     pass  # not up yet
                 time.sleep(0.1)
         raise TimeoutError(f"{self.role} not SERVING after {timeout} s:\n{self.log_path.read_text()}")
+
+    def channel(self) -> grpc.Channel:
+        """A channel to this server: TLS with ``credentials`` when given, else plaintext."""
+        if self.credentials is None:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, self.credentials)
 
     def kill(self) -> None:
         """SIGKILL: the process vanishes mid-stream, as a crashed service would."""
@@ -129,17 +138,30 @@ class ServerProcess:
 class SplitDeployment:
     """Target, draft and gateway as three processes; the target and the draft load in parallel.
 
-    ``metrics``: the target and the draft serve Prometheus metrics (``server.scrape()``)."""
+    ``metrics``: the target and the draft serve Prometheus metrics (``server.scrape()``);
+    ``service_flags``: the target's and the draft's extra flags (TLS, a token);
+    ``credentials``: how the tests' own channels reach TLS servers (``ServerProcess.channel``)."""
 
-    def __init__(self, log_dir: Path, draft_dir: Path, *gateway_flags: str, metrics: bool = False) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        draft_dir: Path,
+        *gateway_flags: str,
+        metrics: bool = False,
+        service_flags: tuple[str, ...] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.log_dir = log_dir
         self.env = {"DIFFSPEC_DRAFT_MODEL": str(draft_dir)}
         self.servers: list[ServerProcess] = []
+        services = dict(env=self.env, metrics=metrics, credentials=credentials)
         try:
-            self.target = self._start(ServerProcess("target", log_dir, env=self.env, metrics=metrics))
-            self.draft = self._start(ServerProcess("draft", log_dir, env=self.env, metrics=metrics))
+            self.target = self._start(ServerProcess("target", log_dir, *service_flags, **services))
+            self.draft = self._start(ServerProcess("draft", log_dir, *service_flags, **services))
             peers = ["--target", self.target.address, "--draft", self.draft.address]
-            self.gateway = self._start(ServerProcess("gateway", log_dir, *peers, *gateway_flags, env=self.env))
+            self.gateway = self._start(
+                ServerProcess("gateway", log_dir, *peers, *gateway_flags, env=self.env, credentials=credentials)
+            )
             for server in self.servers:
                 server.wait_serving()
         except BaseException:
