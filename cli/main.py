@@ -31,7 +31,13 @@ SERVER_FIELDS = (  # settings only a server reads: generate has no flag for them
     "keepalive_timeout_seconds",
     "shutdown_grace_seconds",
     "peer_wait_seconds",
+    "step_timeout_seconds",
+    "http_listen",
+    "tokenize_threads",
+    "max_tokenizations",
+    "tls_client_ca",
 )
+CONNECTION_FIELDS = ("tls_ca", "tls_cert", "tls_key", "auth_token")  # how generate reaches a gateway, or none
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 
 
@@ -100,7 +106,11 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
     if args.command == "generate":
         from cli.generate import run_generate
 
-        given = [flag_name(name) for name in model_fields() if getattr(args, name) is not None]
+        given = [
+            flag_name(name)
+            for name in model_fields()
+            if getattr(args, name) is not None and name not in CONNECTION_FIELDS
+        ]
         return asyncio.run(run_generate(args, settings, given))
     from cli.serve import run_serve
 
