@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import socket
 import time
@@ -59,9 +60,21 @@ def status_of(error: DiffSpecError) -> tuple[int, str]:
     return 500, "internal_error"
 
 
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/ready"})  # probes answer without the token
+
+
 def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, metrics: ServingMetrics) -> FastAPI:
     app = FastAPI(title="DiffSpec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False  # set by HttpServer.stop: /ready answers 503 from then on
+
+    @app.middleware("http")
+    async def _bearer_token(request: Request, call_next):  # noqa: ANN001, ANN202 - starlette's middleware shape
+        """With ``auth_token`` set, every route but the probes needs it, as on the gRPC port."""
+        if settings.auth_token and request.url.path not in UNAUTHENTICATED_PATHS:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {settings.auth_token}".encode()):
+                return JSONResponse(oai.error_body("missing or wrong bearer token", "authentication_error", 401), 401)
+        return await call_next(request)
 
     @app.exception_handler(DiffSpecError)
     async def _diffspec_error(request: Request, error: DiffSpecError) -> JSONResponse:

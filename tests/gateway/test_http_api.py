@@ -245,3 +245,20 @@ def test_serve_all_answers_http_beside_grpc_with_the_same_tokens(tmp_path, draft
         assert body["choices"][0]["text"] == grpc_text and body["usage"]["completion_tokens"] == len(ids)
     finally:
         assert server.stop() == 0
+
+
+def test_a_token_guards_every_route_but_the_probes(engine):
+    loading: Loading[SpeculativeEngine] = Loading("the gateway's engine")
+    loading.set(engine)
+    app = create_app(loading, DiffSpecSettings(num_pages=256, auth_token="s3cret"), ServingMetrics())
+
+    async def get(path: str, token: str | None) -> httpx.Response:
+        headers = {"authorization": f"Bearer {token}"} if token is not None else {}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get(path, headers=headers)
+
+    assert asyncio.run(get("/v1/models", None)).status_code == 401
+    assert asyncio.run(get("/v1/models", "wrong")).json()["error"]["type"] == "authentication_error"
+    assert asyncio.run(get("/v1/models", "s3cret")).status_code == 200
+    assert asyncio.run(get("/health", None)).status_code == 200
