@@ -207,9 +207,10 @@ class ServiceHost:
                 await stopping
         finally:
             stopping.cancel()
+            loading.cancel()  # a load still waiting (for a remote target, say) ends with the server
             await self.health.enter_graceful_shutdown()
             await self.server.stop(self.settings.shutdown_grace_seconds)
-            if loading.done() and loading.exception() is None:
+            if loading.done() and not loading.cancelled() and loading.exception() is None:
                 await close()
 
     async def _start(self) -> None:
