@@ -1,4 +1,5 @@
-"""Chunk scoring: the Triton kernel against the PyTorch reference (GPU), the reference's bound (CPU)."""
+"""Chunk scoring: the Triton kernel against the PyTorch reference (GPU, and small cases on CPU under the
+Triton interpreter), the reference's bound (CPU)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from kernels.chunk_scoring_ref import chunk_scores_reference, top_chunks_reference
+from tests.kernels.kernel_cases import kernel_cases
 
 
 def test_reference_top_chunks_are_in_position_order():
@@ -14,17 +16,30 @@ def test_reference_top_chunks_are_in_position_order():
     assert top_chunks_reference(scores, 0).tolist() == []
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_chunks", [1, 63, 64, 2048, 4100])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (3, 3, 128), (4, 2, 64)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_scores_match_reference(num_chunks, heads, kv_heads, head_dim, dtype):
+# (num_chunks, heads, kv_heads, head_dim, dtype)
+TRITON_CASES = kernel_cases(
+    gpu=[
+        (num_chunks, heads, kv_heads, head_dim, dtype)
+        for dtype in (torch.bfloat16, torch.float32)
+        for heads, kv_heads, head_dim in [(32, 8, 128), (3, 3, 128), (4, 2, 64)]
+        for num_chunks in [1, 63, 64, 2048, 4100]
+    ],
+    interpreted=[
+        (1, 4, 2, 64, torch.float32),
+        (65, 3, 3, 32, torch.bfloat16),  # a second, mostly empty block of 64 chunks
+        (20, 4, 1, 24, torch.float32),  # head_dim padded to 32
+    ],
+)
+
+
+@pytest.mark.parametrize("num_chunks, heads, kv_heads, head_dim, dtype", TRITON_CASES)
+def test_triton_scores_match_reference(kernel_device, num_chunks, heads, kv_heads, head_dim, dtype):
     from kernels.chunk_scoring_triton import chunk_scores_triton
 
-    gen = torch.Generator(device="cuda").manual_seed(num_chunks)
-    keys = torch.randn(num_chunks, 16, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    gen = torch.Generator(device=kernel_device).manual_seed(num_chunks)
+    keys = torch.randn(num_chunks, 16, kv_heads, head_dim, device=kernel_device, generator=gen).to(dtype)
     kmin, kmax = keys.amin(1), keys.amax(1)
-    q = torch.randn(heads, head_dim, device="cuda", generator=gen).to(dtype)
+    q = torch.randn(heads, head_dim, device=kernel_device, generator=gen).to(dtype)
     got = chunk_scores_triton(q, kmin, kmax)
     want = chunk_scores_reference(q, kmin, kmax)
     assert got.dtype == torch.float32 and got.shape == (num_chunks,)

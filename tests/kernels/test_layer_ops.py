@@ -1,14 +1,17 @@
-"""Decoder-layer elementwise steps: the reference's conventions (CPU), the fused kernels against it (GPU)."""
+"""Decoder-layer elementwise steps: the reference's conventions (CPU), the fused kernels against it (GPU, and
+small cases on CPU under the Triton interpreter)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.layer_ops import REFERENCE_OPS, layer_ops_for
+from kernels.dispatch import triton_kernels_on
+from kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
 from kernels.layer_ops_ref import apply_rotary, rms_norm
 from target_service.checkpoint import RopeConfig
 from target_service.rope import RotaryEmbedding
+from tests.kernels.kernel_cases import kernel_cases
 
 
 def test_rotation_is_a_complex_rotation_of_paired_halves():
@@ -34,9 +37,12 @@ def test_cpu_uses_the_reference():
     assert layer_ops_for(torch.device("cpu")) is REFERENCE_OPS
 
 
-# -- GPU: fused kernels against the reference ---------------------------------------------------------
+# -- Fused kernels against the reference: the full set on a GPU, small cases interpreted on CPU -------
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# The Triton 3.6 interpreter truncates fp32 -> bf16 casts (a GPU rounds to nearest even), so the kernels'
+# bf16 rounding is checked on a GPU only.
+INTERPRETED_DTYPES = [torch.float32, torch.float16]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -47,15 +53,33 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [64, 3072, 4096, 5000])
-def test_fused_norms_match_reference(dtype, hidden):
-    ops = layer_ops_for(torch.device("cuda"))
-    gen = torch.Generator(device="cuda").manual_seed(hidden)
-    x = torch.randn(37, hidden, device="cuda", dtype=dtype, generator=gen) * 3
-    delta = torch.randn(37, hidden, device="cuda", dtype=dtype, generator=gen)
-    weight = torch.randn(hidden, device="cuda", dtype=dtype, generator=gen)
+def fused_ops(device: str) -> LayerOps:
+    """The fused kernels; on a GPU checked to be what the runtime's ``layer_ops_for`` serves there."""
+    layer_ops_triton = pytest.importorskip("kernels.layer_ops_triton")
+    ops = LayerOps(
+        rms_norm=layer_ops_triton.rms_norm_triton,
+        add_rms_norm=layer_ops_triton.add_rms_norm_triton,
+        silu_mul=layer_ops_triton.silu_mul_triton,
+        apply_rotary=layer_ops_triton.apply_rotary_triton,
+    )
+    if triton_kernels_on(torch.device(device)):
+        assert layer_ops_for(torch.device(device)) == ops
+    return ops
+
+
+NORM_CASES = kernel_cases(
+    gpu=[(dtype, 37, hidden) for hidden in [64, 3072, 4096, 5000] for dtype in DTYPES],
+    interpreted=[(dtype, 5, hidden) for hidden in [48, 100] for dtype in INTERPRETED_DTYPES],  # 100: a padded block
+)
+
+
+@pytest.mark.parametrize("dtype, rows, hidden", NORM_CASES)
+def test_fused_norms_match_reference(kernel_device, dtype, rows, hidden):
+    ops = fused_ops(kernel_device)
+    gen = torch.Generator(device=kernel_device).manual_seed(hidden)
+    x = torch.randn(rows, hidden, device=kernel_device, dtype=dtype, generator=gen) * 3
+    delta = torch.randn(rows, hidden, device=kernel_device, dtype=dtype, generator=gen)
+    weight = torch.randn(hidden, device=kernel_device, dtype=dtype, generator=gen)
     _close(ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
     summed, normed = ops.add_rms_norm(x, delta, weight, 1e-5)
     want_sum, want_norm = REFERENCE_OPS.add_rms_norm(x, delta, weight, 1e-5)
@@ -63,16 +87,24 @@ def test_fused_norms_match_reference(dtype, hidden):
     _close(normed, want_norm)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_silu_mul_and_rotation_match_reference(dtype):
-    ops = layer_ops_for(torch.device("cuda"))
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    gate = torch.randn(33, 14336, device="cuda", dtype=dtype, generator=gen) * 4
-    up = torch.randn(33, 14336, device="cuda", dtype=dtype, generator=gen)
+# (dtype, tokens, intermediate size, (heads, head_dim) of each rotation); head_dim 96 and 24: a half that is
+# not a power of two takes the reference
+SILU_ROTATION_CASES = kernel_cases(
+    gpu=[(dtype, 33, 14336, ((32, 128), (8, 64), (3, 128), (4, 96))) for dtype in DTYPES],
+    interpreted=[(dtype, 3, 1500, ((2, 16), (3, 32), (2, 24))) for dtype in INTERPRETED_DTYPES],
+)
+
+
+@pytest.mark.parametrize("dtype, tokens, intermediate, rotations", SILU_ROTATION_CASES)
+def test_fused_silu_mul_and_rotation_match_reference(kernel_device, dtype, tokens, intermediate, rotations):
+    ops = fused_ops(kernel_device)
+    gen = torch.Generator(device=kernel_device).manual_seed(7)
+    gate = torch.randn(tokens, intermediate, device=kernel_device, dtype=dtype, generator=gen) * 4
+    up = torch.randn(tokens, intermediate, device=kernel_device, dtype=dtype, generator=gen)
     _close(ops.silu_mul(gate, up), REFERENCE_OPS.silu_mul(gate, up))
-    for heads, head_dim in [(32, 128), (8, 64), (3, 128), (4, 96)]:  # 96: half 48 takes the reference
-        q = torch.randn(33, heads, head_dim, device="cuda", dtype=dtype, generator=gen)
-        rope = RotaryEmbedding(RopeConfig(theta=500000.0), head_dim, torch.device("cuda"))
-        cos, sin = rope.cos_sin(torch.randint(0, 131072, (33,), device="cuda", generator=gen), dtype)
+    for heads, head_dim in rotations:
+        q = torch.randn(tokens, heads, head_dim, device=kernel_device, dtype=dtype, generator=gen)
+        rope = RotaryEmbedding(RopeConfig(theta=500000.0), head_dim, torch.device(kernel_device))
+        positions = torch.randint(0, 131072, (tokens,), device=kernel_device, generator=gen)
+        cos, sin = rope.cos_sin(positions, dtype)
         _close(ops.apply_rotary(q, cos, sin), apply_rotary(q, cos, sin))
