@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run on CPU tensors under the interpreter. The variable is read when
+# ``@triton.jit`` decorates a kernel, so it is set before any test module can import one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from diffspec.settings import BUNDLED_TARGET, SHARED_DIR
 
