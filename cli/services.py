@@ -15,6 +15,7 @@ from diffspec.serving import Loading, ServiceHost
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import draft_pb2_grpc, gateway_pb2_grpc, target_pb2_grpc
 from draft_service import server as draft_server
+from draft_service.grpc_client import RemoteDraft
 from draft_service.inprocess import load_draft_runtime
 from draft_service.runtime import DraftRuntime
 from gateway import server as gateway_server
@@ -22,6 +23,7 @@ from gateway.assembly import load_engine
 from gateway.engine import SpeculativeEngine
 from gateway.http_api import HttpServer, create_app
 from target_service import server as target_server
+from target_service.grpc_client import RemoteTarget
 from target_service.runtime import TargetRuntime
 
 
@@ -63,6 +65,10 @@ async def serve(role: str, settings: DiffSpecSettings) -> None:
                 host.metrics.watch_target(loaded.target)
             if isinstance(loaded.draft, DraftRuntime):
                 host.metrics.watch_draft(loaded.draft)
+            if isinstance(loaded.target, RemoteTarget):
+                host.metrics.watch_wire("target", loaded.target.wire)
+            if isinstance(loaded.draft, RemoteDraft):
+                host.metrics.watch_wire("draft", loaded.draft.wire)
 
     async def close() -> None:
         if http is not None:

@@ -3,13 +3,15 @@
 Every service counts its RPCs by method and status code (the status interceptor does that).
 The target adds the latency of each batched step and KV pool usage; the draft its step
 latencies and sessions; the gateway, per finished generation, the tokens, tau, stop depths,
-prefill latency and mean step latency, and the requests its engine loop holds.
+prefill latency and mean step latency, the requests its engine loop holds, and, split, the
+protobuf bytes of its ``Step`` streams to each peer (``WireTraffic``).
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sized
 
 from prometheus_client import (
@@ -19,7 +21,7 @@ from prometheus_client import (
     Histogram,
     start_http_server,
 )
-
+from prometheus_client.core import CounterMetricFamily
 
 
 class KVPoolCounts(Protocol):
@@ -48,6 +50,56 @@ class FinishedGeneration(Protocol):
     decode_seconds: float
     mean_accepted_length: float
     stop_depth_histogram: list[int]
+
+
+@dataclass
+class WireCounters:
+    """What crossed one client's ``Step`` stream: the ``ByteSize()`` of every protobuf message (gRPC's
+    5-byte frame header and HTTP/2 framing are not counted)."""
+
+    steps: int = 0  # step calls completed
+    bytes_sent: int = 0  # client -> service
+    bytes_received: int = 0  # service -> client
+
+
+@dataclass
+class WireTraffic:
+    """A client's wire counters by kind of step. ``prefill``: the step carried prompt work (a prompt
+    chunk to the target; a session start, with its prompt's features, to the draft); ``decode``: it
+    did not (trees, accepted tokens and their feature rows only)."""
+
+    prefill: WireCounters = field(default_factory=WireCounters)
+    decode: WireCounters = field(default_factory=WireCounters)
+
+    def count(self, prefill: bool, bytes_sent: int, bytes_received: int) -> None:
+        counters = self.prefill if prefill else self.decode
+        counters.steps += 1
+        counters.bytes_sent += bytes_sent
+        counters.bytes_received += bytes_received
+
+
+class _WireCollector:
+    """Reads every watched client's ``WireTraffic`` at each scrape (the engine loop only adds ints)."""
+
+    def __init__(self) -> None:
+        self.peers: dict[str, WireTraffic] = {}  # "target" / "draft" -> its client's traffic
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        steps = CounterMetricFamily(
+            "diffspec_wire_steps", "Step calls to a peer, by kind of step", labels=["peer", "step"]
+        )
+        wire_bytes = CounterMetricFamily(
+            "diffspec_wire_bytes",
+            "Protobuf bytes on a peer's Step stream, by direction (sent/received) and kind of step",
+            labels=["peer", "direction", "step"],
+        )
+        for peer, traffic in self.peers.items():
+            for kind, counters in (("prefill", traffic.prefill), ("decode", traffic.decode)):
+                steps.add_metric([peer, kind], counters.steps)
+                wire_bytes.add_metric([peer, "sent", kind], counters.bytes_sent)
+                wire_bytes.add_metric([peer, "received", kind], counters.bytes_received)
+        yield steps
+        yield wire_bytes
 
 
 _TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
@@ -99,6 +151,7 @@ class ServingMetrics:
         )
         self.kv_pages = Gauge("diffspec_kv_pages", "Target KV pool pages, by state", ["state"], registry=r)
         self.sessions = Gauge("diffspec_sessions", "Open sessions, by service", ["service"], registry=r)
+        self._wire = _WireCollector()  # registered at the first watch_wire: only a split gateway has wire traffic
 
     def serve_http(self, host: str, port: int) -> None:
         """Expose ``/metrics`` on ``host:port`` from a daemon thread."""
@@ -114,6 +167,12 @@ class ServingMetrics:
 
     def watch_draft(self, draft: WatchedDraft) -> None:
         self.sessions.labels("draft").set_function(lambda: len(draft.sessions))
+
+    def watch_wire(self, peer: str, traffic: WireTraffic) -> None:
+        """Export a gRPC client's ``Step`` stream traffic as ``diffspec_wire_{steps,bytes}_total{peer=...}``."""
+        if not self._wire.peers:
+            self.registry.register(self._wire)
+        self._wire.peers[peer] = traffic
 
     @contextmanager
     def time_call(self, call: str) -> Iterator[None]:

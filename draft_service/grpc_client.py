@@ -3,7 +3,7 @@
 A draft that cannot be reached, whose stream breaks, or that does not answer within
 ``step_timeout_seconds`` raises ``PeerUnavailable``: the engine turns its requests to Auto. The
 stream is dropped, which releases every draft session on it; later requests open a fresh one,
-so a restarted draft is picked up again.
+so a restarted draft is picked up again. ``wire`` counts the bytes of each completed step.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import partial
 
 from diffspec.grpc_options import Metadata, call_metadata, open_blocking_channel
+from diffspec.metrics import WireTraffic
 from diffspec.settings import DiffSpecSettings
 from diffspec.step_stream import StepStream
 from diffspec.v1 import draft_pb2, draft_pb2_grpc
@@ -28,6 +29,7 @@ class RemoteDraft:
         """``metadata``: sent with the step stream (the bearer token)."""
         self.channel = channel
         self.max_message_bytes = max_message_bytes
+        self.wire = WireTraffic()  # prefill = a step that starts sessions (their prompts' features go with it)
         stub = draft_pb2_grpc.DraftStub(channel)
         self._stream: StepStream[draft_pb2.DraftStepRequest, draft_pb2.DraftStepReply] = StepStream(
             partial(stub.Step, metadata=metadata), PEER, step_timeout
@@ -48,7 +50,9 @@ class RemoteDraft:
         if features is not None:
             messages += [draft_pb2.DraftStepRequest(features=c) for c in split_rows(features, self.max_message_bytes)]
         self._stream.send(messages)
-        return result_from_proto(self._stream.receive(), PEER)
+        reply = self._stream.receive()
+        self.wire.count(bool(batch.starts), sum(m.ByteSize() for m in messages), reply.ByteSize())
+        return result_from_proto(reply, PEER)
 
     def close(self) -> None:
         self._stream.close()

@@ -2,7 +2,8 @@
 
 A target that cannot be reached, whose stream breaks, or that does not answer a step within
 ``step_timeout_seconds`` raises ``PeerUnavailable``; the stream is dropped, which releases every
-session on the target, and the next step opens a fresh one.
+session on the target, and the next step opens a fresh one. ``wire`` counts the bytes of each
+completed step.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from functools import partial
 
 from diffspec.errors import PeerUnavailable
 from diffspec.grpc_options import Metadata, call_metadata, open_blocking_channel
+from diffspec.metrics import WireTraffic
 from diffspec.settings import DiffSpecSettings
 from diffspec.step_stream import StepStream, unary_call
 from diffspec.v1 import target_pb2, target_pb2_grpc
@@ -27,6 +29,8 @@ class RemoteTarget:
         self.channel = channel
         self.metadata = metadata
         self._stub = target_pb2_grpc.TargetStub(channel)
+        self.wire = WireTraffic()  # prefill = a step that carries prompt chunks
+        self._bytes_received = 0  # of the step in flight
         self._stream: StepStream[target_pb2.TargetStep, target_pb2.TargetStepResponse] = StepStream(
             partial(self._stub.Step, metadata=metadata), PEER, step_timeout
         )
@@ -36,7 +40,9 @@ class RemoteTarget:
         return cls(open_blocking_channel(address, settings), settings.step_timeout_seconds, call_metadata(settings))
 
     def step(self, batch: TargetBatch) -> TargetBatchResult:
-        self._stream.send([batch_to_proto(batch)])
+        request = batch_to_proto(batch)
+        self._bytes_received = 0
+        self._stream.send([request])
         reply = self._next("reply")
         features = None
         if reply.feature_rows:
@@ -44,6 +50,7 @@ class RemoteTarget:
             while not joiner.complete:
                 joiner.add(self._next("features"))
             features = joiner.tensor()
+        self.wire.count(bool(batch.prefills), request.ByteSize(), self._bytes_received)
         return result_from_proto(reply, features, PEER)
 
     def info(self, timeout: float | None = None) -> TargetInfo:
@@ -58,6 +65,7 @@ class RemoteTarget:
 
     def _next(self, kind: str):  # noqa: ANN202 - the oneof field
         response = self._stream.receive()
+        self._bytes_received += response.ByteSize()
         if response.WhichOneof("kind") != kind:
             self._stream.close()
             raise PeerUnavailable(f"{PEER} protocol error: expected {kind}, got {response.WhichOneof('kind')}")
