@@ -77,7 +77,10 @@ class DraftRuntime:
                 self._guard(start.session_id, failures, self._start, start)
             extensions: list[tuple[str, Extension]] = []
             for accept in batch.accepts:
-                self._guard(accept.session_id, failures, lambda a: extensions.append((a.session_id, self._accept(a))), accept)
+                try:
+                    extensions.append((accept.session_id, self._accept(accept)))
+                except DiffSpecError as failure:
+                    failures[accept.session_id] = failure
             self._extend_all(extensions, failures)
             proposes = [sid for sid in batch.proposes if sid not in failures]
             for sid in proposes:
