@@ -112,3 +112,9 @@ def test_ctrl_c_prints_one_line():
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130
     assert [line for line in stderr.splitlines() if line] == ["diffspec: interrupted"]
+
+
+def test_connection_flags_reach_a_gateway():
+    """TLS and token flags are how generate reaches a gateway, not model flags: the call is made (and fails to connect)."""
+    run = run_cli("generate", "--gateway", "127.0.0.1:1", "--auth-token", "t", "--prompt", "x", timeout=60)
+    assert run.returncode != 0 and "gateway unavailable" in run.stderr and "in-process" not in run.stderr, run.stderr
