@@ -32,12 +32,23 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, role: str, log_path: Path, flags: list[str], env: dict[str, str], metrics_port: int = 0) -> None:
-        """``env``: added to this process's environment; ``metrics_port``: Prometheus ``/metrics`` (0 = off)."""
+    start_timeout_s = START_TIMEOUT_S  # until the "listening on" line
+
+    def __init__(
+        self,
+        role: str,
+        log_path: Path,
+        flags: list[str],
+        env: dict[str, str],
+        metrics_port: int = 0,
+        listen: str = "127.0.0.1:0",
+    ) -> None:
+        """``env``: added to this process's environment; ``metrics_port``: Prometheus ``/metrics`` (0 = off);
+        ``listen``: the address to bind (a restarted server can take its predecessor's)."""
         self.role = role
         self.log_path = log_path
         self.metrics_port = metrics_port
-        command = [sys.executable, "-m", "cli", "serve", role, "--listen", "127.0.0.1:0"]
+        command = [sys.executable, "-m", "cli", "serve", role, "--listen", listen]
         command += ["--metrics-port", str(metrics_port), *flags]
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
@@ -46,7 +57,7 @@ class ServerProcess:
         self.address = self._read_address()
 
     def _read_address(self) -> str:
-        ready, _, _ = select.select([self.process.stdout], [], [], START_TIMEOUT_S)
+        ready, _, _ = select.select([self.process.stdout], [], [], self.start_timeout_s)
         line = self.process.stdout.readline() if ready else ""
         if "listening on" not in line:
             self.stop()

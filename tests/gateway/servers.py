@@ -7,20 +7,14 @@ graceful drain) and kills the process if it lingers.
 
 from __future__ import annotations
 
-import os
-import select
-import socket
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from diffspec.settings import REPO_ROOT
+from bench.processes import ServerProcess as BenchServerProcess
+from bench.processes import free_port
 from diffspec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 START_TIMEOUT_S = 90.0
@@ -37,14 +31,12 @@ COMMON_FLAGS = [
 ]
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on now (for HTTP endpoints and dead addresses)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+class ServerProcess(BenchServerProcess):
+    """The benchmarks' server process, with what the tests add: the common test flags, a TLS-aware
+    health wait and channel, and SIGKILL."""
 
+    start_timeout_s = START_TIMEOUT_S
 
-class ServerProcess:
     def __init__(
         self,
         role: str,
@@ -57,36 +49,10 @@ class ServerProcess:
     ) -> None:
         """``metrics``: serve Prometheus metrics on ``self.metrics_port`` (see ``scrape``);
         ``credentials``: what ``wait_serving`` connects with to a TLS server."""
-        self.role = role
         self.credentials = credentials
-        self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
-        self.metrics_port = free_port() if metrics else 0
-        command = [
-            sys.executable,
-            "-m",
-            "cli",
-            "serve",
-            role,
-            "--listen",
-            listen,
-            *COMMON_FLAGS,
-            *(["--metrics-port", str(self.metrics_port)] if metrics else []),
-            *flags,
-        ]
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(
-                command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})}
-            )
-        self.address = self._read_address()
-
-    def _read_address(self) -> str:
-        """The ``host:port`` from the server's one stdout line."""
-        ready, _, _ = select.select([self.process.stdout], [], [], START_TIMEOUT_S)
-        line = self.process.stdout.readline() if ready else ""
-        if "listening on" not in line:
-            self.stop()
-            raise RuntimeError(f"{self.role} did not start: {line!r}\n{self.log_path.read_text()}")
-        return line.split()[-1]
+        log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
+        metrics_port = free_port() if metrics else 0
+        super().__init__(role, log_path, [*COMMON_FLAGS, *flags], env or {}, metrics_port, listen)
 
     def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
         """Poll the standard health check until the server says SERVING."""
@@ -115,24 +81,6 @@ class ServerProcess:
         """SIGKILL: the process vanishes mid-stream, as a crashed service would."""
         self.process.kill()
         self.process.wait(timeout=10)
-
-    def scrape(self) -> dict[str, float]:
-        """Every sample of the server's Prometheus page: ``'name{labels}' -> value``."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as page:
-            lines = page.read().decode().splitlines()
-        samples = (line.rsplit(" ", 1) for line in lines if line[:1] not in ("", "#"))
-        return {name: float(value) for name, value in samples}
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        self.process.stdout.close()
-        return self.process.returncode
 
 
 class SplitDeployment:
