@@ -22,7 +22,7 @@ import torch
 from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata
 from target_service.attention_backends import attention_backend
-from target_service.checkpoint import parse_llama_config
+from diffspec.model_config import parse_llama_config
 from target_service.kv_cache import PagedKVCache
 from target_service.llama import LlamaModel
 from target_service.step_graphs import StepGraphs, StepInput

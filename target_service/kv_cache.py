@@ -13,7 +13,7 @@ import torch
 
 from kernels.kv_commit_ref import kv_commit_reference
 from kernels.dispatch import triton_kernels_on
-from target_service.checkpoint import LlamaConfig
+from diffspec.model_config import LlamaConfig
 from target_service.kv_pool import PageCopy
 
 KVCommit = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]

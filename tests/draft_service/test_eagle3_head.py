@@ -11,7 +11,7 @@ import torch
 from diffspec.errors import CheckpointError
 from draft_service.eagle3_head import Eagle3Config, Eagle3Head
 from draft_service.vocab_map import build_vocab_map, target_to_draft_index
-from target_service.checkpoint import RopeConfig
+from diffspec.model_config import RopeConfig
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 96, 40, 32
 PUBLISHED_KEYS = {

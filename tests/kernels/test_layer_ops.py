@@ -9,8 +9,8 @@ import torch
 from kernels.dispatch import triton_kernels_on
 from kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
 from kernels.layer_ops_ref import apply_rotary, rms_norm
-from target_service.checkpoint import RopeConfig
-from target_service.rope import RotaryEmbedding
+from diffspec.model_config import RopeConfig
+from diffspec.rope import RotaryEmbedding
 from tests.kernels.kernel_cases import kernel_cases
 
 
