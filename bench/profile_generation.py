@@ -1,9 +1,13 @@
-"""Where the engine loop's time goes: cProfile of the loop's thread while concurrent streams run.
+"""Where the engine loop's time goes: a profile of the loop's thread while concurrent streams run.
 
 Every model call runs on the engine thread, so one profile of that thread holds the whole
-iteration: the draft call, the target call and the loop's own host work. A GPU's queued work
-shows up at the calls that wait for it (a tensor read back to the host). Each mode runs once
+iteration: the draft call, the target call and the loop's own host work. Each mode runs once
 untimed first, so graph recording stays out of the profile.
+
+``--profiler cprofile`` (the default) lists Python functions; a GPU's queued work shows up at
+the calls that wait for it (a tensor read back to the host). ``--profiler torch`` lists the
+phases the runtimes mark (``draft.accept``, ``draft.propose.search``, ``target.verify``, ...)
+with their host time and the GPU time of the kernels they launched, then the costliest ops.
 
     python -m bench.profile_generation --base-model .carry/b8/target --draft-model .carry/b8/head \
         --data .carry/data/shortctx_eval.jsonl --streams 16 --modes full-16 > bench/results/profile_engine.txt
@@ -13,22 +17,71 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import json
 import pstats
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench.batching import MODES, concurrent
 from diffspec.settings import DiffSpecSettings
 from gateway.assembly import build_engine
-from gateway.engine_core import EngineCore
+
+PHASE_PREFIXES = ("draft.", "target.")  # the ranges the runtimes mark
 
 
-def profiled_loop(core: EngineCore, profile: cProfile.Profile) -> None:
-    """Run ``core``'s iterations under ``profile`` while it has work (this thread stands in for the loop's)."""
-    while core.has_work():
-        profile.runcall(core.step)
+class CProfileReport:
+    """Python functions of the loop's thread, by own time and by cumulative time."""
+
+    def __init__(self) -> None:
+        self.profile = cProfile.Profile()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
+        yield self.profile.runcall
+
+    def print(self, rows: int) -> None:
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(self.profile, stream=sys.stdout).sort_stats(order).print_stats(rows)
+
+
+class TorchProfileReport:
+    """The runtimes' marked phases (host and GPU time, per iteration), then the costliest ops."""
+
+    def __init__(self) -> None:
+        self.iterations = 0
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.profile = profile(activities=activities)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
+        def call(step: Callable[[], None]) -> None:
+            self.iterations += 1
+            step()
+
+        with self.profile:
+            yield call
+
+    def print(self, rows: int) -> None:
+        events = self.profile.key_averages()
+        n = max(1, self.iterations)
+        print(f"{n} iterations; per iteration: host ms (CPU total), GPU ms (device time of the kernels launched)")
+        print(f"{'phase':32} {'calls/it':>8} {'host ms':>8} {'GPU ms':>8}")
+        for event in sorted(events, key=lambda e: e.key):
+            if event.key.startswith(PHASE_PREFIXES):
+                host_ms, gpu_ms = event.cpu_time_total / 1e3 / n, event.device_time_total / 1e3 / n
+                print(f"{event.key:32} {event.count / n:8.2f} {host_ms:8.3f} {gpu_ms:8.3f}")
+        if torch.cuda.is_available():
+            print(events.table(sort_by="self_cuda_time_total", row_limit=rows))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+REPORTS = {"cprofile": CProfileReport, "torch": TorchProfileReport}
 
 
 def main() -> int:
@@ -40,7 +93,8 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", default=["full-16"], choices=list(MODES))
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--rows", type=int, default=30, help="functions listed per profile")
+    parser.add_argument("--profiler", choices=list(REPORTS), default="cprofile")
+    parser.add_argument("--rows", type=int, default=30, help="functions or ops listed per table")
     args = parser.parse_args()
     settings = DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model, num_pages=8192)
     engine = build_engine(settings)
@@ -48,19 +102,25 @@ def main() -> int:
     texts = [json.loads(line)["text"] for line in args.data.read_text().splitlines()[: args.streams]]
     prompts = [engine.tokenizer(t)["input_ids"][-args.prompt_tokens :] for t in texts]
     for mode in args.modes:
-        for profile in (cProfile.Profile(), cProfile.Profile()):  # the first run records graphs, untimed
-            asyncio.run(_run(engine, prompts, mode, args.max_new_tokens, profile))
+        for report in (REPORTS[args.profiler](), REPORTS[args.profiler]()):  # the first run records graphs, untimed
+            asyncio.run(_run(engine, prompts, mode, args.max_new_tokens, report))
         print(f"==== {mode}, {args.streams} streams, {args.max_new_tokens} new tokens each ====")
-        for order in ("tottime", "cumulative"):
-            pstats.Stats(profile, stream=sys.stdout).sort_stats(order).print_stats(args.rows)
+        report.print(args.rows)
     return 0
 
 
-async def _run(engine, prompts, mode: str, max_new_tokens: int, profile: cProfile.Profile) -> None:  # noqa: ANN001
+async def _run(engine, prompts, mode: str, max_new_tokens: int, report) -> None:  # noqa: ANN001
     streams = asyncio.ensure_future(concurrent(engine, prompts, MODES[mode], max_new_tokens))
     await asyncio.sleep(0.05)  # every request is in the inbox
-    await asyncio.to_thread(profiled_loop, engine.core, profile)
+    await asyncio.to_thread(_profiled_loop, engine.core, report)
     await streams
+
+
+def _profiled_loop(core, report) -> None:  # noqa: ANN001
+    """Run ``core``'s iterations under ``report``'s profiler while it has work (this thread stands in for the loop's)."""
+    with report.active() as call:
+        while core.has_work():
+            call(core.step)
 
 
 if __name__ == "__main__":

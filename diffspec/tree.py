@@ -79,19 +79,25 @@ class DraftTree:
 
     @functools.cached_property
     def _depths(self) -> torch.Tensor:
-        depth = torch.zeros(self.num_nodes, dtype=torch.long)
-        parents = self.parents.tolist()
+        depth, parents = [0] * self.num_nodes, self.parents.tolist()
         for i in range(1, self.num_nodes):
             depth[i] = depth[parents[i]] + 1
-        return depth
+        return torch.tensor(depth, dtype=torch.long)
 
     def ancestor_mask(self) -> torch.Tensor:
-        """[num_nodes, num_nodes] bool: mask[i, j] = node j is node i or one of its ancestors."""
-        n = self.num_nodes
-        mask = torch.eye(n, dtype=torch.bool)
-        parents = self.parents.tolist()
-        for i in range(1, n):
-            mask[i] |= mask[parents[i]]
+        """[num_nodes, num_nodes] bool: mask[i, j] = node j is node i or one of its ancestors (computed
+        once per tree; do not modify)."""
+        return self._ancestor_mask
+
+    @functools.cached_property
+    def _ancestor_mask(self) -> torch.Tensor:
+        # one tensor op per level, not per node: every row walks up from itself to the root together
+        rows = torch.arange(self.num_nodes)
+        parents, node = self.parents.clamp(min=0), rows
+        mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.bool)
+        for _ in range(int(self.depths().max()) + 1):
+            mask[rows, node] = True
+            node = parents[node]
         return mask
 
     def children(self) -> list[list[int]]:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.tree import DraftTree
@@ -73,20 +74,23 @@ class DraftRuntime:
             released = {sid: self._release(sid) for sid in batch.releases if sid in self.sessions}
             if batch.verify_cost is not None:
                 self.step_cost.observe_verify(batch.verify_cost.tree_tokens, batch.verify_cost.seconds)
-            for start in batch.starts:
-                self._guard(start.session_id, failures, self._start, start)
-            extensions: list[tuple[str, Extension]] = []
-            for accept in batch.accepts:
-                try:
-                    extensions.append((accept.session_id, self._accept(accept)))
-                except DiffSpecError as failure:
-                    failures[accept.session_id] = failure
-            self._extend_all(extensions, failures)
+            with record_function("draft.start"):
+                for start in batch.starts:
+                    self._guard(start.session_id, failures, self._start, start)
+            with record_function("draft.accept"):
+                extensions: list[tuple[str, Extension]] = []
+                for accept in batch.accepts:
+                    try:
+                        extensions.append((accept.session_id, self._accept(accept)))
+                    except DiffSpecError as failure:
+                        failures[accept.session_id] = failure
+                self._extend_all(extensions, failures)
             proposes = [sid for sid in batch.proposes if sid not in failures]
             for sid in proposes:
                 if sid not in self.sessions:
                     failures[sid] = InvalidRequest(f"unknown draft session {sid!r}")
-            trees = self._propose([sid for sid in proposes if sid not in failures])
+            with record_function("draft.propose"):
+                trees = self._propose([sid for sid in proposes if sid not in failures])
             for sid in failures:
                 self.sessions.pop(sid, None)
         return DraftBatchResult(trees, released, failures)
@@ -143,7 +147,8 @@ class DraftRuntime:
         if not session_ids:
             return {}
         sessions = [self.sessions[sid] for sid in session_ids]
-        plans = self._plan_batch(sessions)
+        with record_function("draft.plan"):
+            plans = self._plan_batch(sessions)
         requests = [ProposalRequest(s.drafter_state, plan, s.budget) for s, plan in zip(sessions, plans)]
         started = time.perf_counter()
         trees = self.drafter.propose_many(requests)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch.profiler import record_function
 
 from diffspec.cuda_graphs import record_graph
 from diffspec.tree import DeviceTree, DraftTree
@@ -105,9 +106,12 @@ class TreeProposer:
         shape = ProposalShape.of(requests, [keys.shape[0] for keys, _ in contexts])
         if shape.depth == 0:
             return [DraftTree.root_only(r.session.root_token) for r in requests]
-        run = self._stage(shape, requests, contexts)
-        out = self._replay(run) if self.capture else self._search(run)
-        return _trees(out, len(requests), copy_device=self.capture)
+        with record_function("draft.propose.stage"):
+            run = self._stage(shape, requests, contexts)
+        with record_function("draft.propose.search"):
+            out = self._replay(run) if self.capture else self._search(run)
+        with record_function("draft.propose.trees"):
+            return _trees(out, len(requests), copy_device=self.capture)
 
     def _stage(
         self, shape: ProposalShape, requests: list[ProposalRequest], contexts: list[tuple[torch.Tensor, torch.Tensor]]

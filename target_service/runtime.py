@@ -13,10 +13,11 @@ import itertools
 import threading
 
 import torch
+from torch.profiler import record_function
 
 from diffspec.devices import dtype_name, resolve_device, resolve_dtype
 from diffspec.errors import DiffSpecError, InvalidRequest
-from diffspec.sampling import SamplingParams, sample, target_probs
+from diffspec.sampling import SamplingParams, sample, target_probs, token_logprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
 from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata, causal_mask
@@ -82,11 +83,14 @@ class TargetRuntime:
                 self._release(session_id)
             for opening in batch.opens:
                 self._guard(opening.session_id, failures, self._open, opening)
-            prefills = self._prefill([w for w in batch.prefills if w.session_id not in failures], failures)
-            verifies = self._verify([v for v in batch.verifies if v.session_id not in failures], failures)
+            with record_function("target.prefill"):
+                prefills = self._prefill([w for w in batch.prefills if w.session_id not in failures], failures)
+            with record_function("target.verify"):
+                verifies = self._verify([v for v in batch.verifies if v.session_id not in failures], failures)
             for session_id in failures:
                 self._release(session_id)
-        return TargetBatchResult(prefills, verifies, failures)
+            free = self.pool.num_free_pages
+        return TargetBatchResult(prefills, verifies, failures, free)
 
     def _guard(self, session_id: str, failures: Failures, work, *args) -> None:  # noqa: ANN001
         try:
@@ -100,7 +104,10 @@ class TargetRuntime:
         if opening.session_id in self.sessions or self.pool.has_sequence(opening.session_id):
             raise InvalidRequest(f"session {opening.session_id!r} already exists")
         self.limits.check_prompt(opening.prompt_ids)
-        num_cached = self.pool.allocate(opening.session_id, opening.prompt_ids)
+        layers = opening.feature_layers or self.feature_layers
+        if opening.want_features and any(not 0 <= i < self.model.config.num_layers for i in layers):
+            raise InvalidRequest(f"feature layers {list(layers)} outside the target's 0..{self.model.config.num_layers - 1}")
+        num_cached = self.pool.allocate(opening.session_id, opening.prompt_ids, opening.cache_scope)
         # Features are needed for every prompt position, so shared pages only save compute without them.
         self.sessions[opening.session_id] = TargetSession(
             prompt_ids=list(opening.prompt_ids),
@@ -108,6 +115,7 @@ class TargetRuntime:
             generator=None if opening.sampling.greedy else opening.sampling.generator(),
             want_features=opening.want_features,
             prefilled=0 if opening.want_features else num_cached,
+            feature_layers=layers,
         )
 
     def _prefill(self, work: list[PrefillWork], failures: Failures) -> dict[str, PrefillResult]:
@@ -128,7 +136,7 @@ class TargetRuntime:
             [self.pool.block_table(sid) for sid, _, _ in chunks], [causal_mask(len(c)) for c in ids],
             self.pool.page_size, self.device,
         )  # fmt: skip
-        want_features = any(self.sessions[sid].want_features for sid, _, _ in chunks)
+        feature_layers = self._feature_layers([self.sessions[sid] for sid, _, _ in chunks])
         out = self.model.forward_paged(
             torch.tensor(list(itertools.chain(*ids)), device=self.device),
             torch.cat([torch.arange(start, end) for _, start, end in chunks]).to(self.device),
@@ -136,23 +144,26 @@ class TargetRuntime:
             self.cache.v_pages,
             meta,
             self.backend,
-            self.feature_layers if want_features else (),
+            feature_layers,
         )
         commits, results, row = [], {}, 0
         for sid, start, end in chunks:
             session = self.sessions[sid]
             rows, row = range(row, row + end - start), row + end - start
-            first = None
+            first, first_logprobs = None, None
             if end == len(session.prompt_ids):
                 self._guard(sid, failures, self._first_token, session, out.hidden[rows[-1]])
                 if sid in failures:
                     continue  # released with the step's other failures; nothing of it is committed
                 first = session.pending_token
+                if session.sampling.logprobs is not None:
+                    logits = self.model.logits(out.hidden[rows[-1] : rows[-1] + 1])
+                    first_logprobs = token_logprobs(logits, [first], session.sampling)
             skip = max(0, self.pool.num_committed(sid) - start)  # rows already in shared prefix pages
             commits.append(Commit(sid, list(rows[skip:]), session.prompt_ids[start + skip : end]))
             session.prefilled = end
-            features = out.features[rows.start : rows.stop] if session.want_features else None
-            results[sid] = PrefillResult(end, len(session.prompt_ids), first, features)
+            features = out.features_of(slice(rows.start, rows.stop), session.feature_layers) if session.want_features else None
+            results[sid] = PrefillResult(end, len(session.prompt_ids), first, features, first_logprobs)
         self._commit(out, commits)
         return results
 
@@ -180,12 +191,14 @@ class TargetRuntime:
         if not valid:
             return {}
         inputs = [self._step_input(step) for step in valid]
-        ran = self.step_graphs.run(inputs) if self.step_graphs is not None else None
-        if ran is None:
-            want_features = any(self.sessions[s.session_id].want_features for s in valid)
-            ran = self._forward_eager(inputs, want_features)
         sessions = [self.sessions[step.session_id] for step in valid]
-        results, commits, rejected = accept_batch(valid, sessions, ran)
+        feature_layers = self._feature_layers(sessions)
+        graphs_hold_features = set(feature_layers) <= set(self.feature_layers)  # graphs compute the default layers
+        ran = self.step_graphs.run(inputs) if self.step_graphs is not None and graphs_hold_features else None
+        if ran is None:
+            ran = self._forward_eager(inputs, feature_layers)
+        with record_function("target.verify.accept"):
+            results, commits, rejected = accept_batch(valid, sessions, ran)
         failures.update(rejected)
         self._commit(ran.forward, commits)
         return results
@@ -208,7 +221,12 @@ class TargetRuntime:
             block_table=self.pool.block_table(step.session_id),
         )
 
-    def _forward_eager(self, inputs: list[StepInput], want_features: bool) -> StepOutputs:
+    def _feature_layers(self, sessions: list[TargetSession]) -> tuple[int, ...]:
+        """The layers a forward over ``sessions`` extracts: every layer one of them wants features from."""
+        wanted = {layer for session in sessions if session.want_features for layer in session.feature_layers}
+        return self.feature_layers if wanted == set(self.feature_layers) else tuple(sorted(wanted))
+
+    def _forward_eager(self, inputs: list[StepInput], feature_layers: tuple[int, ...]) -> StepOutputs:
         """The unpadded forward, for steps no graph bucket holds (and every step without graphs)."""
         meta = AttentionMetadata.build(
             q_lens=[i.tokens.numel() for i in inputs],
@@ -225,7 +243,7 @@ class TargetRuntime:
             self.cache.v_pages,
             meta,
             self.backend,
-            self.feature_layers if want_features else (),
+            feature_layers,
         )
         offsets = list(itertools.accumulate((i.tokens.numel() for i in inputs[:-1]), initial=0))
         return StepOutputs(out, self.model.logits(out.hidden), offsets)
@@ -260,7 +278,8 @@ class TargetRuntime:
             work = PrefillWork(session_id, len(prompt_ids))
             parts.append(self._raise_failures(self.step(TargetBatch(prefills=[work]))).prefills[session_id])
         features = [p.features for p in parts if p.features is not None]
-        return PrefillResult(len(prompt_ids), len(prompt_ids), parts[-1].first_token, torch.cat(features) if features else None)
+        joined = torch.cat(features) if features else None
+        return PrefillResult(len(prompt_ids), len(prompt_ids), parts[-1].first_token, joined, parts[-1].first_logprobs)
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
         return self._raise_failures(self.step(TargetBatch(verifies=[VerifyStep(session_id, tree)]))).verifies[session_id]
