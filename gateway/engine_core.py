@@ -20,16 +20,29 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from diffspec.errors import DeadlineExceeded, DiffSpecError, PeerUnavailable, ResourceExhausted
 from draft_service.backend import DraftBackend, DraftBatch, DraftBatchResult, VerifyCost
 from gateway.detokenizer import Tokenizer
 from gateway.request import GenerationRequest
 from gateway.running_request import OutputSink, Phase, RunningRequest
-from target_service.backend import PrefillWork, SessionOpen, TargetBackend, TargetBatch, TargetInfo, VerifyStep
+from target_service.backend import (
+    PrefillWork,
+    SessionOpen,
+    TargetBackend,
+    TargetBatch,
+    TargetBatchResult,
+    TargetInfo,
+    VerifyStep,
+)
 
 log = logging.getLogger(__name__)
+
+Batch = TypeVar("Batch", DraftBatch, TargetBatch)
+Result = TypeVar("Result", DraftBatchResult, TargetBatchResult)
 
 MIN_PREFILL_TOKENS = 64  # prompt tokens an iteration computes even when trees fill the budget
 
@@ -160,8 +173,13 @@ class EngineCore:
         started = time.perf_counter()
         self._take_inbox()
         self._end_expired()
-        self.timing.draft_seconds += self._draft_step()
-        self.timing.target_seconds += self._target_step()
+        if self.draft is not None:
+            self.timing.draft_seconds += self._exchange(
+                self._draft_batch(), self.draft.step, self._draft_step_failed, self._apply_draft
+            )
+        self.timing.target_seconds += self._exchange(
+            self._target_batch(), self.target.step, self._target_step_failed, self._apply_target
+        )
         self.timing.iterations += 1
         self.timing.loop_seconds += time.perf_counter() - started
 
@@ -179,23 +197,30 @@ class EngineCore:
             if running.deadline is not None and now > running.deadline and running.phase is not Phase.FINISHED:
                 self._fail(running, DeadlineExceeded("the request's deadline passed"))
 
-    # -- draft ---------------------------------------------------------------------------------
+    def _exchange(
+        self,
+        batch: Batch,
+        call: Callable[[Batch], Result],
+        step_failed: Callable[[DiffSpecError], Result],
+        apply: Callable[[Batch, Result, float], None],
+    ) -> float:
+        """One backend call of the iteration: send the batch, time the call, apply the result.
 
-    def _draft_step(self) -> float:
-        if self.draft is None:
-            return 0.0
-        batch = self._draft_batch()
+        A call that fails as a whole comes back as a result in which every session it held failed,
+        so one ``apply`` handles both. Returns the call's wall seconds (0 when there was no work).
+        """
         if not batch:
             return 0.0
         started = time.perf_counter()
         try:
-            result = self.draft.step(batch)
+            result = call(batch)
         except DiffSpecError as failure:
-            log.warning("draft step failed, its requests continue with Auto: %s", failure)
-            result = DraftBatchResult(failures={sid: failure for sid in self._drafting_ids()})
+            result = step_failed(failure)
         seconds = time.perf_counter() - started
-        self._apply_draft(batch, result, seconds)
+        apply(batch, result, seconds)
         return seconds
+
+    # -- draft ---------------------------------------------------------------------------------
 
     def _draft_batch(self) -> DraftBatch:
         starts, accepts, proposes = [], [], []
@@ -213,8 +238,10 @@ class EngineCore:
         cost, self._verify_cost = self._verify_cost, None
         return DraftBatch(list(self._draft_releases), starts, accepts, proposes, cost)
 
-    def _drafting_ids(self) -> list[str]:
-        return [r.request_id for r in self._requests.values() if r.drafting and r.draft_session]
+    def _draft_step_failed(self, failure: DiffSpecError) -> DraftBatchResult:
+        log.warning("draft step failed, its requests continue with Auto: %s", failure)
+        drafting = [r.request_id for r in self._requests.values() if r.drafting and r.draft_session]
+        return DraftBatchResult(failures=dict.fromkeys(drafting, failure))
 
     def _apply_draft(self, batch: DraftBatch, result: DraftBatchResult, seconds: float) -> None:
         for session_id in batch.releases:
@@ -235,44 +262,6 @@ class EngineCore:
 
     # -- target --------------------------------------------------------------------------------
 
-    def _target_step(self) -> float:
-        batch = self._target_batch()
-        if not batch:
-            return 0.0
-        started = time.perf_counter()
-        try:
-            result = self.target.step(batch)
-        except DiffSpecError as failure:
-            log.warning("target step failed: %s", failure)
-            for running in list(self._requests.values()):
-                if running.target_session:
-                    running.target_session = False  # a failed step leaves nothing to release on a lost peer
-                    self._fail(running, failure)
-            return time.perf_counter() - started
-        seconds = time.perf_counter() - started
-        if batch.verifies:
-            self.timing.batch_sizes.append(len(batch.verifies))
-        if batch.verifies and not batch.prefills:  # a prompt chunk in the same call is no verify cost
-            self._verify_cost = VerifyCost(batch.tree_tokens, seconds)
-            self.timing.verify_only_iterations += 1
-            self.timing.verify_only_seconds += seconds
-        for session_id, failure in result.failures.items():
-            if session_id in self._requests:
-                self._requests[session_id].target_session = False  # the target released it
-                self._fail(self._requests[session_id], failure)
-        for session_id, prefill in result.prefills.items():
-            running = self._requests.get(session_id)
-            if running is not None and running.phase is Phase.PREFILLING:
-                running.on_prefill(prefill)
-                self._end_if_finished(running)
-        for session_id, verified in result.verifies.items():
-            running = self._requests.get(session_id)
-            if running is not None and running.phase is Phase.DECODING:
-                running.stats.verify_seconds += seconds
-                running.on_verify(verified)
-                self._end_if_finished(running)
-        return seconds
-
     def _target_batch(self) -> TargetBatch:
         releases, self._target_releases = self._target_releases, []
         verifies = [
@@ -292,6 +281,35 @@ class EngineCore:
                 prefills.append(PrefillWork(running.request_id, tokens))
                 budget -= tokens
         return TargetBatch(releases, opens, prefills, verifies)
+
+    def _target_step_failed(self, failure: DiffSpecError) -> TargetBatchResult:
+        log.warning("target step failed: %s", failure)
+        holding = [r.request_id for r in self._requests.values() if r.target_session]
+        return TargetBatchResult(failures=dict.fromkeys(holding, failure))
+
+    def _apply_target(self, batch: TargetBatch, result: TargetBatchResult, seconds: float) -> None:
+        if result.verifies:
+            self.timing.batch_sizes.append(len(batch.verifies))
+        if result.verifies and not batch.prefills:  # a prompt chunk in the same call is no verify cost
+            self._verify_cost = VerifyCost(batch.tree_tokens, seconds)
+            self.timing.verify_only_iterations += 1
+            self.timing.verify_only_seconds += seconds
+        for session_id, failure in result.failures.items():
+            if session_id in self._requests:
+                # the target released it, or the whole step failed and a lost peer holds nothing to release
+                self._requests[session_id].target_session = False
+                self._fail(self._requests[session_id], failure)
+        for session_id, prefill in result.prefills.items():
+            running = self._requests.get(session_id)
+            if running is not None and running.phase is Phase.PREFILLING:
+                running.on_prefill(prefill)
+                self._end_if_finished(running)
+        for session_id, verified in result.verifies.items():
+            running = self._requests.get(session_id)
+            if running is not None and running.phase is Phase.DECODING:
+                running.stats.verify_seconds += seconds
+                running.on_verify(verified)
+                self._end_if_finished(running)
 
     # -- ending requests -----------------------------------------------------------------------
 
