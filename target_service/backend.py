@@ -4,7 +4,8 @@ The engine makes one ``step`` call per loop iteration with the whole batch's wor
 release, sessions to open (the prompt, its sampling), the next prompt chunk of each prefilling
 session, and one tree per decoding session (a root-only tree is an Auto step). A session's
 failure (bad input, no pages left, a sampling overflow) comes back in ``failures`` and leaves
-every other session of the batch untouched.
+every other session of the batch untouched. Each result reports the KV pages left free, so the
+engine admits new sessions against the target's real capacity, in process and over gRPC alike.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Protocol
 import torch
 
 from diffspec.errors import DiffSpecError
-from diffspec.sampling import SamplingParams
+from diffspec.sampling import SamplingParams, TokenLogprobs
 from diffspec.tree import DraftTree
 
 
@@ -25,6 +26,8 @@ class SessionOpen:
     prompt_ids: list[int]  # target-vocab ids of the whole prompt
     sampling: SamplingParams
     want_features: bool  # send EAGLE-3 features of every prompt position and of every accepted token
+    cache_scope: str = ""  # tenant: prompt pages are shared only with sessions of the same scope
+    feature_layers: tuple[int, ...] = ()  # target layers the features come from; () = the target's default
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class PrefillResult:
     total_tokens: int  # prompt length
     first_token: int | None  # sampled from the last prompt position; set once the prompt is done
     features: torch.Tensor | None  # [rows computed this step, 3 * hidden], only when features were asked for
+    first_logprobs: TokenLogprobs | None = None  # of first_token, when the sampling asks for logprobs
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class VerifyResult:
     accepted_nodes: list[int]  # their tree node indices
     bonus_token: int  # the target's token after the accepted path; the next tree's root
     features: torch.Tensor | None  # [1 + len(accepted), 3 * hidden] at the root and accepted positions
+    logprobs: TokenLogprobs | None = None  # of emitted_tokens, when the sampling asks for logprobs
 
     @property
     def emitted_tokens(self) -> list[int]:
@@ -81,6 +86,7 @@ class TargetBatchResult:
     prefills: dict[str, PrefillResult] = field(default_factory=dict)
     verifies: dict[str, VerifyResult] = field(default_factory=dict)
     failures: dict[str, DiffSpecError] = field(default_factory=dict)  # session -> why its work was dropped
+    num_free_pages: int | None = None  # KV pages free after the step (what admission counts on); None = unknown
 
 
 @dataclass(frozen=True)

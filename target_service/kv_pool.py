@@ -7,6 +7,8 @@ Pages are shared (refcount > 1) in two ways:
 - prefix cache: when a page's last token is committed, the page is registered under its chain key
   (previous page's chain hash, this page's token ids); a later prompt that starts with the same pages
   maps them instead of recomputing. A freed full page keeps its entry until it is handed out again.
+  Chains start from the sequence's cache scope (the tenant), so a prompt only ever hits pages that
+  its own scope committed: no page sharing, and so no timing, can tell one tenant another's prompt.
 - fork: a child shares its parent's committed pages, a partial last page included.
 Only positions >= num_committed are ever written, so full pages never change; a shared partial page is
 copied before its next write (reserve), and commit refuses to write into a page that is still shared.
@@ -21,8 +23,16 @@ from dataclasses import dataclass
 from diffspec.errors import InvalidRequest, KVPoolExhausted
 
 PrefixKey = tuple[int, tuple[int, ...]]  # (chain hash of the previous page, this page's token ids)
-# CPython's hash() never returns -1, so no real chain hash can collide with the first page's "previous".
+# CPython's hash() never returns -1, so no real chain hash can collide with the first page's "previous"
+# in the default scope.
 _NO_PREVIOUS_PAGE = -1
+DEFAULT_SCOPE = ""
+
+
+def scope_root(cache_scope: str) -> int:
+    """The "previous page" hash a scope's chains start from: str hashes are salted per process, so a
+    client cannot build a chain that lands in another scope."""
+    return _NO_PREVIOUS_PAGE if cache_scope == DEFAULT_SCOPE else hash(("cache_scope", cache_scope))
 
 
 @dataclass(frozen=True)
@@ -77,18 +87,18 @@ class PagedKVPool:
         """Whether a new sequence of num_tokens fits now, counting no prefix hits (conservative)."""
         return self.pages_needed(num_tokens) <= self.num_free_pages
 
-    def allocate(self, seq_id: str, prompt_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: str, prompt_ids: Sequence[int], cache_scope: str = DEFAULT_SCOPE) -> int:
         """Registers a sequence and holds pages for its whole prompt, so an admitted prompt never runs out
-        of pages later. Leading full pages found in the prefix cache are shared, never the page holding the
-        last prompt token: its forward pass yields the first output token. Returns num_cached_tokens, the
-        sequence's initial committed length."""
+        of pages later. Leading full pages found in the prefix cache of ``cache_scope`` are shared, never
+        the page holding the last prompt token: its forward pass yields the first output token. Returns
+        num_cached_tokens, the sequence's initial committed length."""
         if seq_id in self._block_tables:
             raise InvalidRequest(f"sequence {seq_id!r} already exists")
         if not prompt_ids:
             raise InvalidRequest("a prompt needs at least one token")
         ps = self.page_size
         cached_pages: list[int] = []
-        last_hash = _NO_PREVIOUS_PAGE
+        last_hash = scope_root(cache_scope)
         for i in range((len(prompt_ids) - 1) // ps):
             key = (last_hash, tuple(prompt_ids[i * ps : (i + 1) * ps]))
             page = self._prefix_cache.get(key)

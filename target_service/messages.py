@@ -41,7 +41,7 @@ def batch_to_proto(batch: TargetBatch) -> target_pb2.TargetStep:
         opens=[
             target_pb2.SessionOpen(
                 session_id=o.session_id, prompt_ids=o.prompt_ids, sampling=sampling_to_proto(o.sampling),
-                want_features=o.want_features,
+                want_features=o.want_features, cache_scope=o.cache_scope,
             )  # fmt: skip
             for o in batch.opens
         ],
@@ -56,7 +56,8 @@ def batch_from_proto(message: target_pb2.TargetStep, scope: str) -> tuple[Target
     opens, verifies = [], []
     for o in message.opens:
         try:
-            opens.append(SessionOpen(scope + o.session_id, list(o.prompt_ids), sampling_from_proto(o.sampling), o.want_features))
+            sampling = sampling_from_proto(o.sampling)
+            opens.append(SessionOpen(scope + o.session_id, list(o.prompt_ids), sampling, o.want_features, o.cache_scope))
         except DiffSpecError as bad:
             failures[o.session_id] = bad
     for v in message.verifies:
@@ -92,6 +93,8 @@ def result_to_proto(result: TargetBatchResult, scope: str) -> tuple[target_pb2.T
     reply.failures.extend(failure_to_proto(sid.removeprefix(scope), f) for sid, f in result.failures.items())
     features = torch.cat(rows) if rows else None
     reply.feature_rows = 0 if features is None else features.shape[0]
+    if result.num_free_pages is not None:
+        reply.num_free_pages = result.num_free_pages
     return reply, features
 
 
@@ -115,7 +118,8 @@ def result_from_proto(reply: target_pb2.TargetStepReply, features: torch.Tensor 
         for v in reply.verifies
     }
     failures = {f.session_id: error_from_failure(peer, f) for f in reply.failures}
-    return TargetBatchResult(prefills, verifies, failures)
+    free = reply.num_free_pages if reply.HasField("num_free_pages") else None
+    return TargetBatchResult(prefills, verifies, failures, free)
 
 
 def info_to_proto(info: TargetInfo) -> target_pb2.TargetInfoResponse:

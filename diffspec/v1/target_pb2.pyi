@@ -18,16 +18,18 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "cache_scope")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     want_features: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., want_features: _Optional[bool] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., want_features: _Optional[bool] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class PrefillWork(_message.Message):
     __slots__ = ("session_id", "num_tokens")
@@ -86,16 +88,18 @@ class VerifyDone(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., feature_rows: _Optional[int] = ...) -> None: ...
 
 class TargetStepReply(_message.Message):
-    __slots__ = ("prefills", "verifies", "failures", "feature_rows")
+    __slots__ = ("prefills", "verifies", "failures", "feature_rows", "num_free_pages")
     PREFILLS_FIELD_NUMBER: _ClassVar[int]
     VERIFIES_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     prefills: _containers.RepeatedCompositeFieldContainer[PrefillDone]
     verifies: _containers.RepeatedCompositeFieldContainer[VerifyDone]
     failures: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SessionFailure]
     feature_rows: int
-    def __init__(self, prefills: _Optional[_Iterable[_Union[PrefillDone, _Mapping]]] = ..., verifies: _Optional[_Iterable[_Union[VerifyDone, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[_tensor_pb2.SessionFailure, _Mapping]]] = ..., feature_rows: _Optional[int] = ...) -> None: ...
+    num_free_pages: int
+    def __init__(self, prefills: _Optional[_Iterable[_Union[PrefillDone, _Mapping]]] = ..., verifies: _Optional[_Iterable[_Union[VerifyDone, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[_tensor_pb2.SessionFailure, _Mapping]]] = ..., feature_rows: _Optional[int] = ..., num_free_pages: _Optional[int] = ...) -> None: ...
 
 class TargetStepResponse(_message.Message):
     __slots__ = ("reply", "features")
