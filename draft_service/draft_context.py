@@ -38,6 +38,11 @@ class DraftContext:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv.append(k, v)
 
+    def claim(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``n`` committed positions' keys and values [n, kv_heads, hd], for the caller to fill
+        before the next ``refresh``."""
+        return self.kv.claim(n)
+
     def refresh(self, q: torch.Tensor) -> None:
         """Re-score chunks against the latest query [heads, hd] and update the arena if needed."""
         if self.salience is None:
@@ -50,15 +55,34 @@ class DraftContext:
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [tokens, kv_heads, hd] the draft attends to."""
-        if self.salience is None:
-            return self.kv.view()
+        spans = self.spans()
+        if len(spans) == 1:
+            return spans[0]
+        return torch.cat([k for k, _ in spans]), torch.cat([v for _, v in spans])
+
+    def spans(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """What ``view`` returns, as contiguous pieces in order (the arena, then the partial tail chunk),
+        so a batch can copy them without concatenating first."""
         keys, values = self.kv.view()
+        if self.salience is None:
+            return [(keys, values)]
         tail = self.index.num_chunks * self.salience.chunk_size
-        arena_k, arena_v = self.arena.view()
-        return torch.cat([arena_k, keys[tail:]]), torch.cat([arena_v, values[tail:]])
+        return [self.arena.view(), (keys[tail:], values[tail:])]
 
     @property
     def attended_tokens(self) -> int:
-        if self.salience is None:
-            return self.kv.length
-        return len(self.arena.slot_chunk) * self.salience.chunk_size + self.kv.length % self.salience.chunk_size
+        return sum(keys.shape[0] for keys, _ in self.spans())
+
+
+def copy_contexts(contexts: list[DraftContext], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+    """Context b's attended keys and values into the first rows of ``keys_out[b]`` and ``values_out[b]``
+    ([batch, capacity, kv_heads, hd]): one multi-tensor copy for the whole batch, not two per session."""
+    targets, sources = [], []
+    for b, context in enumerate(contexts):
+        offset = 0
+        for keys, values in context.spans():
+            n = keys.shape[0]
+            targets += [keys_out[b, offset : offset + n], values_out[b, offset : offset + n]]
+            sources += [keys, values]
+            offset += n
+    torch._foreach_copy_(targets, sources)

@@ -17,14 +17,20 @@ class DraftKV:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [n, kv_heads, hd] for the next n positions."""
-        needed = self.length + k.shape[0]
+        keys, values = self.claim(k.shape[0])
+        keys.copy_(k)
+        values.copy_(v)
+
+    def claim(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``n`` positions, counted as committed: [n, kv_heads, hd] keys and values for the
+        caller to fill (a batch of sessions fills all of theirs in one copy)."""
+        needed = self.length + n
         if needed > self.keys.shape[0]:
             capacity = max(needed, 2 * self.keys.shape[0])
             self.keys = _grown(self.keys, capacity, self.length)
             self.values = _grown(self.values, capacity, self.length)
-        self.keys[self.length : needed] = k
-        self.values[self.length : needed] = v
-        self.length = needed
+        start, self.length = self.length, needed
+        return self.keys[start:needed], self.values[start:needed]
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[length, kv_heads, hd] keys and values of every committed position."""

@@ -24,7 +24,7 @@ import torch
 
 from diffspec.tree import DraftTree
 from draft_service.draft_attention import draft_attention
-from draft_service.draft_context import DraftContext
+from draft_service.draft_context import DraftContext, copy_contexts
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.tree_budget import DepthPlan, TreeBudget
 from draft_service.tree_proposal import TreeProposer
@@ -90,6 +90,7 @@ class Drafter:
         positions = torch.cat(
             [torch.arange(e.session.num_entries, e.session.num_entries + n) for e, n in zip(extensions, counts)]
         ).to(device)
+        ends = list(itertools.accumulate(counts))  # 1 past each session's last row
         keys, values, queries, hiddens = [], [], [], []
         for start in range(0, len(tokens), EXTEND_CHUNK):
             stop = min(start + EXTEND_CHUNK, len(tokens))
@@ -97,43 +98,43 @@ class Drafter:
             q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, positions[start:stop], self.fused)
             keys.append(k)
             values.append(v)
-            last = [row - start for row in itertools.accumulate(counts) if start < row <= stop]  # 1 past each last row
-            queries += [q[row - 1] for row in last]
-            hiddens += [hidden[row - 1] for row in last]
+            last = torch.tensor([end - 1 - start for end in ends if start < end <= stop], device=device)
+            queries.append(q[last])
+            hiddens.append(hidden[last])
         keys_all, values_all = torch.cat(keys), torch.cat(values)
-        contexts = []
-        for extension, first, n, query in zip(extensions, itertools.accumulate([0, *counts]), counts, queries):
+        targets, sources = [], []
+        for extension, first, n in zip(extensions, itertools.accumulate([0, *counts]), counts):
             session = extension.session
-            session.context.append(keys_all[first : first + n], values_all[first : first + n])
+            targets += session.context.claim(n)
+            sources += [keys_all[first : first + n], values_all[first : first + n]]
             session.num_entries += n
             session.root_token = extension.next_tokens[-1]
-            session.context.refresh(query)
-            contexts.append(session.context.view())
-        attended = self._last_entry_attention(torch.stack(queries), contexts)
-        outputs = self.head.attention_outputs(attended, torch.stack(hiddens), self.fused)
+        torch._foreach_copy_(targets, sources)
+        last_queries = torch.cat(queries)  # [sessions, heads, hd]
+        for extension, query in zip(extensions, last_queries):
+            extension.session.context.refresh(query)
+        attended = self._last_entry_attention(last_queries, [e.session.context for e in extensions])
+        outputs = self.head.attention_outputs(attended, torch.cat(hiddens), self.fused)
         for extension, output in zip(extensions, outputs):
             extension.session.last_output = output
 
-    def _last_entry_attention(
-        self, queries: torch.Tensor, contexts: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor:
+    def _last_entry_attention(self, queries: torch.Tensor, contexts: list[DraftContext]) -> torch.Tensor:
         """queries [B, heads, hd], each over its session's context -> [B, heads, hd]. Contexts are padded into
         one batch when that stays small (a few launches for the whole batch), else attended one by one."""
-        longest = max(keys.shape[0] for keys, _ in contexts)
-        empty = queries.new_zeros(0, *contexts[0][0].shape[1:])
+        lengths = [context.attended_tokens for context in contexts]
+        longest = max(lengths)
+        c = self.head.config
+        empty = queries.new_zeros(0, c.num_kv_heads, c.head_dim)
         if len(contexts) == 1 or len(contexts) * longest > PADDED_ATTENTION_KEYS:
             no_new = torch.zeros(1, 0, dtype=torch.bool, device=queries.device)
             return torch.cat([
-                draft_attention(q[None], keys, values, empty, empty, no_new, self.head.scale)
-                for q, (keys, values) in zip(queries, contexts)
+                draft_attention(q[None], *context.view(), empty, empty, no_new, self.head.scale)
+                for q, context in zip(queries, contexts)
             ])  # fmt: skip
         batch_keys = queries.new_zeros(len(contexts), longest, *empty.shape[1:])
         batch_values = torch.zeros_like(batch_keys)
-        for b, (keys, values) in enumerate(contexts):
-            batch_keys[b, : keys.shape[0]] = keys
-            batch_values[b, : values.shape[0]] = values
-        lengths = torch.tensor([keys.shape[0] for keys, _ in contexts], device=queries.device)
-        valid = torch.arange(longest, device=queries.device) < lengths[:, None]  # [B, longest]
+        copy_contexts(contexts, batch_keys, batch_values)
+        valid = torch.arange(longest, device=queries.device) < torch.tensor(lengths, device=queries.device)[:, None]
         no_new = torch.zeros(len(contexts), 1, 0, dtype=torch.bool, device=queries.device)
         empty_batch = empty.expand(len(contexts), *empty.shape)
         attended = draft_attention(

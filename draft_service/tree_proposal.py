@@ -30,6 +30,7 @@ from torch.profiler import record_function
 from diffspec.cuda_graphs import record_graph
 from diffspec.tree import DeviceTree, DraftTree
 from draft_service.draft_attention import draft_attention
+from draft_service.draft_context import DraftContext, copy_contexts
 from draft_service.eagle3_head import Eagle3Head, FusedProjections
 from draft_service.tree_kv import TreeKV
 from draft_service.tree_search import Candidates, Frontier, TreeTensors, best_frontier, expand, rerank, root_frontier
@@ -102,27 +103,25 @@ class TreeProposer:
 
     @torch.no_grad()
     def propose(self, requests: list[ProposalRequest]) -> list[DraftTree]:
-        contexts = [r.session.context.view() for r in requests]
-        shape = ProposalShape.of(requests, [keys.shape[0] for keys, _ in contexts])
+        contexts = [r.session.context for r in requests]
+        lengths = [context.attended_tokens for context in contexts]
+        shape = ProposalShape.of(requests, lengths)
         if shape.depth == 0:
             return [DraftTree.root_only(r.session.root_token) for r in requests]
         with record_function("draft.propose.stage"):
-            run = self._stage(shape, requests, contexts)
+            run = self._stage(shape, requests, contexts, lengths)
         with record_function("draft.propose.search"):
             out = self._replay(run) if self.capture else self._search(run)
         with record_function("draft.propose.trees"):
             return _trees(out, len(requests), copy_device=self.capture)
 
     def _stage(
-        self, shape: ProposalShape, requests: list[ProposalRequest], contexts: list[tuple[torch.Tensor, torch.Tensor]]
+        self, shape: ProposalShape, requests: list[ProposalRequest], contexts: list[DraftContext], lengths: list[int]
     ) -> _Run:
         run = self._runs.get(shape) or self._allocate(shape)
-        ctx_k, ctx_v = run.context
-        for b, (keys, values) in enumerate(contexts):
-            ctx_k[b, : keys.shape[0]].copy_(keys)
-            ctx_v[b, : values.shape[0]].copy_(values)
+        copy_contexts(contexts, *run.context)
         padding = [0] * (FACTS + 2 * shape.depth)  # a padded session has no plan and keeps no node
-        facts = [_session_facts(r, keys.shape[0], shape.depth) for r, (keys, _) in zip(requests, contexts)]
+        facts = [_session_facts(r, length, shape.depth) for r, length in zip(requests, lengths)]
         run.host_facts.copy_(torch.tensor([*facts, *[padding] * (shape.batch - len(requests))]))
         thresholds = [r.budget.threshold for r in requests] + [0.0] * (shape.batch - len(requests))
         min_log_probs = [math.log(t) if t > 0 else -math.inf for t in thresholds]  # as the host search's floats

@@ -142,8 +142,9 @@ def test_the_search_reads_nothing_back_to_the_host(drafter, monkeypatch):
     sessions = start_sessions(drafter, CONTEXT_LENGTHS, SALIENCE)
     requests = [ProposalRequest(s, plan, budget) for s in sessions]
     proposer = drafter.proposer
-    contexts = [s.context.view() for s in sessions]
-    run = proposer._stage(ProposalShape.of(requests, [k.shape[0] for k, _ in contexts]), requests, contexts)
+    contexts = [s.context for s in sessions]
+    lengths = [c.attended_tokens for c in contexts]
+    run = proposer._stage(ProposalShape.of(requests, lengths), requests, contexts, lengths)
 
     def host_read(*_args, **_kwargs):
         raise AssertionError("a host read inside the proposal")
