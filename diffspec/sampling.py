@@ -1,18 +1,29 @@
-"""Sampling parameters and the target distribution they define.
+"""Sampling parameters, the target distribution they define, and the log-probabilities reported.
 
-Temperature 0 means greedy (argmax). Above 0, logits are divided by the temperature, then
-top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p``. Speculative
-acceptance and plain sampling both draw from exactly this distribution, which is what makes
-speculation lossless.
+Temperature 0 means greedy (argmax). Above 0, logits are divided by the temperature, top-k keeps
+the ``top_k`` most likely tokens, then top-p keeps the smallest set of the rest whose mass
+reaches ``top_p`` (vLLM's order). Speculative acceptance and plain sampling both draw from exactly
+this distribution, which is what makes speculation lossless.
+
+Log-probabilities (``logprobs``) are those of the distribution the token was drawn from: the
+filtered, renormalised one above temperature 0 (a token it excludes reports ``LOGPROB_FLOOR``),
+the model's own softmax at temperature 0 (greedy has no other distribution worth reporting).
+They depend only on the target's logits at the token's position, so a token verified from a
+draft tree reports what Auto would have reported for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from diffspec.errors import InvalidRequest
+
+MAX_LOGPROBS = 20  # most alternatives reported per token (OpenAI's top_logprobs bound)
+LOGPROB_FLOOR = -9999.0  # reported for tokens the filtered distribution excludes (JSON has no -inf)
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: sample i's seed = seed + i * stride (mod 2^63)
 
 
 @dataclass(frozen=True)
@@ -20,12 +31,18 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     seed: int | None = None  # fixes the random stream of one request
+    top_k: int = 0  # most likely tokens kept before top-p; 0 = all
+    logprobs: int | None = None  # alternatives reported beside each emitted token's logprob; None = no logprobs
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):
             raise InvalidRequest(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -37,22 +54,76 @@ class SamplingParams:
         gen.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         return gen
 
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of n: sample 0 keeps the seed, the others get distinct seeds
+        derived from it (unseeded stays unseeded: each sample draws its own)."""
+        if index == 0 or self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index * _SEED_STRIDE) % 2**63)
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[..., vocab] float32 logits -> the distribution sampling draws from (temperature > 0)."""
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of consecutive emitted tokens, and the most likely alternatives at each."""
+
+    logprobs: list[float]  # [tokens] the emitted token's
+    top_ids: list[list[int]]  # [tokens][k] most likely token ids, most likely first
+    top_logprobs: list[list[float]]  # [tokens][k] their logprobs
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def head(self, num_tokens: int) -> TokenLogprobs:
+        """The first ``num_tokens`` tokens' entries."""
+        return TokenLogprobs(self.logprobs[:num_tokens], self.top_ids[:num_tokens], self.top_logprobs[:num_tokens])
+
+    @staticmethod
+    def join(parts: list[TokenLogprobs]) -> TokenLogprobs:
+        return TokenLogprobs(
+            [x for p in parts for x in p.logprobs],
+            [x for p in parts for x in p.top_ids],
+            [x for p in parts for x in p.top_logprobs],
+        )
+
+
+def _filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., vocab] -> float32 logits / temperature with the tokens outside top-k and top-p at -inf."""
     # Shift before scaling: the largest logit becomes 0 and any temperature, however small, gives
     # finite values (a tiny temperature would otherwise overflow to inf - inf = NaN).
     logits = logits.float()
-    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / params.temperature, dim=-1)
+    scaled = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kept = scaled.topk(params.top_k, dim=-1).indices  # exactly k tokens, ties broken by index
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, kept, scaled.gather(-1, kept))
     if params.top_p >= 1.0:
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+        return scaled
+    sorted_probs, order = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     drop = mass_before >= params.top_p
     drop[..., 0] = False  # the most likely token always stays (a top_p below float32's range would drop it)
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return kept / kept.sum(-1, keepdim=True)
+    return scaled.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., vocab] float32 logits -> the distribution sampling draws from (temperature > 0)."""
+    return torch.softmax(_filtered_logits(logits, params), dim=-1)
+
+
+def target_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., vocab] logits -> the log-probabilities reported: the sampled distribution's above
+    temperature 0, the model's softmax at 0."""
+    if params.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(_filtered_logits(logits, params), dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams) -> TokenLogprobs:
+    """logits [len(tokens), vocab]: row i is the distribution ``tokens[i]`` was emitted from."""
+    assert params.logprobs is not None
+    logp = target_logprobs(logits, params).clamp_min(LOGPROB_FLOOR)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device).view(-1, 1)).squeeze(-1)
+    top = logp.topk(params.logprobs, dim=-1)
+    return TokenLogprobs(chosen.tolist(), top.indices.tolist(), top.values.tolist())
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -1,7 +1,9 @@
 """The epilogue of a verify forward: each session's accepted path, its result, and what to commit.
 
-Greedy sessions share one read of the step's argmax (the only host sync of a step). Each
-session's acceptance is computed before anything of it changes, and a session whose
+Greedy sessions share one read of the step's argmax (the only host sync of a step). A session
+that asks for logprobs gets them from the rows its emitted tokens were decided at: the root's
+for the first, each accepted node's for the next, the same rows an Auto step would have used.
+Each session's acceptance is computed before anything of it changes, and a session whose
 acceptance fails (say, a sampling distribution that is not one) is reported on its own: the
 other sessions of the batch keep their results and their commits.
 """
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 from diffspec.acceptance import Acceptance, accept_greedy, accept_sampling
 from diffspec.errors import DiffSpecError, InvalidRequest
-from diffspec.sampling import target_probs
+from diffspec.sampling import target_probs, token_logprobs
 from target_service.backend import VerifyResult, VerifyStep
 from target_service.session import TargetSession
 from target_service.step_graphs import StepOutputs
@@ -43,12 +45,16 @@ def accept_batch(
         nodes = [0, *acceptance.accepted_nodes]
         rows = [offset + node for node in nodes]
         tokens = step.tree.tokens[nodes].tolist()
+        emitted = [*tokens[1:], acceptance.bonus_token]
         session.pending_token = acceptance.bonus_token
         results[step.session_id] = VerifyResult(
             accepted_tokens=tokens[1:],
             accepted_nodes=acceptance.accepted_nodes,
             bonus_token=acceptance.bonus_token,
-            features=ran.forward.features[rows] if session.want_features else None,
+            features=ran.forward.features_of(rows, session.feature_layers) if session.want_features else None,
+            logprobs=token_logprobs(ran.logits[rows], emitted, session.sampling)
+            if session.sampling.logprobs is not None
+            else None,
         )
         commits.append(Commit(step.session_id, rows, tokens))
     return results, commits, failures

@@ -63,6 +63,16 @@ class PagedForwardOutput:
     features: torch.Tensor | None  # [total_q, 3 * hidden] EAGLE-3 features, if asked for
     new_k: torch.Tensor  # [num_layers, total_q, num_kv_heads, head_dim] keys of the new tokens
     new_v: torch.Tensor  # [num_layers, total_q, num_kv_heads, head_dim]
+    feature_layers: tuple[int, ...] = ()  # the layer of each hidden-wide column block of features, in order
+
+    def features_of(self, rows: torch.Tensor | list[int] | slice, layers: tuple[int, ...]) -> torch.Tensor:
+        """[len(rows), len(layers) * hidden]: ``rows`` of the features of ``layers`` (each one computed)."""
+        assert self.features is not None
+        picked = self.features[rows]
+        if layers == self.feature_layers:
+            return picked
+        blocks = picked.unflatten(-1, (len(self.feature_layers), -1))
+        return blocks[:, [self.feature_layers.index(layer) for layer in layers]].flatten(-2)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, layer: LayerWeights, name: str) -> torch.Tensor:
@@ -173,7 +183,7 @@ class LlamaModel:
             return backend(q, k, v, k_pages[i], v_pages[i], meta, self.scale)
 
         hidden, features = self._run_layers(input_ids, positions, attend, feature_layers)
-        return PagedForwardOutput(hidden=hidden, features=features, new_k=new_k, new_v=new_v)
+        return PagedForwardOutput(hidden, features, new_k, new_v, tuple(feature_layers) if features is not None else ())
 
     def forward_dense(
         self, input_ids: torch.Tensor, feature_layers: tuple[int, ...] = ()

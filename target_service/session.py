@@ -25,6 +25,7 @@ class TargetSession:
     want_features: bool
     prefilled: int  # prompt positions whose forward has run (shared prefix pages count when no features are wanted)
     pending_token: int | None = None  # emitted, not yet in the pages: the next tree's root (None while prefilling)
+    feature_layers: tuple[int, ...] = ()  # target layers its features come from, when it wants features
 
     @property
     def prefilling(self) -> bool:
