@@ -1,8 +1,10 @@
-"""The token tree a draft proposes and the target verifies.
+"""The token tree a draft proposes and the target verifies, as tensors (the in-process form).
 
 Node 0 is the root: the last committed token, whose KV the target has not computed yet.
 Every other node is a draft token whose parent precedes it (``parents[i] < i``), so a tree
 is a topologically ordered list. The tree mask and position offsets derive from parents only.
+The same tree as plain lists, for the wire and a gateway without torch, is ``TreeNodes``
+(``diffspec/tree_nodes.py``); both are a ``ProposedTree``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+
+from diffspec.tree_nodes import ProposedTree, TreeNodes
 
 
 @dataclass(frozen=True)
@@ -69,9 +73,28 @@ class DraftTree:
         tokens = [root] + torch.randint(0, vocab_size, (num_nodes - 1,), generator=generator).tolist()
         return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.ones(num_nodes))
 
+    @staticmethod
+    def of(tree: ProposedTree) -> DraftTree:
+        """``tree`` as tensors: a DraftTree as it is (its device copy kept), any other form from its nodes."""
+        if isinstance(tree, DraftTree):
+            return tree
+        nodes = tree.to_nodes()
+        return DraftTree(
+            tokens=torch.tensor(nodes.tokens, dtype=torch.long),
+            parents=torch.tensor(nodes.parents, dtype=torch.long),
+            draft_probs=torch.tensor(nodes.draft_probs, dtype=torch.float32),
+        )
+
     @property
     def num_nodes(self) -> int:
         return self.tokens.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths().max())
+
+    def to_nodes(self) -> TreeNodes:
+        return TreeNodes(self.tokens.tolist(), self.parents.tolist(), self.draft_probs.tolist())
 
     def depths(self) -> torch.Tensor:
         """[num_nodes] int64: root 0, child = parent + 1 (computed once per tree; do not modify)."""
