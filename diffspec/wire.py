@@ -18,8 +18,9 @@ import torch
 
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.rpc_status import error_for, status_for
+from diffspec.sampling import TokenLogprobs
 from diffspec.tree import DraftTree
-from diffspec.v1 import tensor_pb2
+from diffspec.v1 import logprobs_pb2, tensor_pb2
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -147,3 +148,19 @@ def error_from_failure(peer: str, message: tensor_pb2.SessionFailure) -> DiffSpe
 
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> logprobs_pb2.TokenLogprobs:
+    return logprobs_pb2.TokenLogprobs(
+        logprobs=logprobs.logprobs,
+        top=[logprobs_pb2.TopLogprobs(token_ids=i, logprobs=p) for i, p in zip(logprobs.top_ids, logprobs.top_logprobs)],
+    )
+
+
+def logprobs_from_proto(message: logprobs_pb2.TokenLogprobs) -> TokenLogprobs:
+    """Raises InvalidRequest when the alternatives do not pair up with the tokens."""
+    if len(message.top) != len(message.logprobs) or any(len(t.token_ids) != len(t.logprobs) for t in message.top):
+        raise InvalidRequest("logprobs: one list of alternatives per token, one logprob per alternative")
+    return TokenLogprobs(
+        list(message.logprobs), [list(t.token_ids) for t in message.top], [list(t.logprobs) for t in message.top]
+    )

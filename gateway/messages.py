@@ -10,6 +10,7 @@ from diffspec.errors import InvalidRequest
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2
+from diffspec.wire import logprobs_from_proto, logprobs_to_proto
 from draft_service.options import DraftOptions, validate_options
 from draft_service.tree_budget import TreeBudget
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
@@ -17,6 +18,7 @@ from target_service.backend import TargetInfo
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
+MAX_SAMPLES = 16  # most samples (n) one request may ask for
 
 
 def prompt_text(message: gateway_pb2.GenerateRequest) -> str | None:
@@ -46,13 +48,19 @@ def generation_request(
         temperature=message.temperature,
         top_p=message.top_p if message.HasField("top_p") else 1.0,
         seed=message.seed if message.HasField("seed") else None,
+        top_k=message.top_k,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
     )
+    n = message.n if message.HasField("n") else 1
+    if not 1 <= n <= MAX_SAMPLES:
+        raise InvalidRequest(f"n must be in [1, {MAX_SAMPLES}], got {n}")
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         stop_sequences=stops,
         draft=_draft_options(message, defaults),
+        n=n,
     )
 
 
@@ -85,7 +93,9 @@ def _draft_options(message: gateway_pb2.GenerateRequest, defaults: DiffSpecSetti
 
 
 def chunk_to_proto(chunk: GenerationChunk) -> gateway_pb2.GenerateResponse:
-    response = gateway_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
+    response = gateway_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text, index=chunk.index)
+    if chunk.logprobs is not None:
+        response.logprobs.CopyFrom(logprobs_to_proto(chunk.logprobs))
     if chunk.stats is not None:
         response.stats.CopyFrom(stats_to_proto(chunk.stats))
     if chunk.prefill_progress is not None:
@@ -102,6 +112,8 @@ def chunk_from_proto(response: gateway_pb2.GenerateResponse) -> GenerationChunk:
         text=response.text,
         stats=stats,
         prefill_progress=(progress.done_tokens, progress.total_tokens) if progress is not None else None,
+        logprobs=logprobs_from_proto(response.logprobs) if response.HasField("logprobs") else None,
+        index=response.index,
     )
 
 

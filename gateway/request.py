@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffspec.sampling import SamplingParams
+from diffspec.sampling import SamplingParams, TokenLogprobs
 from draft_service.options import DraftOptions
 
 
@@ -15,6 +15,8 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop_sequences: tuple[str, ...] = ()
     draft: DraftOptions | None = None  # None = Auto (target-only decoding)
+    n: int = 1  # independent samples of the prompt; the engine runs one request per sample (gateway/samples.py)
+    client: str = ""  # who asked (gateway/quota.py): the quota key and the prefix-cache scope; "" = this process
 
 
 @dataclass
@@ -76,3 +78,5 @@ class GenerationChunk:
     text: str  # the text they complete (may lag a token behind for split characters)
     stats: GenerationStats | None = None  # set on the last chunk only
     prefill_progress: tuple[int, int] | None = None  # (prompt tokens done, prompt tokens) while a prompt prefills
+    logprobs: TokenLogprobs | None = None  # of token_ids, when the sampling asks for logprobs
+    index: int = 0  # which of the request's n samples the chunk belongs to

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from diffspec.sampling import TokenLogprobs
 from diffspec.tree import DraftTree
 from draft_service.backend import DraftAccept, DraftStart, DraftStats
 from gateway.detokenizer import IncrementalDetokenizer, Tokenizer
@@ -98,7 +99,7 @@ class RunningRequest:
         self.first_token_at = time.perf_counter()
         self.stats.prefill_seconds = self.first_token_at - self.submitted_at
         self.phase = Phase.DECODING
-        self._emit([result.first_token])
+        self._emit([result.first_token], result.first_logprobs)
         if self.drafting and not self.finished:
             assert self.request.draft is not None
             features = torch.cat(self.prompt_features)
@@ -109,7 +110,7 @@ class RunningRequest:
 
     def on_verify(self, result: VerifyResult) -> None:
         self.stats.record_step(len(result.accepted_tokens))
-        self._emit(result.emitted_tokens)
+        self._emit(result.emitted_tokens, result.logprobs)
         if self.drafting and self.draft_session and not self.finished:
             assert result.features is not None
             self.pending_accept = DraftAccept(self.request_id, result.emitted_tokens, result.features)
@@ -137,8 +138,9 @@ class RunningRequest:
             self.stats.working_set_tokens = draft_stats.working_set_tokens
         self.sink.put(GenerationChunk(token_ids=[], text=self.detokenizer.flush(), stats=self.stats))
 
-    def _emit(self, tokens: list[int]) -> None:
-        """Clip the step's tokens at EOS, a stop sequence, max_new_tokens or the context end, and send them."""
+    def _emit(self, tokens: list[int], logprobs: TokenLogprobs | None) -> None:
+        """Clip the step's tokens (and their logprobs) at EOS, a stop sequence, max_new_tokens or the context
+        end, and send them."""
         kept: list[int] = []
         text = ""
         for token in tokens:
@@ -158,4 +160,5 @@ class RunningRequest:
             if self.stats.finish_reason:
                 break
         if kept or text:
-            self.sink.put(GenerationChunk(token_ids=kept, text=text))
+            kept_logprobs = logprobs.head(len(kept)) if logprobs is not None else None
+            self.sink.put(GenerationChunk(token_ids=kept, text=text, logprobs=kept_logprobs))

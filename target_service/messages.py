@@ -10,9 +10,16 @@ from __future__ import annotations
 import torch
 
 from diffspec.errors import DiffSpecError
-from diffspec.sampling import SamplingParams
+from diffspec.sampling import SamplingParams, TokenLogprobs
 from diffspec.v1 import target_pb2
-from diffspec.wire import error_from_failure, failure_to_proto, tree_from_proto, tree_to_proto
+from diffspec.wire import (
+    error_from_failure,
+    failure_to_proto,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    tree_from_proto,
+    tree_to_proto,
+)
 from target_service.backend import (
     PrefillResult,
     PrefillWork,
@@ -26,13 +33,16 @@ from target_service.backend import (
 
 
 def sampling_to_proto(params: SamplingParams) -> target_pb2.Sampling:
-    return target_pb2.Sampling(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
+    return target_pb2.Sampling(
+        temperature=params.temperature, top_p=params.top_p, seed=params.seed, top_k=params.top_k, logprobs=params.logprobs
+    )
 
 
 def sampling_from_proto(message: target_pb2.Sampling) -> SamplingParams:
-    """Raises InvalidRequest for a temperature < 0 or a top_p outside (0, 1]."""
+    """Raises InvalidRequest for a temperature < 0, a top_p outside (0, 1], a top_k < 0 or too many logprobs."""
     seed = message.seed if message.HasField("seed") else None
-    return SamplingParams(temperature=message.temperature, top_p=message.top_p, seed=seed)
+    logprobs = message.logprobs if message.HasField("logprobs") else None
+    return SamplingParams(message.temperature, message.top_p, seed, message.top_k, logprobs)
 
 
 def batch_to_proto(batch: TargetBatch) -> target_pb2.TargetStep:
@@ -41,7 +51,7 @@ def batch_to_proto(batch: TargetBatch) -> target_pb2.TargetStep:
         opens=[
             target_pb2.SessionOpen(
                 session_id=o.session_id, prompt_ids=o.prompt_ids, sampling=sampling_to_proto(o.sampling),
-                want_features=o.want_features, cache_scope=o.cache_scope,
+                want_features=o.want_features, cache_scope=o.cache_scope, feature_layers=o.feature_layers,
             )  # fmt: skip
             for o in batch.opens
         ],
@@ -57,7 +67,8 @@ def batch_from_proto(message: target_pb2.TargetStep, scope: str) -> tuple[Target
     for o in message.opens:
         try:
             sampling = sampling_from_proto(o.sampling)
-            opens.append(SessionOpen(scope + o.session_id, list(o.prompt_ids), sampling, o.want_features, o.cache_scope))
+            opens.append(SessionOpen(scope + o.session_id, list(o.prompt_ids), sampling, o.want_features, o.cache_scope,
+                                     tuple(o.feature_layers)))  # fmt: skip
         except DiffSpecError as bad:
             failures[o.session_id] = bad
     for v in message.verifies:
@@ -79,6 +90,8 @@ def result_to_proto(result: TargetBatchResult, scope: str) -> tuple[target_pb2.T
                                   total_tokens=prefill.total_tokens)  # fmt: skip
         if prefill.first_token is not None:
             done.first_token = prefill.first_token
+        if prefill.first_logprobs is not None:
+            done.first_logprobs.CopyFrom(logprobs_to_proto(prefill.first_logprobs))
         if prefill.features is not None:
             done.feature_rows = prefill.features.shape[0]
             rows.append(prefill.features)
@@ -87,6 +100,8 @@ def result_to_proto(result: TargetBatchResult, scope: str) -> tuple[target_pb2.T
             session_id=sid.removeprefix(scope), accepted_tokens=verified.accepted_tokens,
             accepted_nodes=verified.accepted_nodes, bonus_token=verified.bonus_token,
         )  # fmt: skip
+        if verified.logprobs is not None:
+            done.logprobs.CopyFrom(logprobs_to_proto(verified.logprobs))
         if verified.features is not None:
             done.feature_rows = verified.features.shape[0]
             rows.append(verified.features)
@@ -110,16 +125,21 @@ def result_from_proto(reply: target_pb2.TargetStepReply, features: torch.Tensor 
 
     prefills = {
         p.session_id: PrefillResult(p.done_tokens, p.total_tokens, p.first_token if p.HasField("first_token") else None,
-                                    take(p.feature_rows))  # fmt: skip
+                                    take(p.feature_rows), _logprobs(p, "first_logprobs"))  # fmt: skip
         for p in reply.prefills
     }
     verifies = {
-        v.session_id: VerifyResult(list(v.accepted_tokens), list(v.accepted_nodes), v.bonus_token, take(v.feature_rows))
+        v.session_id: VerifyResult(list(v.accepted_tokens), list(v.accepted_nodes), v.bonus_token, take(v.feature_rows),
+                                   _logprobs(v, "logprobs"))  # fmt: skip
         for v in reply.verifies
     }
     failures = {f.session_id: error_from_failure(peer, f) for f in reply.failures}
     free = reply.num_free_pages if reply.HasField("num_free_pages") else None
     return TargetBatchResult(prefills, verifies, failures, free)
+
+
+def _logprobs(done: target_pb2.PrefillDone | target_pb2.VerifyDone, name: str) -> TokenLogprobs | None:
+    return logprobs_from_proto(getattr(done, name)) if done.HasField(name) else None
 
 
 def info_to_proto(info: TargetInfo) -> target_pb2.TargetInfoResponse:

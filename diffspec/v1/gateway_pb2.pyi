@@ -1,3 +1,4 @@
+from diffspec.v1 import logprobs_pb2 as _logprobs_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -13,7 +14,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop", "policy", "tree_config", "salience")
+    __slots__ = ("text", "token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop", "policy", "tree_config", "salience", "top_k", "logprobs", "n")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +25,9 @@ class GenerateRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TREE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     SALIENCE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     max_new_tokens: int
@@ -34,7 +38,10 @@ class GenerateRequest(_message.Message):
     policy: str
     tree_config: str
     salience: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ..., tree_config: _Optional[str] = ..., salience: _Optional[bool] = ...) -> None: ...
+    top_k: int
+    logprobs: int
+    n: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ..., tree_config: _Optional[str] = ..., salience: _Optional[bool] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "new_tokens", "steps", "accepted_drafts", "mean_accepted_length", "stop_depth_histogram", "prefill_seconds", "draft_seconds", "verify_seconds", "decode_seconds", "decode_tokens_per_second", "finish_reason", "fell_back_to_auto", "hazard", "working_set_tokens")
@@ -79,16 +86,20 @@ class PrefillProgress(_message.Message):
     def __init__(self, done_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "stats", "prefill_progress")
+    __slots__ = ("token_ids", "text", "stats", "prefill_progress", "logprobs", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     stats: GenerationStats
     prefill_progress: PrefillProgress
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., prefill_progress: _Optional[_Union[PrefillProgress, _Mapping]] = ...) -> None: ...
+    logprobs: _logprobs_pb2.TokenLogprobs
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., prefill_progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., logprobs: _Optional[_Union[_logprobs_pb2.TokenLogprobs, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)

@@ -55,7 +55,7 @@ class GatewayServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Chunks of token ids and text deltas; the last message carries the request's stats.
+        """Chunks of token ids and text deltas; the last message of each sample carries its stats.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,3 +1,4 @@
+from diffspec.v1 import logprobs_pb2 as _logprobs_pb2
 from diffspec.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -8,28 +9,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed")
+    __slots__ = ("temperature", "top_p", "seed", "top_k", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    top_k: int
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "cache_scope")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "cache_scope", "feature_layers")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     want_features: bool
     cache_scope: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., want_features: _Optional[bool] = ..., cache_scope: _Optional[str] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., want_features: _Optional[bool] = ..., cache_scope: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillWork(_message.Message):
     __slots__ = ("session_id", "num_tokens")
@@ -60,32 +67,36 @@ class TargetStep(_message.Message):
     def __init__(self, releases: _Optional[_Iterable[str]] = ..., opens: _Optional[_Iterable[_Union[SessionOpen, _Mapping]]] = ..., prefills: _Optional[_Iterable[_Union[PrefillWork, _Mapping]]] = ..., verifies: _Optional[_Iterable[_Union[VerifyWork, _Mapping]]] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("session_id", "done_tokens", "total_tokens", "first_token", "feature_rows")
+    __slots__ = ("session_id", "done_tokens", "total_tokens", "first_token", "feature_rows", "first_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     done_tokens: int
     total_tokens: int
     first_token: int
     feature_rows: int
-    def __init__(self, session_id: _Optional[str] = ..., done_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., feature_rows: _Optional[int] = ...) -> None: ...
+    first_logprobs: _logprobs_pb2.TokenLogprobs
+    def __init__(self, session_id: _Optional[str] = ..., done_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., feature_rows: _Optional[int] = ..., first_logprobs: _Optional[_Union[_logprobs_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class VerifyDone(_message.Message):
-    __slots__ = ("session_id", "accepted_tokens", "accepted_nodes", "bonus_token", "feature_rows")
+    __slots__ = ("session_id", "accepted_tokens", "accepted_nodes", "bonus_token", "feature_rows", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     bonus_token: int
     feature_rows: int
-    def __init__(self, session_id: _Optional[str] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., feature_rows: _Optional[int] = ...) -> None: ...
+    logprobs: _logprobs_pb2.TokenLogprobs
+    def __init__(self, session_id: _Optional[str] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., bonus_token: _Optional[int] = ..., feature_rows: _Optional[int] = ..., logprobs: _Optional[_Union[_logprobs_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class TargetStepReply(_message.Message):
     __slots__ = ("prefills", "verifies", "failures", "feature_rows", "num_free_pages")

@@ -1,0 +1,67 @@
+"""``n`` independent samples of one prompt, merged into one stream of chunks tagged with their index.
+
+Sample i is the request with ``n = 1`` and ``sampling.for_sample(i)``: sample 0 keeps the request's
+seed, the others get distinct seeds derived from it, so a seeded request repeats; greedy samples
+are all the same. Sample 0 goes first and the others are submitted once its prompt is prefilled:
+the prompt's full KV pages are then in the target's prefix cache, and an Auto sample maps them
+rather than computing them again (a speculative sample computes its prompt again, because the
+draft needs the features of every prompt position). Closing the stream aborts every sample; one
+sample's failure ends the stream with its error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from dataclasses import replace
+from typing import AsyncIterator
+
+from gateway.engine import SpeculativeEngine
+from gateway.request import GenerationChunk, GenerationRequest
+
+
+async def generate_samples(
+    engine: SpeculativeEngine, request: GenerationRequest, timeout: float | None = None
+) -> AsyncIterator[GenerationChunk]:
+    """Every sample's chunks as they come, each with its ``index``; each sample's last chunk carries its stats.
+
+    ``timeout``: seconds the whole request (every sample) may take."""
+    if request.n == 1:
+        async with aclosing(engine.generate(request, timeout)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout if timeout is not None else None
+    merged: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
+    prompt_done = asyncio.Event()  # sample 0's prompt pages are committed (or it ended)
+
+    async def run(index: int) -> None:
+        if index > 0:
+            await prompt_done.wait()
+        sample = replace(request, n=1, sampling=request.sampling.for_sample(index))
+        left = deadline - loop.time() if deadline is not None else None
+        try:
+            async with aclosing(engine.generate(sample, left)) as chunks:
+                async for chunk in chunks:
+                    if chunk.token_ids or chunk.stats is not None:
+                        prompt_done.set()
+                    merged.put_nowait(replace(chunk, index=index))
+        except Exception as failure:  # noqa: BLE001 - handed to the reader, which raises it
+            merged.put_nowait(failure)
+        finally:
+            prompt_done.set()
+
+    tasks = [asyncio.create_task(run(index)) for index in range(request.n)]
+    try:
+        running = request.n
+        while running:
+            item = await merged.get()
+            if isinstance(item, BaseException):
+                raise item
+            running -= item.stats is not None
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
