@@ -5,6 +5,10 @@ final stats come back), sessions to start (the prompt's EAGLE-3 features from th
 the tokens the target committed for each running session at the last verification (with
 their features), and the sessions to propose a tree for. The measured cost of the last
 verification batch rides along, so tree budgets follow the batch they will be verified in.
+
+Torch-free: features are tensors in process and the received bytes when relayed by a gateway
+(``diffspec/feature_rows.py``), trees a ``DraftTree`` from the in-process draft or ``TreeNodes``
+from the wire (``diffspec/tree_nodes.py``).
 """
 
 from __future__ import annotations
@@ -12,11 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
-from draft_service.options import DraftOptions
 from diffspec.errors import DiffSpecError
-from diffspec.tree import DraftTree
+from diffspec.feature_rows import Features
+from diffspec.tree_nodes import ProposedTree
+from draft_service.options import DraftOptions
 
 __all__ = ["DraftOptions", "DraftStats", "DraftStart", "DraftAccept", "VerifyCost", "DraftBatch", "DraftBatchResult"]
 
@@ -34,7 +37,7 @@ class DraftStats:
 class DraftStart:
     session_id: str
     prompt_ids: list[int]
-    features: torch.Tensor  # [len(prompt_ids), 3 * target_hidden]
+    features: Features  # [len(prompt_ids), 3 * target_hidden]
     first_token: int
     options: DraftOptions
 
@@ -43,7 +46,7 @@ class DraftStart:
 class DraftAccept:
     session_id: str
     emitted_tokens: list[int]  # accepted drafts then the bonus token
-    features: torch.Tensor  # [len(emitted_tokens), 3 * target_hidden]: root + accepted positions
+    features: Features  # [len(emitted_tokens), 3 * target_hidden]: root + accepted positions
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class DraftBatch:
 
 @dataclass(frozen=True)
 class DraftBatchResult:
-    trees: dict[str, DraftTree] = field(default_factory=dict)
+    trees: dict[str, ProposedTree] = field(default_factory=dict)
     released: dict[str, DraftStats] = field(default_factory=dict)
     failures: dict[str, DiffSpecError] = field(default_factory=dict)
 

@@ -15,7 +15,6 @@ from diffspec.metrics import WireTraffic
 from diffspec.settings import DiffSpecSettings
 from diffspec.step_stream import StepStream
 from diffspec.v1 import draft_pb2, draft_pb2_grpc
-from diffspec.wire import split_rows
 from draft_service.backend import DraftBatch, DraftBatchResult
 from draft_service.messages import batch_to_proto, result_from_proto
 
@@ -48,7 +47,7 @@ class RemoteDraft:
         step, features = batch_to_proto(batch)
         messages = [draft_pb2.DraftStepRequest(step=step)]
         if features is not None:
-            messages += [draft_pb2.DraftStepRequest(features=c) for c in split_rows(features, self.max_message_bytes)]
+            messages += [draft_pb2.DraftStepRequest(features=c) for c in features.chunks(self.max_message_bytes)]
         self._stream.send(messages)
         reply = self._stream.receive()
         self.wire.count(bool(batch.starts), sum(m.ByteSize() for m in messages), reply.ByteSize())

@@ -6,9 +6,8 @@ each accept's rows, in the step's order (the row counts are the prompt and emitt
 
 from __future__ import annotations
 
-import torch
-
 from diffspec.errors import DiffSpecError
+from diffspec.feature_rows import Features, WireRows, wire_rows
 from diffspec.v1 import draft_pb2
 from diffspec.wire import error_from_failure, failure_to_proto, tree_from_proto, tree_to_proto
 from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats, VerifyCost
@@ -23,8 +22,8 @@ def options_from_proto(message: draft_pb2.DraftOptions) -> DraftOptions:
     return DraftOptions(policy=message.policy, tree_config=message.tree_config, salience=message.salience)
 
 
-def batch_to_proto(batch: DraftBatch) -> tuple[draft_pb2.DraftStep, torch.Tensor | None]:
-    """The step message and the features that follow it, if any."""
+def batch_to_proto(batch: DraftBatch) -> tuple[draft_pb2.DraftStep, WireRows | None]:
+    """The step message and the feature rows that follow it, if any."""
     step = draft_pb2.DraftStep(
         releases=batch.releases,
         starts=[
@@ -37,9 +36,9 @@ def batch_to_proto(batch: DraftBatch) -> tuple[draft_pb2.DraftStep, torch.Tensor
     )
     if batch.verify_cost is not None:
         step.verify_tree_tokens, step.verify_seconds = batch.verify_cost.tree_tokens, batch.verify_cost.seconds
-    rows = [s.features for s in batch.starts] + [a.features for a in batch.accepts]
-    features = torch.cat([r.cpu() for r in rows]) if rows else None
-    step.feature_rows = 0 if features is None else features.shape[0]
+    rows = [wire_rows(s.features) for s in batch.starts] + [wire_rows(a.features) for a in batch.accepts]
+    features = WireRows.concat(rows) if rows else None
+    step.feature_rows = 0 if features is None else len(features)
     return step, features
 
 
@@ -48,15 +47,14 @@ def feature_rows(step: draft_pb2.DraftStep) -> int:
     return sum(len(s.prompt_ids) for s in step.starts) + sum(len(a.emitted_tokens) for a in step.accepts)
 
 
-def batch_from_proto(step: draft_pb2.DraftStep, features: torch.Tensor | None, scope: str) -> DraftBatch:
-    """The batch with session ids put in ``scope``; ``features`` has ``feature_rows(step)`` rows."""
+def batch_from_proto(step: draft_pb2.DraftStep, features: Features, scope: str) -> DraftBatch:
+    """The batch with session ids put in ``scope``; ``features`` has ``feature_rows(step)`` rows (a step
+    without rows gets an empty [0, 0] block, which the runtime rejects for any start or accept)."""
     row = 0
 
-    def take(n: int) -> torch.Tensor:
+    def take(n: int) -> Features:
         nonlocal row
         row += n
-        if features is None:  # no rows at all: every start and accept is empty, and the runtime rejects it
-            return torch.empty(0, 0)
         return features[row - n : row]
 
     starts = [

@@ -13,13 +13,15 @@ import uuid
 from typing import Any
 
 import grpc
+import torch
 
 from diffspec.errors import InvalidRequest
+from diffspec.feature_rows import RowJoiner
 from diffspec.metrics import ServingMetrics
 from diffspec.serving import Loading
 from diffspec.settings import DiffSpecSettings
+from diffspec.tensor_wire import rows_to_tensor
 from diffspec.v1 import draft_pb2, draft_pb2_grpc
-from diffspec.wire import RowJoiner
 from draft_service.backend import DraftBatch
 from draft_service.messages import batch_from_proto, feature_rows, result_to_proto
 from draft_service.runtime import DraftRuntime
@@ -67,17 +69,17 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         )
 
     @staticmethod
-    async def _features(context: Context, step: draft_pb2.DraftStep, runtime: DraftRuntime):  # noqa: ANN205
-        """The step's feature rows, read chunk by chunk (None when it has none)."""
+    async def _features(context: Context, step: draft_pb2.DraftStep, runtime: DraftRuntime) -> torch.Tensor:
+        """The step's feature rows, read chunk by chunk (an empty [0, 0] when it has none)."""
         rows = feature_rows(step)
         if rows != step.feature_rows:
             raise InvalidRequest(f"a step with {rows} feature rows announced {step.feature_rows}")
         if rows == 0:
-            return None
+            return torch.empty(0, 0)
         joiner = RowJoiner(total_rows=rows, row_width=3 * runtime.head.config.target_hidden_size)
         while not joiner.complete:
             chunk = await context.read()
             if chunk is grpc.aio.EOF or chunk.WhichOneof("kind") != "features":
                 raise InvalidRequest(f"features incomplete: {joiner.rows_done} of {joiner.total_rows} rows arrived")
             joiner.add(chunk.features)
-        return joiner.tensor()
+        return rows_to_tensor(joiner.rows())
