@@ -27,13 +27,17 @@ def runtimes(tiny_target_dir):
     return target, DraftRuntime(head), AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
-@pytest.mark.parametrize("policy", ["chain", "uniform4", "full", "online"])
-def test_first_emitted_token_follows_the_target(runtimes, policy):
+@pytest.mark.parametrize(
+    ("policy", "top_k"), [("chain", 0), ("uniform4", 0), ("full", 0), ("online", 0), ("full", 6), ("chain", 3)]
+)
+def test_first_emitted_token_follows_the_target(runtimes, policy, top_k):
+    """With top_k, the drafts (the draft's own top candidates) fall outside the kept set as often as not."""
     target, draft, tokenizer = runtimes
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, top_k=top_k)
+    policy = f"{policy}-k{top_k}"  # the session id
     prompt = tokenizer("def parse_args(argv):\n    parser = argparse.ArgumentParser(")["input_ids"]
     pre = target.prefill(policy, prompt, params, want_features=True)
-    start = DraftStart(policy, prompt, pre.features, pre.first_token, DraftOptions(policy, "24:0.0:4"))
+    start = DraftStart(policy, prompt, pre.features, pre.first_token, DraftOptions(policy.split("-")[0], "24:0.0:4"))
     tree = draft.step(DraftBatch(starts=[start], proposes=[policy])).trees[policy]
     assert tree.num_nodes > 1
     # the target's distribution at every tree node, from one tree forward over the prompt's pages
@@ -52,7 +56,9 @@ def test_first_emitted_token_follows_the_target(runtimes, policy):
         first = int(tree.tokens[result.accepted_nodes[0]]) if result.accepted_nodes else result.bonus_token
         counts[first] += 1
     p = probs[0]
-    assert counts[p == 0].sum() == 0, "a token outside the top-p set was emitted"
+    assert counts[p == 0].sum() == 0, "a token outside the top-k / top-p set was emitted"
+    if top_k:
+        assert int((p > 0).sum()) <= top_k
     frequent = p * TRIALS >= 5  # chi-square needs expected counts of 5+; the rest is pooled
     observed = torch.cat([counts[frequent], counts[~frequent].sum().view(1)])
     expected = torch.cat([p[frequent], p[~frequent].sum().view(1)]) * TRIALS
