@@ -1,0 +1,215 @@
+"""Every Triton kernel in kernels/ compiles ahead of time, at the launch plans the runtime uses for a
+Llama-3.1-8B-shaped model in bf16, for AMD MI300 (gfx942), AMD MI200 (gfx90a) and NVIDIA Hopper (sm_90),
+and each compiled kernel's shared memory fits the target (64 KiB of LDS on both AMD chips).
+
+No GPU is needed: ``triton.compile`` on an ``ASTSource`` runs the whole pipeline on the CPU. Triton
+3.6.0's wheel carries what each backend needs offline: for AMD, LLVM's AMDGPU backend and lld are linked
+into libtriton (``make_hsaco`` links in process) and ``backends/amd/lib`` has the ocml/ockl bitcode;
+for NVIDIA, ``backends/nvidia/bin`` has ptxas. So nothing is skipped. This checks that the code
+objects build, not that they run: no kernel has run on an AMD GPU.
+
+The compilation runs in a subprocess (``python -m tests.kernels.test_rocm_compile TARGET``) because the
+test session sets TRITON_INTERPRET=1 on a CPU machine, under which ``@triton.jit`` gives interpreted
+functions that cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from diffspec.settings import REPO_ROOT, DiffSpecSettings
+
+# Llama-3.1-8B: 32 query heads over 8 KV heads of 128 dims, hidden 4096, MLP 14336.
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 32, 8, 128, 4096, 14336
+DTYPE = "bf16"  # the runtime's dtype on a GPU
+TARGETS = {  # name -> (backend, arch, warp size, shared memory per program in bytes)
+    "gfx942": ("hip", "gfx942", 64, 64 * 1024),
+    "gfx90a": ("hip", "gfx90a", 64, 64 * 1024),
+    "sm_90": ("cuda", 90, 32, 227 * 1024),
+}
+BINARY = {"hip": "hsaco", "cuda": "cubin"}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    module: str
+    kernel: str
+    signature: dict[str, str]  # argument -> Triton type ("*bf16", "i32", "fp32", "constexpr")
+    constexprs: dict[str, int | bool] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def pointers(names: str, dtype: str) -> dict[str, str]:
+    return {name: f"*{dtype}" for name in names.split()}
+
+
+def scalars(names: str, kind: str) -> dict[str, str]:
+    return {name: kind for name in names.split()}
+
+
+def tree_attention_cases() -> list[Case]:
+    """One case per distinct launch plan over the CUDA-graph buckets (batch sizes x tree sizes)."""
+    from kernels.tree_attention_triton import plan_tree_attention
+
+    settings = DiffSpecSettings()
+    batch_sizes = [int(b) for b in settings.graph_batch_sizes.split(",")]
+    tree_sizes = [int(t) for t in settings.graph_tree_sizes.split(",")]
+    plans = [
+        plan_tree_attention(batch, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, tree, 131072, HEAD_DIM, num_sms=132)
+        for batch in batch_sizes
+        for tree in tree_sizes
+    ]
+    tiles = sorted({(p.block_m, p.block_n, p.num_warps, p.num_stages) for p in plans})  # what is compiled in
+    signature = {
+        **pointers("q_ptr k_new_ptr v_new_ptr k_pages_ptr v_pages_ptr", DTYPE),
+        **pointers("cu_q_lens_ptr context_lens_ptr block_tables_ptr", "i32"),
+        "new_token_mask_ptr": "*u8",
+        **pointers("partial_out_ptr partial_lse_ptr", "fp32"),
+        "qk_scale": "fp32",
+        **scalars("num_kv_heads group num_splits max_pages_per_seq max_q_len", "i32"),
+        **scalars("BLOCK_M BLOCK_N HEAD_DIM PAGE_SIZE", "constexpr"),
+    }
+    cases = [
+        Case(
+            f"tree_attention_partials[m{block_m},n{block_n},w{num_warps}]",
+            "kernels.tree_attention_triton", "_tree_attention_partials_kernel", signature,
+            {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "PAGE_SIZE": settings.page_size},
+            num_warps, num_stages,
+        )  # fmt: skip
+        for block_m, block_n, num_warps, num_stages in tiles
+    ]
+    merge_signature = {
+        **pointers("partial_out_ptr partial_lse_ptr", "fp32"), "out_ptr": f"*{DTYPE}", "num_parts": "i32",
+        **scalars("BLOCK_P PART_CHUNK HEAD_DIM", "constexpr"),
+    }  # fmt: skip
+    for block_p in sorted({1 << plan.num_splits.bit_length() for plan in plans}):  # >= num_splits + 1 partials
+        cases.append(Case(
+            f"merge_partials[p{block_p}]", "kernels.tree_attention_triton", "_merge_partials_kernel", merge_signature,
+            {"BLOCK_P": block_p, "PART_CHUNK": 16, "HEAD_DIM": HEAD_DIM},
+        ))  # fmt: skip
+    return cases
+
+
+def kernel_cases() -> list[Case]:
+    token_size = NUM_KV_HEADS * HEAD_DIM
+    norm_block = 1 << (HIDDEN - 1).bit_length()
+    return [
+        *tree_attention_cases(),
+        Case(
+            "chunk_scores", "kernels.chunk_scoring_triton", "_chunk_scores_kernel",
+            {**pointers("q_ptr kmin_ptr kmax_ptr", DTYPE), "out_ptr": "*fp32", "num_chunks": "i32",
+             **scalars("NUM_KV_HEADS GROUP HEAD_DIM BLOCK_C BLOCK_D", "constexpr")},
+            {"NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": NUM_HEADS // NUM_KV_HEADS, "HEAD_DIM": HEAD_DIM, "BLOCK_C": 64,
+             "BLOCK_D": HEAD_DIM},
+        ),
+        Case(
+            "kv_commit", "kernels.kv_commit_triton", "_kv_commit_kernel",
+            {**pointers("k_pages_ptr v_pages_ptr new_k_ptr new_v_ptr", DTYPE), **pointers("rows_ptr slots_ptr", "i64"),
+             **scalars("num_slots num_new_tokens", "i32"), **scalars("TOKEN_SIZE BLOCK", "constexpr")},
+            {"TOKEN_SIZE": token_size, "BLOCK": token_size},
+        ),
+        *[
+            Case(
+                f"rms_norm[delta={has_delta}]", "kernels.layer_ops_triton", "_rms_norm_kernel",
+                {**pointers("x_ptr delta_ptr weight_ptr sum_ptr out_ptr", DTYPE), "hidden": "i32", "eps": "fp32",
+                 **scalars("HAS_DELTA BLOCK", "constexpr")},
+                {"HAS_DELTA": has_delta, "BLOCK": norm_block}, num_warps=min(16, max(1, norm_block // 256)),
+            )
+            for has_delta in (False, True)
+        ],
+        Case(
+            "silu_mul", "kernels.layer_ops_triton", "_silu_mul_kernel",
+            {**pointers("gate_ptr up_ptr out_ptr", DTYPE), "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024},
+        ),
+        Case(
+            "rotate", "kernels.layer_ops_triton", "_rotate_kernel",
+            {**pointers("x_ptr cos_ptr sin_ptr out_ptr", DTYPE), "heads": "i32", "HALF": "constexpr"},
+            {"HALF": HEAD_DIM // 2}, num_warps=1,
+        ),
+    ]  # fmt: skip
+
+
+def jit_kernels() -> set[tuple[str, str]]:
+    """(module, name) of every @triton.jit kernel in kernels/ that is launched (helpers called from a kernel excluded)."""
+    import ast
+
+    found = set()
+    for path in sorted((REPO_ROOT / "kernels").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            jit = isinstance(node, ast.FunctionDef) and any(
+                ast.unparse(d) in ("triton.jit", "jit") for d in node.decorator_list
+            )
+            if jit and node.name.endswith("_kernel"):
+                found.add((f"kernels.{path.stem}", node.name))
+    return found
+
+
+def compile_for(target_name: str) -> list[dict]:
+    """Compile every case for one target; one record per case (run without TRITON_INTERPRET)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    backend, arch, warp_size, _ = TARGETS[target_name]
+    target = GPUTarget(backend, arch, warp_size)
+    records = []
+    for case in kernel_cases():
+        fn = getattr(importlib.import_module(case.module), case.kernel)
+        source = ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs)
+        compiled = triton.compile(
+            source, target=target, options={"num_warps": case.num_warps, "num_stages": case.num_stages}
+        )
+        binary = compiled.asm[BINARY[backend]]
+        records.append({"case": case.name, "bytes": len(binary), "shared": compiled.metadata.shared})
+    return records
+
+
+def test_every_launched_kernel_has_a_case():
+    assert {(c.module, c.kernel) for c in kernel_cases()} == jit_kernels()
+
+
+@pytest.fixture(scope="module")
+def compilations(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, subprocess.Popen]]:
+    """One compiling subprocess per target, all started at once (the compiler is single-threaded)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))  # compile for real, not from a cache
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "tests.kernels.test_rocm_compile", name],
+            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for name in TARGETS
+    }
+    yield runs
+    for run in runs.values():
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+def test_every_kernel_compiles_and_fits(target_name: str, compilations: dict[str, subprocess.Popen]):
+    stdout, stderr = compilations[target_name].communicate(timeout=600)
+    assert compilations[target_name].returncode == 0, stderr[-4000:]
+    records = json.loads(stdout)
+    assert [r["case"] for r in records] == [c.name for c in kernel_cases()]
+    limit = TARGETS[target_name][3]
+    assert all(r["bytes"] > 0 for r in records)
+    too_big = [r for r in records if r["shared"] > limit]
+    assert not too_big, f"over the {limit} bytes of shared memory of {target_name}: {too_big}"
+
+
+if __name__ == "__main__":
+    json.dump(compile_for(sys.argv[1]), sys.stdout)
