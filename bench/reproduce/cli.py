@@ -42,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-arms", nargs="+", choices=list(baseline_arms()), help="arms beside DiffSpec tuned")
     p.add_argument("--baseline-config", help="tree budget of the EAGLE-3 baseline arms")
     p.add_argument("--warmup-tokens", type=int, help="untimed tokens per arm and context before timing")
+    p.add_argument("--reference-prompts", type=int, help="evaluated prompts of the shortest context that "
+                   "transformers generate (greedy, serving dtype) also runs, beside Auto (0: none)")
     p.add_argument("--inflate-8b", action="store_true", default=None,
                    help="build the 8B-shaped pair from the models with SHARED_DIR/tools/inflate.py and run on it")
     p.add_argument("--shared-dir", type=Path, help="the shared folder: default data files and tools/inflate.py")

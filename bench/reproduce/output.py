@@ -8,11 +8,12 @@ import logging
 import platform
 import subprocess
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import TYPE_CHECKING
 
 import torch
 
+from bench.reproduce.draft_steps import DraftStep
 from bench.reproduce.plots import plot_summaries
 from bench.reproduce.presets import ProtocolConfig
 from bench.reproduce.report import markdown, to_dicts
@@ -60,7 +61,9 @@ def write_outputs(
         "exactness": {"passed": result.exit_code == 0, **counts},
         "tuning": to_dicts(result.scores),
         "summaries": to_dicts(result.summaries),
+        "draft_step_fields": [f.name for f in fields(DraftStep)],  # the columns of every run's draft_steps
         "runs": [r.to_dict() for r in result.runs],
+        "warmup_draft_steps": [w.to_dict() for w in result.warmup_draft_steps],
     }
     (result.out_dir / "results.json").write_text(json.dumps(document, indent=1))
     table = markdown(result.summaries, result.scores, header)

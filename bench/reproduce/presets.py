@@ -27,6 +27,7 @@ class ProtocolConfig:
     baseline_arms: tuple[str, ...] = (AUTO, EAGLE3, EAGLE3_SALIENCE)  # compared beside DiffSpec tuned
     baseline_config: str = BASELINE_TREE_CONFIG  # tree budget of the EAGLE-3 baseline arms
     warmup_tokens: int = 8  # per arm and context, untimed, before any timed run
+    reference_prompts: int = 2  # transformers generate on this many evaluated prompts of the shortest context (0: none)
     inflate_8b: bool = False
     shared_dir: Path = SHARED_DIR  # ../shared beside the repo: default data files and tools/inflate.py
     out_dir: Path | None = None  # None = results/<preset>_<timestamp>/

@@ -1,5 +1,6 @@
 """The whole protocol on one engine: for each dataset and context, warm up, tune DiffSpec over the
-grid, evaluate Auto and every arm on the same prompts, then judge exactness and write the report.
+grid, evaluate Auto and every arm on the same prompts (at the shortest context, ``transformers``
+``generate`` too), then judge exactness and write the report.
 
 Per (dataset, context) the evaluation prompts are the first ``prompts`` that fill the context; the
 tuning prompts come after them when the data has enough, so the chosen configuration is not tuned
@@ -28,12 +29,14 @@ from transformers.utils import logging as transformers_logging
 
 from bench.reproduce import arms as arm_names
 from bench.reproduce.arms import Arm, baseline_arms, tuning_grid
+from bench.reproduce.draft_steps import DraftStep, build_recording_engine
 from bench.reproduce.exactness import ExactnessResult, classify, first_divergence
 from bench.reproduce.inflate import inflate_pair
 from bench.reproduce.output import write_outputs
 from bench.reproduce.presets import ProtocolConfig, default_out_dir
 from bench.reproduce.profiling import nvtx_range, profiled
 from bench.reproduce.prompts import Dataset, load_datasets, prompts_at
+from bench.reproduce.reference import REFERENCE, TransformersReference
 from bench.reproduce.replay import TargetReplay
 from bench.reproduce.report import ArmSummary, summarise
 from bench.reproduce.runs import Engine, RunRecord, generate_run
@@ -41,7 +44,7 @@ from bench.reproduce.tuning import CandidateScore, score_candidates
 from bench.warmup import warm_up_generations, warm_up_target
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
-from gateway.assembly import build_engine, load_tokenizer
+from gateway.assembly import load_tokenizer
 
 log = logging.getLogger("bench.reproduce")
 SLACK_TOKENS = 64  # context kept free beyond max_new_tokens for a last step's tree
@@ -53,7 +56,20 @@ class ProtocolResult:
     runs: list[RunRecord]  # tuning and evaluation runs, in the order they ran
     scores: list[CandidateScore]  # the tuning pass, chosen candidates marked
     summaries: list[ArmSummary]  # evaluation, per (dataset, context, arm)
-    exit_code: int  # 0, or 1 when an arm's tokens differ from Auto's by more than a near-tie
+    exit_code: int  # 0, or 1 when an engine arm's tokens differ from Auto's by more than a near-tie
+    warmup_draft_steps: list[WarmupSteps]  # the untimed warm-ups' draft steps, where they ran
+
+
+@dataclass(frozen=True)
+class WarmupSteps:
+    """Draft steps of the warm-up generations that ran just before ``runs[before_run]``: with them, the
+    runs' steps replay every observation the draft's global hazard prior received, in order."""
+
+    before_run: int  # index into ProtocolResult.runs
+    steps: list[DraftStep]
+
+    def to_dict(self) -> dict:
+        return {"before_run": self.before_run, "steps": [step.to_list() for step in self.steps]}
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,8 @@ class Case:
 
 
 def run_protocol(
-    config: ProtocolConfig, argv: list[str], engine_factory: Callable[[DiffSpecSettings], Engine] = build_engine
+    config: ProtocolConfig, argv: list[str],
+    engine_factory: Callable[[DiffSpecSettings], Engine] = build_recording_engine,
 ) -> ProtocolResult:
     started = time.time()
     out_dir = config.out_dir or default_out_dir(config.preset, started)
@@ -77,6 +94,7 @@ def run_protocol(
         log.info("python -m bench.reproduce %s", " ".join(argv))
         settings = model_settings(config)
         transformers_logging.set_verbosity_error()  # long prompts are cut to the context after tokenising
+        transformers_logging.disable_progress_bar()  # the reference's and the replay's model loads
         tokenizer = load_tokenizer(settings)
         datasets = load_datasets(list(config.data_files) or [config.shared_dir / "data" / "longctx_eval.jsonl"],
                                  lambda text: tokenizer(text)["input_ids"])
@@ -125,14 +143,21 @@ class _Protocol:
         self.chosen: dict[tuple[str, int], Arm] = {}
         self.arm_of = {arm.label: arm for arm in self.baselines + self.candidates}
         self.prompt_ids: dict[tuple[str, int, int], list[int]] = {}  # (dataset, context, prompt) -> ids
+        self.warmup_draft_steps: list[WarmupSteps] = []
+        self.reference: TransformersReference | None = None  # set in run() once the target's dtype is known
 
     async def run(self, datasets: list[Dataset], contexts: list[int]) -> ProtocolResult:
         torch.manual_seed(self.config.seed)
         info = await self.engine.target_info()
         log.info("target %s (%s, %s), max context %d", info.model, info.device, info.dtype, info.max_context)
         cases = self._cases(datasets, contexts, info.max_context)
+        shortest = min(case.context for case in cases)
+        if self.config.reference_prompts > 0:
+            self.reference = TransformersReference(
+                self.base_model, _torch_dtype(info.dtype), torch.device(info.device), info.eos_token_ids)
         log.info("recorded %d target step graphs", warm_up_target(self.engine))
         total = sum(len(c.tune_prompts) * len(self.candidates) + len(c.eval_prompts) * (len(self.baselines) + 1)
+                    + (len(self._reference_prompts(c)) if self.reference and c.context == shortest else 0)
                     for c in cases)
         warmed: set[int] = set()
         with tqdm(total=total, unit="run", desc="reproduce", dynamic_ncols=True) as bar:
@@ -141,9 +166,14 @@ class _Protocol:
                     bar.set_postfix_str(f"warm-up {case.context}")
                     drafts = [a.draft for a in self.baselines + self.candidates]
                     await warm_up_generations(self.engine, case.tune_prompts[0][1], drafts, self.config.warmup_tokens)
+                    self.warmup_draft_steps.append(WarmupSteps(len(self.runs), self.engine.take_draft_steps()))
                     warmed.add(case.context)
                 await self._tune(case, bar)
                 await self._evaluate(case, bar)
+                if self.reference is not None and case.context == shortest:
+                    self._evaluate_reference(self.reference, case, bar)
+        if self.reference is not None:
+            self.reference.close()
         close = getattr(self.engine, "close", None)  # stop the engine's thread before the replays load a model
         if close is not None:
             close()
@@ -151,7 +181,7 @@ class _Protocol:
         gc.collect()
         exit_code = self._judge_exactness(info.dtype)
         return ProtocolResult(self.out_dir, self.runs, self.scores, summarise([r for r in self.runs if r.phase == "eval"]),
-                              exit_code)
+                              exit_code, self.warmup_draft_steps)
 
     def _cases(self, datasets: list[Dataset], contexts: list[int], max_context: int) -> list[Case]:
         cases = []
@@ -182,12 +212,15 @@ class _Protocol:
     async def _run(self, bar: tqdm, phase: str, case: Case, prompt: tuple[int, list[int]], arm: Arm, n: int) -> RunRecord:
         with nvtx_range(f"{phase} {case.context} p{prompt[0]} {arm.label}"):
             run = await generate_run(self.engine, prompt[1], arm, n, self.sampling)
+        return self._record(bar, phase, case, prompt, run)
+
+    def _record(self, bar: tqdm, phase: str, case: Case, prompt: tuple[int, list[int]], run: RunRecord) -> RunRecord:
         run.phase, run.dataset, run.context, run.prompt = phase, case.dataset, case.context, prompt[0]
         self.prompt_ids[(case.dataset, case.context, prompt[0])] = prompt[1]
         self.runs.append(run)
         bar.update()
         log.info("%s %s ctx=%d prompt=%d %s: tau=%.2f decode=%.1f tok/s e2e=%.1f tok/s", phase, case.dataset,
-                 case.context, prompt[0], arm.label, run.stats.mean_accepted_length,
+                 case.context, prompt[0], run.label, run.stats.mean_accepted_length,
                  run.stats.decode_tokens_per_second, run.end_to_end_tokens_per_second)
         return run
 
@@ -210,8 +243,22 @@ class _Protocol:
                 for arm in arms:
                     await self._run(bar, "eval", case, prompt, arm, self.config.eval_max_new_tokens)
 
+    def _reference_prompts(self, case: Case) -> list[tuple[int, list[int]]]:
+        return case.eval_prompts[: self.config.reference_prompts]
+
+    def _evaluate_reference(self, reference: TransformersReference, case: Case, bar: tqdm) -> None:
+        """``transformers`` ``generate`` on the first evaluated prompts, after one untimed warm-up generation."""
+        bar.set_postfix_str(f"{REFERENCE} {case.dataset} {case.context}")
+        reference.generate(case.tune_prompts[0][1], self.config.warmup_tokens)
+        for prompt in self._reference_prompts(case):
+            with nvtx_range(f"eval {case.context} p{prompt[0]} {reference.label}"):
+                run = reference.generate(prompt[1], self.config.eval_max_new_tokens)
+            self._record(bar, "eval", case, prompt, run)
+
     def _judge_exactness(self, serving_dtype: str) -> int:
-        """Verdicts for every evaluated arm against Auto's run of the same prompt; 1 on any mismatch."""
+        """Verdicts for every evaluated arm against Auto's run of the same prompt; 1 on any engine arm's
+        mismatch. The outside reference is judged by the same rule, but its mismatch is a warning: its
+        kernels round differently from the engine's at every position, not only where a tree is verified."""
         evaluated = [r for r in self.runs if r.phase == "eval"]
         auto = {(r.dataset, r.context, r.prompt): r for r in evaluated if r.arm == arm_names.AUTO}
         replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device())
@@ -220,9 +267,12 @@ class _Protocol:
             run.exactness = self._verdict(replay, run, auto[key], self.prompt_ids[key])
             if run.exactness.verdict == "mismatch":
                 assert run.exactness.divergence is not None
-                log.error("EXACTNESS FAILED: %s ctx=%d prompt=%d %s diverges from Auto at token %d: %s", run.dataset,
-                          run.context, run.prompt, run.label, run.exactness.divergence.position, run.exactness.reason)
-        return int(any(r.exactness is not None and r.exactness.verdict == "mismatch" for r in evaluated))
+                report = log.warning if run.arm == REFERENCE else log.error
+                report("%s: %s ctx=%d prompt=%d %s diverges from Auto at token %d: %s",
+                       "REFERENCE DIFFERS" if run.arm == REFERENCE else "EXACTNESS FAILED", run.dataset,
+                       run.context, run.prompt, run.label, run.exactness.divergence.position, run.exactness.reason)
+        return int(any(r.exactness is not None and r.exactness.verdict == "mismatch" and r.arm != REFERENCE
+                       for r in evaluated))
 
     def _verdict(self, replay: TargetReplay, run: RunRecord, auto: RunRecord, prompt_ids: list[int]) -> ExactnessResult:
         if self.config.temperature > 0:
@@ -232,9 +282,9 @@ class _Protocol:
             return ExactnessResult("exact", "same tokens as Auto")
         shared = auto.token_ids[: divergence.position]
         following = auto.token_ids[divergence.position:]
-        draft = self.arm_of[run.label].draft
-        assert draft is not None, "only drafting arms are compared with Auto"
-        verify_tokens = int(draft.tree_config.split(":")[0])  # the budget's total_tokens: its largest verify
+        arm = self.arm_of.get(run.label)
+        tree_config = arm.draft.tree_config if arm is not None and arm.draft else self.config.baseline_config
+        verify_tokens = int(tree_config.split(":")[0])  # the budget's total_tokens: its largest verify
         evidence = replay.evidence(prompt_ids + shared, following, verify_tokens)
         return classify(divergence, evidence)
 

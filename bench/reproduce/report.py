@@ -86,13 +86,15 @@ def summarise_arm(runs: list[RunRecord], auto: list[RunRecord]) -> ArmSummary:
 
 
 def summarise(runs: list[RunRecord]) -> list[ArmSummary]:
-    """One summary per (dataset, context, arm), in run order."""
+    """One summary per (dataset, context, arm), in run order; speedups over Auto on the arm's own prompts
+    (the outside reference runs on the first few only)."""
     summaries = []
     keys = dict.fromkeys((r.dataset, r.context, r.arm) for r in runs)
     for dataset, context, arm in keys:
         at = [r for r in runs if (r.dataset, r.context) == (dataset, context)]
         mine = [r for r in at if r.arm == arm]
-        auto = [r for r in at if r.arm == AUTO]
+        prompts = {r.prompt for r in mine}
+        auto = [r for r in at if r.arm == AUTO and r.prompt in prompts]
         summaries.append(summarise_arm(mine, auto))
     return summaries
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 import torch
 
 from bench.reproduce.arms import Arm
+from bench.reproduce.draft_steps import DraftStep
 from bench.reproduce.exactness import ExactnessResult
 from diffspec.sampling import SamplingParams
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
@@ -21,6 +22,10 @@ class Engine(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]: ...
 
     async def target_info(self) -> TargetInfo: ...
+
+    def take_draft_steps(self) -> list[DraftStep]:
+        """The drafting steps verified since the last call (``draft_steps.RecordingEngine``)."""
+        ...
 
 
 @dataclass
@@ -39,6 +44,7 @@ class RunRecord:
     first_token_seconds: float  # client wall time from the request to the first token
     peak_memory_bytes: int | None  # peak GPU memory allocated during the run (None on CPU)
     exactness: ExactnessResult | None = None  # against Auto's run of the same prompt (evaluation runs)
+    draft_steps: list[DraftStep] = field(default_factory=list)  # [steps] per verification (drafting arms)
 
     @property
     def end_to_end_tokens_per_second(self) -> float:
@@ -52,6 +58,7 @@ class RunRecord:
             "first_token_seconds": round(self.first_token_seconds, 6),
             "peak_memory_bytes": self.peak_memory_bytes, "stats": self.stats.to_dict(),
             "exactness": self.exactness.to_dict() if self.exactness else None,
+            "draft_steps": [step.to_list() for step in self.draft_steps],
         }
 
 
@@ -79,4 +86,5 @@ async def generate_run(
         token_ids=tokens, stats=stats, request_seconds=ended - started,
         first_token_seconds=(first_token_at or ended) - started,
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+        draft_steps=engine.take_draft_steps(),
     )

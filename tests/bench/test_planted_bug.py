@@ -13,6 +13,7 @@ from bench.reproduce.presets import SMOKE
 from bench.reproduce.protocol import run_protocol
 from bench.reproduce.replay import TargetReplay
 from diffspec.settings import BUNDLED_TARGET, DiffSpecSettings
+from bench.reproduce.draft_steps import build_recording_engine
 from gateway.assembly import build_engine, load_tokenizer
 from gateway.request import GenerationChunk, GenerationRequest
 
@@ -23,11 +24,14 @@ VOCAB = 8192
 class PlantedBugEngine:
     """The real engine, except that drafting requests over the working set (DiffSpec) get one wrong token."""
 
-    def __init__(self, engine) -> None:  # noqa: ANN001 - build_engine's object
+    def __init__(self, engine) -> None:  # noqa: ANN001 - a RecordingEngine
         self.engine = engine
 
     async def target_info(self):  # noqa: ANN201
         return await self.engine.target_info()
+
+    def take_draft_steps(self):  # noqa: ANN201
+        return self.engine.take_draft_steps()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         planted = request.draft is not None and request.draft.salience and request.draft.policy == "online"
@@ -47,9 +51,9 @@ def test_planted_wrong_token_is_a_mismatch(code_prompts, tmp_path):
     config = replace(
         SMOKE, data_files=(code_prompts,), context_targets=(1024,), candidate_configs=("32:0.0:6",),
         baseline_arms=("auto", "eagle3"), tune_max_new_tokens=8, eval_max_new_tokens=12, warmup_tokens=4,
-        out_dir=tmp_path / "planted",
+        reference_prompts=0, out_dir=tmp_path / "planted",
     )
-    result = run_protocol(config, ["--planted-bug"], engine_factory=lambda s: PlantedBugEngine(build_engine(s)))
+    result = run_protocol(config, ["--planted-bug"], engine_factory=lambda s: PlantedBugEngine(build_recording_engine(s)))
     assert result.exit_code == 1
     evaluated = {r.arm: r for r in result.runs if r.phase == "eval"}
     assert evaluated["eagle3"].exactness.verdict == "exact"

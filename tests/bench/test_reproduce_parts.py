@@ -28,12 +28,13 @@ def test_flags_replace_preset_fields_and_the_rest_stays():
     assert full == FULL and full.context_targets == (4096, 16384, 32768, 65536, 131072) and full.prompts >= 8
     custom = config("--preset", "custom", "--context-targets", "2048", "8192", "--policies", "online", "full",
                     "--candidate-configs", "16:0.0:4", "--prompts", "3", "--temperature", "0.7", "--seed", "5",
-                    "--base-model", "/m/t", "--draft-model", "/m/d", "--inflate-8b")
+                    "--base-model", "/m/t", "--draft-model", "/m/d", "--inflate-8b", "--reference-prompts", "0")
     assert custom.context_targets == (2048, 8192) and custom.policies == ("online", "full")
     assert custom.candidate_configs == ("16:0.0:4",) and custom.prompts == 3
     assert (custom.temperature, custom.seed, custom.inflate_8b) == (0.7, 5, True)
     assert (custom.base_model, custom.draft_model) == (Path("/m/t"), Path("/m/d"))
     assert custom.eval_max_new_tokens == SMOKE.eval_max_new_tokens
+    assert (custom.reference_prompts, SMOKE.reference_prompts, FULL.reference_prompts) == (0, 2, 2)
 
 
 @pytest.mark.parametrize("bad", [["--candidate-configs", "64:0.0"], ["--policies", "sideways"]])

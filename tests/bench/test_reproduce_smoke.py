@@ -1,24 +1,11 @@
-"""The smoke preset end to end on the CPU with the bundled tiny pair: files, arms, speedups, exactness."""
+"""The smoke preset end to end on the CPU with the bundled tiny pair (the ``smoke_run`` fixture): files, arms,
+speedups, exactness, the outside reference and the recorded draft steps."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from bench.reproduce.cli import main
-
-ARMS = ["auto", "eagle3", "eagle3+salience", "diffspec"]
-
-
-@pytest.fixture(scope="module")
-def smoke_run(code_prompts, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("results") / "smoke"
-    argv = ["--preset", "smoke", "--data-files", str(code_prompts), "--context-targets", "1024",
-            "--tune-max-new-tokens", "8", "--eval-max-new-tokens", "16", "--warmup-tokens", "4",
-            "--out-dir", str(out_dir)]
-    exit_code = main(argv)
-    return exit_code, out_dir, json.loads((out_dir / "results.json").read_text())
+ARMS = ["auto", "eagle3", "eagle3+salience", "diffspec", "transformers"]
 
 
 def test_writes_every_file(smoke_run):
@@ -77,5 +64,33 @@ def test_fp32_arms_are_exact(smoke_run):
         if run["arm"] != "auto":
             assert run["exactness"]["verdict"] == "exact"
             assert run["token_ids"] == auto["token_ids"]
-    assert result["exactness"] == {"passed": True, "exact": 3, "near-tie": 0, "mismatch": 0, "unchecked": 0}
-    assert [(s["exact"], s["near_ties"], s["mismatches"]) for s in result["summaries"]] == [(0, 0, 0)] + [(1, 0, 0)] * 3
+    assert result["exactness"] == {"passed": True, "exact": 4, "near-tie": 0, "mismatch": 0, "unchecked": 0}
+    assert [(s["exact"], s["near_ties"], s["mismatches"]) for s in result["summaries"]] == [(0, 0, 0)] + [(1, 0, 0)] * 4
+
+
+def test_transformers_reference_is_reported_beside_auto(smoke_run):
+    _, out_dir, result = smoke_run
+    reference = next(s for s in result["summaries"] if s["arm"] == "transformers")
+    assert reference["label"] == "transformers[generate float32]" and reference["tau"] == 1.0
+    assert reference["decode_tokens_per_s"] > 0 and reference["end_to_end_tokens_per_s"] > 0
+    assert reference["decode_speedup"] is not None and reference["end_to_end_speedup"] is not None
+    assert "| 1024 | transformers[generate float32] |" in (out_dir / "results.md").read_text()
+
+
+def test_drafting_runs_record_their_steps(smoke_run):
+    _, _, result = smoke_run
+    assert result["draft_step_fields"] == ["accepted", "tree_depth", "tree_tokens", "passed_ranks", "stop_width"]
+    for run in result["runs"]:
+        steps = run["draft_steps"]
+        if run["arm"] in ("auto", "transformers"):
+            assert steps == []
+            continue
+        # every step but the last was fed back to the draft; each kept its accepted drafts and one bonus
+        assert len(steps) == run["stats"]["steps"] - 1
+        assert sum(s[0] + 1 for s in steps) < run["stats"]["new_tokens"]
+        for accepted, depth, tokens, ranks, stop_width in steps:
+            assert 0 <= accepted <= depth < tokens and len(ranks) == accepted
+            if accepted == depth:  # ran off the tree's end (a path can also end at a shallower leaf)
+                assert stop_width == 0
+    # one warm-up (one context) before the first run; a 4-token warm-up may end in its first step, feeding none
+    assert [w["before_run"] for w in result["warmup_draft_steps"]] == [0]
