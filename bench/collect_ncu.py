@@ -298,8 +298,9 @@ def drive(args: argparse.Namespace) -> int:
     from gateway.assembly import build_engine
     from gateway.request import GenerationRequest
 
-    settings = DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model,
-                                num_pages=2 * -(-(args.context + 512) // 16) + 64)
+    settings = DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model)
+    pages = 2 * -(-(args.context + MAX_NEW_TOKENS) // settings.page_size) + 64  # two sequences, generation included
+    settings = settings.model_copy(update={"num_pages": max(settings.num_pages, pages)})
     engine = build_engine(settings)
     warm_up_target(engine)
     core = engine.core

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
+from typing import Protocol, runtime_checkable
 
 from diffspec.settings import DiffSpecSettings
 from diffspec.tree import DraftTree
@@ -55,6 +56,19 @@ def observe(proposed: ProposedTree, emitted_tokens: list[int]) -> DraftStep:
         ranks.append(match[0])
         node = children[node][match[0]]
     return DraftStep(len(emitted_tokens) - 1, tree.max_depth, tree.num_nodes, ranks, len(children[node]))
+
+
+@runtime_checkable
+class RecordsDraftSteps(Protocol):
+    def take_draft_steps(self) -> list[DraftStep]:
+        """The drafting steps verified since the last call."""
+        ...
+
+
+def take_draft_steps(engine: object) -> list[DraftStep]:
+    """What ``engine`` recorded since the last call; nothing from an engine without a recorder
+    (``gateway.assembly.build_engine``'s, as ``bench.paired`` uses)."""
+    return engine.take_draft_steps() if isinstance(engine, RecordsDraftSteps) else []
 
 
 class DraftStepRecorder:

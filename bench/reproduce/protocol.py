@@ -29,7 +29,7 @@ from transformers.utils import logging as transformers_logging
 
 from bench.reproduce import arms as arm_names
 from bench.reproduce.arms import Arm, baseline_arms, tuning_grid
-from bench.reproduce.draft_steps import DraftStep, build_recording_engine
+from bench.reproduce.draft_steps import DraftStep, build_recording_engine, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult, classify, first_divergence
 from bench.reproduce.inflate import inflate_pair
 from bench.reproduce.output import write_outputs
@@ -166,7 +166,7 @@ class _Protocol:
                     bar.set_postfix_str(f"warm-up {case.context}")
                     drafts = [a.draft for a in self.baselines + self.candidates]
                     await warm_up_generations(self.engine, case.tune_prompts[0][1], drafts, self.config.warmup_tokens)
-                    self.warmup_draft_steps.append(WarmupSteps(len(self.runs), self.engine.take_draft_steps()))
+                    self.warmup_draft_steps.append(WarmupSteps(len(self.runs), take_draft_steps(self.engine)))
                     warmed.add(case.context)
                 await self._tune(case, bar)
                 await self._evaluate(case, bar)

@@ -64,11 +64,12 @@ class TransformersReference:
             torch.cuda.reset_peak_memory_stats()
         clock = _TokenClock()
         ids = torch.tensor([prompt_ids], device=self.device)
+        eos = list(self.eos_token_ids) or None
         started = time.perf_counter()
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            temperature=None, top_p=None, top_k=None, eos_token_id=list(self.eos_token_ids),
-            pad_token_id=self.eos_token_ids[0], streamer=clock,
+            temperature=None, top_p=None, top_k=None, eos_token_id=eos, pad_token_id=eos[0] if eos else None,
+            streamer=clock,
         )  # fmt: skip
         if cuda:
             torch.cuda.synchronize()

@@ -9,7 +9,7 @@ from typing import AsyncIterator, Protocol
 import torch
 
 from bench.reproduce.arms import Arm
-from bench.reproduce.draft_steps import DraftStep
+from bench.reproduce.draft_steps import DraftStep, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult
 from diffspec.sampling import SamplingParams
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
@@ -22,10 +22,6 @@ class Engine(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]: ...
 
     async def target_info(self) -> TargetInfo: ...
-
-    def take_draft_steps(self) -> list[DraftStep]:
-        """The drafting steps verified since the last call (``draft_steps.RecordingEngine``)."""
-        ...
 
 
 @dataclass
@@ -44,7 +40,7 @@ class RunRecord:
     first_token_seconds: float  # client wall time from the request to the first token
     peak_memory_bytes: int | None  # peak GPU memory allocated during the run (None on CPU)
     exactness: ExactnessResult | None = None  # against Auto's run of the same prompt (evaluation runs)
-    draft_steps: list[DraftStep] = field(default_factory=list)  # [steps] per verification (drafting arms)
+    draft_steps: list[DraftStep] = field(default_factory=list)  # [steps] per verification, with a recording engine
 
     @property
     def end_to_end_tokens_per_second(self) -> float:
@@ -86,5 +82,5 @@ async def generate_run(
         token_ids=tokens, stats=stats, request_seconds=ended - started,
         first_token_seconds=(first_token_at or ended) - started,
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
-        draft_steps=engine.take_draft_steps(),
+        draft_steps=take_draft_steps(engine),
     )

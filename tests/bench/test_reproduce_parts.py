@@ -9,6 +9,7 @@ import pytest
 
 from bench.reproduce import profiling
 from bench.reproduce.arms import tuning_grid
+from bench.reproduce.draft_steps import DraftStep, take_draft_steps
 from bench.reproduce.cli import config_from, parser
 from bench.reproduce.inflate import inflate_command, inflate_pair
 from bench.reproduce.presets import FULL, SMOKE
@@ -92,6 +93,16 @@ def test_tuning_chooses_the_fastest_decode_not_the_highest_tau():
     assert [s.decode_tokens_per_s for s in scores] == [32.0, 64.0, 40.0, 16.0]
     assert [s.tau for s in scores] == [3.0, 6.0, 8.5, 8.5]
     assert (scores[1].policy, scores[1].tree_config) == ("online", "64:0.0:8")
+
+
+def test_draft_steps_come_only_from_a_recording_engine():
+    class Recording:
+        def take_draft_steps(self) -> list[DraftStep]:
+            return [DraftStep(2, 3, 9, [0, 1], 2)]
+
+    assert take_draft_steps(object()) == []  # bench.paired's engine records none
+    assert take_draft_steps(Recording()) == [DraftStep(2, 3, 9, [0, 1], 2)]
+    assert DraftStep.from_list(DraftStep(2, 3, 9, [0, 1], 2).to_list()) == DraftStep(2, 3, 9, [0, 1], 2)
 
 
 def test_nsys_missing_says_so_and_runs_nothing(monkeypatch, capsys):
