@@ -62,11 +62,12 @@ class Eagle3Config:
         """Parse a head's config.json (published or written by ``to_json``)."""
         layers = int(raw.get("num_hidden_layers", 1))
         if layers != 1:
-            # The drafter keeps one layer's KV per session (draft_kv, tree_kv) and its CUDA graphs
-            # replay one layer; a deeper head needs a KV per layer through all of them.
+            # Refused rather than run: the drafter keeps one layer's KV per session (draft_kv, tree_kv,
+            # the chunk arena) and its CUDA graphs replay one layer; a deeper head needs a KV per layer
+            # through all of them. The published EAGLE-3 heads have one layer.
             raise CheckpointError(
                 f"EAGLE-3 heads of {layers} decoder layers are not supported yet: "
-                "the drafter keeps the KV of one layer per session"
+                "the drafter keeps the KV of one layer per session; use a head with num_hidden_layers 1"
             )
         if raw.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"unsupported hidden_act {raw['hidden_act']!r} (EAGLE-3 heads use silu)")
