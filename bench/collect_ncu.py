@@ -249,6 +249,10 @@ def collect(args: argparse.Namespace) -> int:
     raw = subprocess.run(export, check=True, capture_output=True, text=True).stdout
     (args.out_dir / "ncu_raw.csv").write_text(raw)
     summaries = summarise(parse_raw_csv(raw))
+    if not summaries:
+        print(f"collect_ncu: no profiled kernel ran inside the ranges {list(STEP_RANGES)} (see "
+              f"{args.out_dir / 'ncu_raw.csv'}: its NVTX column)", file=sys.stderr)
+        return 1
     driver = json.loads((args.out_dir / "ncu_driver.json").read_text())
     missed = [name for name in STEP_RANGES if name not in driver["profiled"]]
     if missed:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -115,3 +116,33 @@ def test_the_driver_reaches_every_profiled_iteration(code_prompts, tmp_path):
     driver = json.loads((tmp_path / "ncu" / "ncu_driver.json").read_text())
     assert driver["profiled"] == ["auto step", "diffspec start", "diffspec step"]
     assert driver["prompt_tokens"] == 256 and driver["device"] == "cpu"
+
+
+FAKE_NCU = '''#!{python}
+"""Stands in for ncu: the profiling call leaves the driver's JSON as the driver would, the import prints the fixture."""
+import json, pathlib, sys
+argv = sys.argv[1:]
+if "--import" in argv:
+    print(pathlib.Path({fixture!r}).read_text())
+else:
+    out = pathlib.Path(argv[argv.index("--out-dir") + 1])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ncu_driver.json").write_text(json.dumps({{"prompt_tokens": 256, "device": "fake", "profiled": ["auto step"]}}))
+'''
+
+
+def test_collect_writes_the_tables_from_what_ncu_exports(tmp_path, capsys):
+    fixture = tmp_path / "raw.csv"
+    fixture.write_text(FIXTURE)
+    ncu = tmp_path / "fake-ncu"
+    ncu.write_text(FAKE_NCU.format(python=sys.executable, fixture=str(fixture)))
+    ncu.chmod(0o755)
+    args = _args(tmp_path, "--ncu", str(ncu))
+    assert collect_ncu.collect(args) == 0
+    out = tmp_path / "ncu"
+    written = json.loads((out / "ncu_kernels.json").read_text())
+    assert [(k["step"], k["launches"]) for k in written["kernels"]] == [("auto step", 2), ("diffspec step", 1)]
+    assert written["kernels"][0]["l2_hit_rate"] == pytest.approx(70.0)
+    assert "| `fused_layer_kernel` | - | 2 |" in (out / "ncu_kernels.md").read_text()
+    assert (out / "ncu_raw.csv").read_text().strip() == FIXTURE.strip()
+    assert "generation ended before ['diffspec start', 'diffspec step']" in capsys.readouterr().err
