@@ -106,7 +106,7 @@ def replay(document: dict, depths: int) -> list[RunTrajectory]:
         for row in warmups.get(index, []):
             step = DraftStep.from_list(row)
             global_profile.observe(step.passed_ranks, step.stop_width)
-        if not run["draft_steps"]:
+        if not run.get("draft_steps"):  # Auto, the reference, or a run recorded before draft steps were
             continue
         profile = HazardProfile(MAX_DEPTH, REQUEST_DECAY, prior=global_profile)
         steps = [DraftStep.from_list(row) for row in run["draft_steps"]]
