@@ -8,6 +8,7 @@ untimed first, so graph recording stays out of the profile.
 the calls that wait for it (a tensor read back to the host). ``--profiler torch`` lists the
 phases the runtimes mark (``draft.accept``, ``draft.propose.search``, ``target.verify``, ...)
 with their host time and the GPU time of the kernels they launched, then the costliest ops.
+``--profiler syncs`` (a GPU only) counts the host's waits for the GPU per iteration by source line.
 
     python -m bench.profile_generation --base-model .carry/b8/target --draft-model .carry/b8/head \
         --data .carry/data/shortctx_eval.jsonl --streams 16 --modes full-16 > bench/results/profile_engine.txt
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import cProfile
 import json
 import pstats
 import sys
 from pathlib import Path
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -81,7 +84,37 @@ class TorchProfileReport:
         print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
-REPORTS = {"cprofile": CProfileReport, "torch": TorchProfileReport}
+class SyncReport:
+    """Every wait of the host for the GPU inside the loop, by source line (torch's sync debug mode warns
+    at each one): a step should wait once for its draft trees and once for its verify results."""
+
+    def __init__(self) -> None:
+        self.iterations = 0
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
+        def call(step: Callable[[], None]) -> None:
+            self.iterations += 1
+            step()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield call
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        self.sites.update(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+
+    def print(self, rows: int) -> None:
+        n = max(1, self.iterations)
+        print(f"{n} iterations; {sum(self.sites.values()) / n:.2f} host waits for the GPU per iteration")
+        for site, count in self.sites.most_common(rows):
+            print(f"{count / n:8.2f}  {site}")
+
+
+REPORTS = {"cprofile": CProfileReport, "torch": TorchProfileReport, "syncs": SyncReport}
 
 
 def main() -> int:

@@ -33,3 +33,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without a stream sync. A copy from pageable memory waits for every kernel
+    already queued; one from pinned memory does not (the caching host allocator keeps the pinned block
+    until its copy is done), so a step's small inputs go up while the GPU still runs the last step."""
+    if host.device.type != "cpu" or device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_in(target: torch.Tensor, host: torch.Tensor) -> None:
+    """``target`` (on a device) filled from ``host`` without a stream sync (see ``upload``)."""
+    if host.device.type != "cpu" or target.device.type != "cuda":
+        target.copy_(host)
+        return
+    target.copy_(host.pin_memory(), non_blocking=True)

@@ -45,13 +45,19 @@ class DraftContext:
 
     def refresh(self, q: torch.Tensor) -> None:
         """Re-score chunks against the latest query [heads, hd] and update the arena if needed."""
-        if self.salience is None:
-            return
-        keys, values = self.kv.view()
-        self.index.update(keys)
-        selected = self.selector.select(self.index.scores(q))
+        refresh_all([self], q[None])
+
+    def chunk_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """[num_chunks] float32 chunk scores for the latest query [heads, hd], on the device."""
+        self.index.update(self.kv.view()[0])
+        return self.index.scores(q)
+
+    def reselect(self, scores: torch.Tensor) -> None:
+        """The working set for host ``scores``; the arena follows when it changed."""
+        assert self.salience is not None
+        selected = self.selector.select(scores)
         if set(selected) != self.arena.chunks():
-            self.arena.update(selected, keys, values)
+            self.arena.update(selected, *self.kv.view())
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [tokens, kv_heads, hd] the draft attends to."""
@@ -86,3 +92,15 @@ def copy_contexts(contexts: list[DraftContext], keys_out: torch.Tensor, values_o
             sources += [keys, values]
             offset += n
     torch._foreach_copy_(targets, sources)
+
+
+def refresh_all(contexts: list[DraftContext], queries: torch.Tensor) -> None:
+    """Re-score every salience context against its latest query (``queries`` [B, heads, hd]) and update
+    the arenas that need it. The selection runs on the host: all contexts' scores come back in one copy,
+    one wait for the GPU per batch instead of one per session."""
+    scored = [(c, c.chunk_scores(q)) for c, q in zip(contexts, queries) if c.salience is not None]
+    if not scored:
+        return
+    host = torch.cat([scores for _, scores in scored]).cpu()
+    for (context, _), scores in zip(scored, host.split([s.numel() for _, s in scored])):
+        context.reselect(scores)

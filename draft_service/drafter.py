@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from diffspec.devices import upload
 from diffspec.tree import DraftTree
 from draft_service.draft_attention import draft_attention
-from draft_service.draft_context import DraftContext, copy_contexts
+from draft_service.draft_context import DraftContext, copy_contexts, refresh_all
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.tree_budget import DepthPlan, TreeBudget
 from draft_service.tree_proposal import TreeProposer
@@ -85,11 +86,12 @@ class Drafter:
             return
         device, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
         counts = [len(e.next_tokens) for e in extensions]
-        features = torch.cat([e.features for e in extensions]).to(device=device, dtype=dtype)
-        tokens = torch.tensor([t for e in extensions for t in e.next_tokens], device=device)
-        positions = torch.cat(
-            [torch.arange(e.session.num_entries, e.session.num_entries + n) for e, n in zip(extensions, counts)]
-        ).to(device)
+        features = upload(torch.cat([e.features for e in extensions]), device).to(dtype)
+        tokens = upload(torch.tensor([t for e in extensions for t in e.next_tokens]), device)
+        positions = upload(
+            torch.cat([torch.arange(e.session.num_entries, e.session.num_entries + n) for e, n in zip(extensions, counts)]),
+            device,
+        )
         ends = list(itertools.accumulate(counts))  # 1 past each session's last row
         keys, values, queries, hiddens = [], [], [], []
         for start in range(0, len(tokens), EXTEND_CHUNK):
@@ -98,7 +100,7 @@ class Drafter:
             q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, positions[start:stop], self.fused)
             keys.append(k)
             values.append(v)
-            last = torch.tensor([end - 1 - start for end in ends if start < end <= stop], device=device)
+            last = upload(torch.tensor([end - 1 - start for end in ends if start < end <= stop]), device)
             queries.append(q[last])
             hiddens.append(hidden[last])
         keys_all, values_all = torch.cat(keys), torch.cat(values)
@@ -111,8 +113,7 @@ class Drafter:
             session.root_token = extension.next_tokens[-1]
         torch._foreach_copy_(targets, sources)
         last_queries = torch.cat(queries)  # [sessions, heads, hd]
-        for extension, query in zip(extensions, last_queries):
-            extension.session.context.refresh(query)
+        refresh_all([e.session.context for e in extensions], last_queries)
         attended = self._last_entry_attention(last_queries, [e.session.context for e in extensions])
         outputs = self.head.attention_outputs(attended, torch.cat(hiddens), self.fused)
         for extension, output in zip(extensions, outputs):
@@ -134,7 +135,7 @@ class Drafter:
         batch_keys = queries.new_zeros(len(contexts), longest, *empty.shape[1:])
         batch_values = torch.zeros_like(batch_keys)
         copy_contexts(contexts, batch_keys, batch_values)
-        valid = torch.arange(longest, device=queries.device) < torch.tensor(lengths, device=queries.device)[:, None]
+        valid = torch.arange(longest, device=queries.device) < upload(torch.tensor(lengths), queries.device)[:, None]
         no_new = torch.zeros(len(contexts), 1, 0, dtype=torch.bool, device=queries.device)
         empty_batch = empty.expand(len(contexts), *empty.shape)
         attended = draft_attention(

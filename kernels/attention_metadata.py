@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diffspec.devices import upload
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -54,10 +56,10 @@ class AttentionMetadata:
         cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
         return AttentionMetadata(
             q_lens=list(q_lens),
-            cu_q_lens=cu.to(device),
-            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            block_tables=tables.to(device),
-            new_token_mask=packed.to(device),
+            cu_q_lens=upload(cu, device),
+            context_lens_t=upload(torch.tensor(context_lens, dtype=torch.int32), device),
+            block_tables=upload(tables, device),
+            new_token_mask=upload(packed, device),
             page_size=page_size,
         )
 

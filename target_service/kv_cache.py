@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from diffspec.devices import upload
+
 from kernels.kv_commit_ref import kv_commit_reference
 from kernels.dispatch import triton_kernels_on
 from diffspec.model_config import LlamaConfig
@@ -45,7 +47,7 @@ class PagedKVCache:
         """Copy-on-write: duplicate shared pages before a sequence writes into its private copy."""
         if not copies:
             return
-        src = torch.tensor([c.src_page for c in copies], device=self.k_pages.device)
-        dst = torch.tensor([c.dst_page for c in copies], device=self.k_pages.device)
+        src = upload(torch.tensor([c.src_page for c in copies]), self.k_pages.device)
+        dst = upload(torch.tensor([c.dst_page for c in copies]), self.k_pages.device)
         self.k_pages[:, dst] = self.k_pages[:, src]
         self.v_pages[:, dst] = self.v_pages[:, src]

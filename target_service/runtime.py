@@ -15,7 +15,7 @@ import threading
 import torch
 from torch.profiler import record_function
 
-from diffspec.devices import dtype_name, resolve_device, resolve_dtype
+from diffspec.devices import dtype_name, resolve_device, resolve_dtype, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import SamplingParams, sample, target_probs, token_logprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
@@ -138,8 +138,8 @@ class TargetRuntime:
         )  # fmt: skip
         feature_layers = self._feature_layers([self.sessions[sid] for sid, _, _ in chunks])
         out = self.model.forward_paged(
-            torch.tensor(list(itertools.chain(*ids)), device=self.device),
-            torch.cat([torch.arange(start, end) for _, start, end in chunks]).to(self.device),
+            upload(torch.tensor(list(itertools.chain(*ids))), self.device),
+            upload(torch.cat([torch.arange(start, end) for _, start, end in chunks]), self.device),
             self.cache.k_pages,
             self.cache.v_pages,
             meta,
@@ -183,6 +183,7 @@ class TargetRuntime:
 
     def _verify(self, steps: list[VerifyStep], failures: Failures) -> dict[str, VerifyResult]:
         """All trees in one forward; each session's accepted path committed, in one launch for all."""
+        steps = [VerifyStep(step.session_id, DraftTree.of(step.tree)) for step in steps]  # wire and Auto trees
         valid: list[VerifyStep] = []
         for step in steps:
             self._guard(step.session_id, failures, self._check_and_reserve, step)
@@ -237,8 +238,8 @@ class TargetRuntime:
             device=self.device,
         )
         out = self.model.forward_paged(
-            torch.cat([i.tokens for i in inputs]).to(self.device),
-            torch.cat([i.positions for i in inputs]).to(self.device),
+            upload(torch.cat([i.tokens for i in inputs]), self.device),
+            upload(torch.cat([i.positions for i in inputs]), self.device),
             self.cache.k_pages,
             self.cache.v_pages,
             meta,
@@ -264,8 +265,8 @@ class TargetRuntime:
             self.cache.write(
                 out.new_k,
                 out.new_v,
-                torch.tensor(rows, dtype=torch.int64, device=self.device),
-                torch.tensor(slots, dtype=torch.int64, device=self.device),
+                upload(torch.tensor(rows, dtype=torch.int64), self.device),
+                upload(torch.tensor(slots, dtype=torch.int64), self.device),
             )
 
     # -- one session at a time (tests, tools) --------------------------------------------------

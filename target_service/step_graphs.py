@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from diffspec.cuda_graphs import record_graph
+from diffspec.devices import copy_in
 from kernels.attention_metadata import AttentionMetadata
 from target_service.kv_cache import PagedKVCache
 from target_service.llama import AttentionBackend, LlamaModel, PagedForwardOutput
@@ -65,7 +66,7 @@ class _Bucket:
         self.outputs: tuple[PagedForwardOutput, torch.Tensor] | None = None
 
     def fill(self, steps: list[StepInput]) -> None:
-        """Copy the steps into the static buffers (one host-to-device copy per buffer)."""
+        """Copy the steps into the static buffers (one host-to-device copy per buffer, none waiting on the GPU)."""
         ids = torch.zeros(self.batch, self.tree, dtype=torch.int64)
         positions = torch.zeros(self.batch, self.tree, dtype=torch.int64)
         mask = self.host_identity.clone()
@@ -77,11 +78,11 @@ class _Bucket:
             ids[b, :n], positions[b, :n], mask[b, :n, :n] = step.tokens, step.positions, step.mask
             context[b] = step.context_len
             tables[b, : len(step.block_table)] = torch.tensor(step.block_table, dtype=torch.int32)
-        self.input_ids.copy_(ids.flatten())
-        self.positions.copy_(positions.flatten())
-        self.meta.new_token_mask.copy_(mask.flatten(0, 1))
-        self.meta.context_lens_t.copy_(context)
-        self.meta.block_tables[:, :width].copy_(tables)  # columns past width are never read
+        copy_in(self.input_ids, ids.flatten())
+        copy_in(self.positions, positions.flatten())
+        copy_in(self.meta.new_token_mask, mask.flatten(0, 1))
+        copy_in(self.meta.context_lens_t, context)
+        copy_in(self.meta.block_tables[:, :width], tables)  # columns past width are never read
 
 
 class StepGraphs:

@@ -7,6 +7,7 @@ contexts of different lengths in one batch, with and without a salience working 
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -224,16 +225,41 @@ def test_the_eager_proposal_never_syncs_the_gpu():
     sessions = start_sessions(eager, CONTEXT_LENGTHS, None)
     requests = [ProposalRequest(s, plan, budget) for s in sessions]
     eager.propose_many(requests)  # first use: kernels compile, buffers allocate
-    contexts = [s.context.view() for s in sessions]
-    run = eager.proposer._stage(ProposalShape.of(requests, [k.shape[0] for k, _ in contexts]), requests, contexts)
+    contexts = [s.context for s in sessions]
+    lengths = [c.attended_tokens for c in contexts]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.no_grad():  # as propose_many runs it (the fused kernels serve only without autograd)
+            run = eager.proposer._stage(ProposalShape.of(requests, lengths), requests, contexts, lengths)
             out = eager.proposer._search(run)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.num_nodes.device.type == "cuda" and math.isfinite(float(out.draft_probs.sum()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("salience, waits", [(None, 0), (SALIENCE, 1)], ids=["full-context", "salience"])
+def test_a_batch_accept_waits_for_the_gpu_at_most_once(salience, waits):
+    """Extending a batch uploads its inputs through pinned memory; only the salience selection reads
+    back, all sessions' chunk scores in one copy."""
+    _, eager = _graphed_and_eager(torch.bfloat16)
+    sessions = start_sessions(eager, CONTEXT_LENGTHS, salience)
+    c, device = eager.head.config, eager.head.fc.weight.device
+    generator = torch.Generator().manual_seed(5)
+    extensions = [
+        Extension(s, torch.randn(n, 3 * c.target_hidden_size, generator=generator).to(device), [1] * n)
+        for s, n in zip(sessions, (1, 3, 2, 5))
+    ]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eager.extend_many(extensions)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum("synchroniz" in str(w.message) for w in caught) == waits
 
 
 @pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
