@@ -17,6 +17,7 @@ class Kind(Enum):
     LONG = "a benchmark or load test: minutes, not run here"
     GPU = "needs a CUDA GPU (or two)"
     DOCKER = "needs a Docker engine and NVIDIA GPUs"
+    HOSTS = "runs on the named hosts of a multi-host walk-through"
 
 
 @dataclass(frozen=True)
@@ -101,4 +102,21 @@ COMMANDS: dict[str, Command] = {
     "diffspec generate --gateway 127.0.0.1:50051 --prompt 'def fibonacci(n):'": Command(
         Kind.DOCKER, "talks to the compose deployment"
     ),
+    # docs/gpu.md
+    "pip install torch==2.13.0 && pip install -e '.[dev,bench]'": Command(Kind.INSTALL, ".ci/run runs it"),
+    "python -m pytest -q -p no:cacheprovider -m gpu": Command(Kind.GPU, "the GPU tests, skipped without one"),
+    "diffspec serve --base-model ../shared/models/bench-code --draft-model ../shared/models/bench-code-eagle3 --device"
+    " cuda:0 --num-pages 8448 --policy online": Command(Kind.GPU, "cuda:0"),
+    "export DIFFSPEC_AUTH_TOKEN=change-me DIFFSPEC_TLS_CERT=server.pem DIFFSPEC_TLS_KEY=server.key DIFFSPEC_TLS_CA=ca.pem":
+        Command(Kind.HOSTS, "the hosts' certificates; tests/gateway/test_security.py runs TLS and tokens on loopback"),
+    "diffspec serve target  --listen 0.0.0.0:50061 --base-model /models/Llama-3.1-8B-Instruct   # on target.example":
+        Command(Kind.HOSTS, "target.example with its checkpoint"),
+    "diffspec serve draft   --listen 0.0.0.0:50062 --base-model /models/Llama-3.1-8B-Instruct --draft-model"
+    " /models/EAGLE3-LLaMA3.1-Instruct-8B   # on draft.example": Command(Kind.HOSTS, "draft.example with its checkpoints"),
+    "diffspec serve gateway --listen 0.0.0.0:50051 --base-model /models/Llama-3.1-8B-Instruct --target"
+    " target.example:50061 --draft draft.example:50062   # on gateway.example": Command(
+        Kind.HOSTS, "gateway.example; docs/serving.md's split deployment runs the same roles on one machine"
+    ),
+    "diffspec generate --gateway gateway.example:50051 --prompt 'def fibonacci(n):'   # anywhere, with DIFFSPEC_TLS_CA"
+    " and DIFFSPEC_AUTH_TOKEN set": Command(Kind.HOSTS, "the walk-through's gateway"),
 }
