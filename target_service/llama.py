@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from diffspec.checkpoint import load_state_dict, safetensors_files
+from diffspec.devices import upload
 from diffspec.errors import CheckpointError
 from diffspec.model_config import LlamaConfig, load_llama_config
 from diffspec.rope import RotaryEmbedding
@@ -68,6 +69,8 @@ class PagedForwardOutput:
     def features_of(self, rows: torch.Tensor | list[int] | slice, layers: tuple[int, ...]) -> torch.Tensor:
         """[len(rows), len(layers) * hidden]: ``rows`` of the features of ``layers`` (each one computed)."""
         assert self.features is not None
+        if isinstance(rows, list):  # a list index would go up through pageable memory: a wait for the GPU
+            rows = upload(torch.tensor(rows, dtype=torch.int64), self.features.device)
         picked = self.features[rows]
         if layers == self.feature_layers:
             return picked
