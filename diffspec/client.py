@@ -166,7 +166,9 @@ class GatewayClient:
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._metadata = call_metadata(settings)
 
-    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]) -> Iterator[Chunk]:
+    def generate(
+        self, prompt: str | Sequence[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> Iterator[Chunk]:
         """Stream the generation; ``options``: ``GenerateOptions``;
         ``timeout``: seconds the whole call may take (the deadline reaches the engine)."""
         call = self._stub.Generate(generate_request(prompt, **options), timeout=timeout, metadata=self._metadata)
@@ -178,7 +180,9 @@ class GatewayClient:
         finally:
             call.cancel()  # leaving the loop early ends the request on the server
 
-    def complete(self, prompt: str | Sequence[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]) -> list[Completion]:
+    def complete(
+        self, prompt: str | Sequence[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> list[Completion]:
         """The whole generation: one ``Completion`` per sample, in index order."""
         return _completions(self.generate(prompt, timeout=timeout, **options))
 
@@ -222,7 +226,9 @@ class AsyncGatewayClient:
         finally:
             call.cancel()
 
-    async def complete(self, prompt: str | Sequence[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]) -> list[Completion]:
+    async def complete(
+        self, prompt: str | Sequence[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> list[Completion]:
         return _completions([chunk async for chunk in self.generate(prompt, timeout=timeout, **options)])
 
     async def tokenize(self, text: str) -> list[int]:
