@@ -44,6 +44,7 @@ MAX_WIDTH = 10
 PRIOR_TOP1_FAIL = 0.25  # before any data: P(the best child is rejected); optimistic, so unseen depths get explored
 PRIOR_NEXT_FAIL = 0.7  # before any data: P(the next sibling is rejected too)
 PRIOR_WEIGHT = 3.0  # pseudo-observations a prior is worth
+RESCALE_BELOW = 1e-200  # the decay scale folded into the counts before it underflows
 
 
 @dataclass
@@ -60,6 +61,9 @@ class HazardProfile:
         self.decay = decay
         self.prior = prior
         self.depths = [DepthCounts() for _ in range(max_depth)]
+        # A count is its stored value times ``_scale``: a step decays every count by shrinking the scale
+        # and adds its own counts divided by it, so it touches only the depths it observed.
+        self._scale = 1.0
 
     def observe(self, passed_ranks: list[int], stop_width: int) -> None:
         """One verification step.
@@ -68,16 +72,24 @@ class HazardProfile:
         depth the path stopped after all ``stop_width`` children failed (0: the path reached a
         leaf, so the step is censored there).
         """
-        for counts in self.depths:
-            counts.tried = [c * self.decay for c in counts.tried]
-            counts.failed = [c * self.decay for c in counts.failed]
+        self._scale *= self.decay
+        if self._scale < RESCALE_BELOW:
+            self._fold_scale()
+        one = 1.0 / self._scale
         outcomes = [(rank, True) for rank in passed_ranks] + [(stop_width, False)]
         for counts, (rank, passed) in zip(self.depths, outcomes):
             for r in range(min(rank + 1 if passed else rank, MAX_WIDTH)):
-                counts.tried[r] += 1
-                counts.failed[r] += 0 if passed and r == rank else 1
+                counts.tried[r] += one
+                counts.failed[r] += 0 if passed and r == rank else one
         if self.prior is not None:
             self.prior.observe(passed_ranks, stop_width)
+
+    def _fold_scale(self) -> None:
+        """Move the scale into the stored counts before it underflows."""
+        for counts in self.depths:
+            counts.tried = [c * self._scale for c in counts.tried]
+            counts.failed = [c * self._scale for c in counts.failed]
+        self._scale = 1.0
 
     def fail_rate(self, depth: int, rank: int) -> float:
         """f_r(d): P(sibling ``rank`` is rejected | all better siblings were), depth 1-based."""
@@ -88,7 +100,8 @@ class HazardProfile:
         if depth > self.max_depth or rank >= MAX_WIDTH:
             return prior
         counts = self.depths[depth - 1]
-        estimate = (counts.failed[rank] + PRIOR_WEIGHT * prior) / (counts.tried[rank] + PRIOR_WEIGHT)
+        failed, tried = counts.failed[rank] * self._scale, counts.tried[rank] * self._scale
+        estimate = (failed + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
         return max(EPS, min(1.0 - EPS, estimate))
 
     def pass_probability(self, depth: int, width: int) -> float:

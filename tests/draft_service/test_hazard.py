@@ -133,3 +133,27 @@ def test_plan_shapes():
     assert tree_size([4, 2]) == 1 + 4 + 8
     plan = widths_to_plan([4, 2, 1])
     assert [(p.expand, p.children) for p in plan] == [(1, 4), (4, 2), (2, 1)]
+
+
+@pytest.mark.parametrize("decay", [0.9, 0.01])  # 0.01 folds the decay scale into the counts every 100 steps
+def test_decay_by_scale_equals_decaying_every_count(decay):
+    """A step decays every count; the profile does it by shrinking one scale, which must give the same
+    rates as multiplying each count, also across the fold that keeps the scale from underflowing."""
+    rng = random.Random(7)
+    lazy = HazardProfile(6, decay)
+    tried = [[0.0] * 10 for _ in range(6)]
+    failed = [[0.0] * 10 for _ in range(6)]
+    for _ in range(250):
+        ranks, stop_width = simulate_step(rng, [HARD], [4, 3, 2, 2, 1, 1])
+        lazy.observe(ranks, stop_width)
+        tried = [[c * decay for c in row] for row in tried]
+        failed = [[c * decay for c in row] for row in failed]
+        for depth, (rank, passed) in enumerate(([(r, True) for r in ranks] + [(stop_width, False)])[:6]):
+            for r in range(min(rank + 1 if passed else rank, 10)):
+                tried[depth][r] += 1
+                failed[depth][r] += 0 if passed and r == rank else 1
+    for depth in range(1, 7):
+        for rank in range(4):
+            prior = 0.25 if rank == 0 else 0.7
+            want = (failed[depth - 1][rank] + 3.0 * prior) / (tried[depth - 1][rank] + 3.0)
+            assert lazy.fail_rate(depth, rank) == pytest.approx(max(EPS, min(1 - EPS, want)), rel=1e-9, abs=1e-12)
