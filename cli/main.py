@@ -26,6 +26,8 @@ SERVER_FIELDS = (  # settings only a server reads: generate has no flag for them
     "draft_address",
     "max_message_bytes",
     "max_sessions",
+    "client_max_requests",
+    "client_max_tokens",
     "metrics_port",
     "keepalive_seconds",
     "keepalive_timeout_seconds",

@@ -76,7 +76,24 @@ class DiffSpecSettings(BaseSettings):
     target_address: str = Field("", description="Remote target service host:port (empty = in process).")
     draft_address: str = Field("", description="Remote draft service host:port (empty = in process).")
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=65536, description="Largest gRPC message sent or received.")
-    max_sessions: int = Field(64, ge=1, description="Concurrent generations admitted before RESOURCE_EXHAUSTED.")
+    max_sessions: int = Field(
+        64,
+        ge=1,
+        description="Generations admitted at once, running or queued until the KV pool can hold their prompt + "
+        "max_new_tokens, before RESOURCE_EXHAUSTED.",
+    )
+    client_max_requests: int = Field(
+        0,
+        ge=0,
+        description="Generations one client (its x-diffspec-client header, else its host) may have admitted at "
+        "once before RESOURCE_EXHAUSTED; 0 = no per-client cap.",
+    )
+    client_max_tokens: int = Field(
+        0,
+        ge=0,
+        description="Prompt + max_new_tokens summed over one client's admitted generations before "
+        "RESOURCE_EXHAUSTED; 0 = no per-client cap.",
+    )
     max_batch_tokens: int = Field(
         4096, ge=1, description="Tokens one engine iteration computes: every tree first, then prompt chunks."
     )

@@ -13,6 +13,7 @@ from diffspec.settings import DiffSpecSettings
 from draft_service.backend import DraftBackend
 from gateway.engine import SpeculativeEngine
 from gateway.engine_core import EngineLimits
+from gateway.quota import QuotaLimits
 from target_service.backend import TargetBackend
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ def engine_limits(settings: DiffSpecSettings) -> EngineLimits:
         max_requests=settings.max_sessions,
         max_batch_tokens=settings.max_batch_tokens,
         prefill_chunk=settings.prefill_chunk,
+        quota=QuotaLimits(settings.client_max_requests, settings.client_max_tokens),
     )
 
 

@@ -26,7 +26,9 @@ from typing import TypeVar
 
 from diffspec.errors import DeadlineExceeded, DiffSpecError, PeerUnavailable, ResourceExhausted
 from draft_service.backend import DraftBackend, DraftBatch, DraftBatchResult, VerifyCost
+from gateway.admission import KVAdmission, KVGeometry
 from gateway.detokenizer import Tokenizer
+from gateway.quota import ClientQuotas, QuotaLimits
 from gateway.request import GenerationRequest
 from gateway.running_request import OutputSink, Phase, RunningRequest
 from target_service.backend import (
@@ -52,6 +54,7 @@ class EngineLimits:
     max_requests: int  # running + waiting before RESOURCE_EXHAUSTED
     max_batch_tokens: int  # tokens one iteration computes: trees first, then prompt chunks
     prefill_chunk: int  # most prompt tokens of one request per iteration
+    quota: QuotaLimits = QuotaLimits()  # what one client may hold
 
 
 @dataclass
@@ -107,6 +110,9 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.limits = limits
         self.info: TargetInfo = target.info()
+        geometry = KVGeometry(self.info.page_size, self.info.num_pages, self.info.max_context)
+        self.admission = KVAdmission(geometry, self.info.num_free_pages)
+        self.quotas = ClientQuotas(limits.quota)
         self.timing = LoopTiming()
         self._requests: dict[str, RunningRequest] = {}  # admitted and not yet fully released, in arrival order
         self._target_releases: list[str] = []
@@ -125,10 +131,13 @@ class EngineCore:
     def submit(
         self, request_id: str, request: GenerationRequest, sink: OutputSink, deadline: float | None = None
     ) -> None:
-        """Queue a request; raises ResourceExhausted when ``max_requests`` are already in the engine."""
+        """Queue a request; raises ResourceExhausted when ``max_requests`` are already in the engine or its
+        client holds its quota, InvalidRequest when the KV pool could never hold it."""
+        self.admission.check_fits(request)
         with self._admitted_lock:
             if self._admitted >= self.limits.max_requests:
                 raise ResourceExhausted(f"{self._admitted} generations in flight (max_sessions); retry later")
+            self.quotas.admit(request.client, _quota_tokens(request))
             self._admitted += 1
         running = RunningRequest.create(request_id, request, sink, self.info, self.tokenizer, deadline)
         self._inbox.put(_Submit(running))
@@ -268,13 +277,20 @@ class EngineCore:
             VerifyStep(r.request_id, r.next_tree()) for r in self._requests.values() if r.phase is Phase.DECODING
         ]
         budget = max(self.limits.max_batch_tokens - sum(v.tree.num_nodes for v in verifies), MIN_PREFILL_TOKENS)
+        admitted = self._admitted_now()
         opens, prefills = [], []
         for running in self._requests.values():
             if budget <= 0:
                 break
             if running.phase is Phase.WAITING:
+                if running.request_id not in admitted:
+                    continue
                 request = running.request
-                opens.append(SessionOpen(running.request_id, request.prompt_ids, request.sampling, running.drafting))
+                opens.append(
+                    SessionOpen(
+                        running.request_id, request.prompt_ids, request.sampling, running.drafting, cache_scope=request.client
+                    )
+                )
                 running.phase, running.target_session = Phase.PREFILLING, True
             if running.phase is Phase.PREFILLING:
                 tokens = min(self.limits.prefill_chunk, budget, running.prompt_tokens - running.prefilled_tokens)
@@ -282,12 +298,22 @@ class EngineCore:
                 budget -= tokens
         return TargetBatch(releases, opens, prefills, verifies)
 
+    def _admitted_now(self) -> set[str]:
+        """The queued requests whose worst-case KV pages fit now (gateway/admission.py)."""
+        requests = list(self._requests.values())
+        waiting = [r for r in requests if r.phase is Phase.WAITING]
+        if not waiting:
+            return set()
+        open_requests = [r for r in requests if r.target_session]
+        return {r.request_id for r in self.admission.admit(waiting, open_requests)}
+
     def _target_step_failed(self, failure: DiffSpecError) -> TargetBatchResult:
         log.warning("target step failed: %s", failure)
         holding = [r.request_id for r in self._requests.values() if r.target_session]
         return TargetBatchResult(failures=dict.fromkeys(holding, failure))
 
     def _apply_target(self, batch: TargetBatch, result: TargetBatchResult, seconds: float) -> None:
+        self.admission.report(result.num_free_pages)
         if result.verifies:
             self.timing.batch_sizes.append(len(batch.verifies))
         if result.verifies and not batch.prefills:  # a prompt chunk in the same call is no verify cost
@@ -328,7 +354,7 @@ class EngineCore:
             self._draft_releases[running.request_id] = running if waiting_for_stats else None
             running.draft_session = False
         self._requests.pop(running.request_id, None)
-        self._leave()
+        self._leave(running)
         if notify and not waiting_for_stats:
             running.finish(None)
 
@@ -336,6 +362,12 @@ class EngineCore:
         self._end(running, notify=False)
         running.sink.fail(failure)
 
-    def _leave(self) -> None:
+    def _leave(self, running: RunningRequest) -> None:
         with self._admitted_lock:
             self._admitted -= 1
+            self.quotas.leave(running.request.client, _quota_tokens(running.request))
+
+
+def _quota_tokens(request: GenerationRequest) -> int:
+    """What a generation counts against its client's token quota: its prompt and every token it may add."""
+    return len(request.prompt_ids) + request.max_new_tokens

@@ -7,7 +7,8 @@
 of the gateway's event loop.
 
 Errors are OpenAI's JSON shape: 400 for a bad request, 429 when ``max_sessions`` generations are
-in flight, 503 while the models load or when a service is unreachable, 504 past a deadline. A
+in flight or the client is past its quota (the client is its ``x-diffspec-client`` header, else its
+host), 503 while the models load or when a service is unreachable, 504 past a deadline. A
 streamed request answers its status once the first chunk is out of the engine, so admission and
 validation failures get a status rather than an error inside a 200 stream. A client that goes away
 mid-stream closes the engine's stream, which aborts the request and frees its KV pages and sessions.
@@ -23,6 +24,7 @@ import socket
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any, AsyncIterator, Iterator
 
 import uvicorn
@@ -40,6 +42,7 @@ from gateway import openai_schema as oai
 from gateway.engine import SpeculativeEngine
 from gateway.messages import generation_request
 from gateway.prompt import encode_prompt, render_chat
+from gateway.quota import CLIENT_HEADER, client_id
 from gateway.request import GenerationChunk, GenerationRequest
 from gateway.server import MAX_CHARS_PER_TOKEN
 from target_service.backend import TargetInfo
@@ -112,24 +115,26 @@ def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, m
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(body: oai.CompletionRequest) -> Response:
+    async def completions(body: oai.CompletionRequest, http: Request) -> Response:
         loaded = engine.get()
         info = await loaded.target_info()
+        client = _caller(http)
         prompt = body.prompt_value()
         prompt_ids = prompt if isinstance(prompt, list) else await _encode(loaded, info, prompt)
-        request = generation_request(body.generate_message(body.max_tokens), prompt_ids, info, settings)
+        request = replace(generation_request(body.generate_message(body.max_tokens), prompt_ids, info, settings), client=client)
         return await _respond(loaded, request, body, info.model, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: oai.ChatRequest) -> Response:
+    async def chat_completions(body: oai.ChatRequest, http: Request) -> Response:
         loaded = engine.get()
         info = await loaded.target_info()
+        client = _caller(http)
         messages = body.chat_messages()
         chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         _check_chars(chars, info)
         prompt_ids = await asyncio.to_thread(render_chat, loaded.tokenizer, messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        request = generation_request(body.generate_message(max_tokens), prompt_ids, info, settings)
+        request = replace(generation_request(body.generate_message(max_tokens), prompt_ids, info, settings), client=client)
         return await _respond(loaded, request, body, info.model, chat=True)
 
     async def _respond(
@@ -233,6 +238,11 @@ def _sse(event: dict[str, Any]) -> str:
 def _describe(problem: dict[str, Any]) -> str:
     where = ".".join(str(part) for part in problem.get("loc", ()) if part != "body")
     return f"{where}: {problem.get('msg')}" if where else str(problem.get("msg"))
+
+
+def _caller(request: Request) -> str:
+    """The client a request comes from (gateway/quota.py): its declared name, else its host."""
+    return client_id(request.headers.get(CLIENT_HEADER), request.client.host if request.client else "")
 
 
 def _check_chars(num_chars: int, info: TargetInfo) -> None:

@@ -1,9 +1,11 @@
 """The client-facing servicer: Generate / Tokenize / ModelInfo over the process's one engine loop.
 
-Admission is the engine's: at most ``max_sessions`` requests are in it at once and the next one
-gets RESOURCE_EXHAUSTED at once (clients retry with backoff; a queue here would only hide
-overload). A request runs within the call's deadline; when the call is cancelled, leaving the
-engine's stream aborts the request, which frees its sessions on both services.
+Admission is the engine's: at most ``max_sessions`` requests are in it at once, running or queued
+until the KV pool can hold them, and the next one gets RESOURCE_EXHAUSTED at once (clients retry
+with backoff), as does a client past its own quota (``gateway/quota.py``: the caller is its
+``x-diffspec-client`` metadata, else its host). A request runs within the call's deadline; when the
+call is cancelled, leaving the engine's stream aborts the request, which frees its sessions on both
+services.
 
 Prompt text is tokenized before admission to the engine, so it has admission of its own: a text
 longer than ``MAX_CHARS_PER_TOKEN`` per context token is refused unread, and at most
@@ -13,6 +15,7 @@ longer than ``MAX_CHARS_PER_TOKEN`` per context token is refused unread, and at 
 from __future__ import annotations
 
 from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 
@@ -23,6 +26,7 @@ from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.engine import SpeculativeEngine
 from gateway.prompt import encode_prompt
+from gateway.quota import CLIENT_HEADER, client_id, grpc_peer_host
 from gateway.messages import chunk_to_proto, generation_request, prompt_text
 from gateway.tokenizer_pool import TokenizerPool
 
@@ -43,9 +47,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: Context) -> None:
         engine = self.engine.get()
         info = await engine.target_info()
+        client = caller(context)
         text = prompt_text(request)
         prompt_ids = list(request.token_ids.ids) if text is None else await self._tokenize(engine, text)
-        generation = generation_request(request, prompt_ids, info, self.settings)
+        generation = replace(generation_request(request, prompt_ids, info, self.settings), client=client)
         self.metrics.active_generations.inc()
         try:
             async with aclosing(engine.generate(generation, timeout=context.time_remaining())) as chunks:
@@ -81,3 +86,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"a text of {len(text)} characters cannot fit the context of {max_context} tokens"
             )
         return await self.tokenizer_pool.run(encode_prompt, engine.tokenizer, text)
+
+
+def caller(context: Context) -> str:
+    """The client a call comes from (gateway/quota.py): its declared name, else its host."""
+    declared = dict(context.invocation_metadata() or ()).get(CLIENT_HEADER)
+    return client_id(declared, grpc_peer_host(context.peer()))
