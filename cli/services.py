@@ -5,44 +5,96 @@ this process, on one port. ``target`` and ``draft`` serve one model each; ``gate
 engine over them at ``--target`` / ``--draft`` (in process when unset). With ``http_listen`` set,
 ``all`` and ``gateway`` also serve the OpenAI-compatible HTTP API from the same engine, started
 before the models load and stopped after the gRPC drain.
+
+Each role imports only what it serves: a gateway over a remote target and a remote draft loads
+no torch (``docker/gateway.Dockerfile`` installs none).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from diffspec.serving import Loading, ServiceHost
 from diffspec.settings import DiffSpecSettings
-from diffspec.v1 import draft_pb2_grpc, gateway_pb2_grpc, target_pb2_grpc
-from draft_service import server as draft_server
-from draft_service.grpc_client import RemoteDraft
-from draft_service.inprocess import load_draft_runtime
-from draft_service.runtime import DraftRuntime
-from gateway import server as gateway_server
-from gateway.assembly import load_engine
-from gateway.engine import SpeculativeEngine
-from gateway.http_api import HttpServer, create_app
-from target_service import server as target_server
-from target_service.grpc_client import RemoteTarget
-from target_service.runtime import TargetRuntime
+
+Load = Callable[[], Awaitable[None]]
+
+
+def add_target(host: ServiceHost, settings: DiffSpecSettings) -> Load:
+    from diffspec.v1 import target_pb2_grpc
+    from target_service import server as target_server
+    from target_service.runtime import TargetRuntime
+
+    target: Loading[TargetRuntime] = Loading("the target model")
+    servicer = target_server.TargetServicer(target, settings, host.metrics)
+    host.add(servicer, target_pb2_grpc.add_TargetServicer_to_server, target_server.SERVICE_NAME)
+
+    async def load() -> None:
+        loaded = await asyncio.to_thread(TargetRuntime, settings)
+        target.set(loaded)
+        host.metrics.watch_target(loaded)
+
+    return load
+
+
+def add_draft(host: ServiceHost, settings: DiffSpecSettings) -> Load:
+    from diffspec.v1 import draft_pb2_grpc
+    from draft_service import server as draft_server
+    from draft_service.inprocess import load_draft_runtime
+    from draft_service.runtime import DraftRuntime
+
+    draft: Loading[DraftRuntime] = Loading("the draft model")
+    servicer = draft_server.DraftServicer(draft, settings, host.metrics)
+    host.add(servicer, draft_pb2_grpc.add_DraftServicer_to_server, draft_server.SERVICE_NAME)
+
+    async def load() -> None:
+        loaded = await asyncio.to_thread(load_draft_runtime, settings)
+        draft.set(loaded)
+        host.metrics.watch_draft(loaded)
+
+    return load
+
+
+def add_gateway(host: ServiceHost, settings: DiffSpecSettings, engine: Loading) -> Load:
+    """``engine``: filled once loaded (the backends in process unless their addresses are set)."""
+    from diffspec.v1 import gateway_pb2_grpc
+    from draft_service.grpc_client import RemoteDraft
+    from gateway import server as gateway_server
+    from gateway.assembly import load_engine
+    from target_service.grpc_client import RemoteTarget
+
+    servicer = gateway_server.GatewayServicer(engine, settings, host.metrics)
+    host.add(servicer, gateway_pb2_grpc.add_GatewayServicer_to_server, gateway_server.SERVICE_NAME)
+
+    async def load() -> None:
+        loaded = await load_engine(settings)
+        engine.set(loaded)
+        if isinstance(loaded.target, RemoteTarget):
+            host.metrics.watch_wire("target", loaded.target.wire)
+        else:
+            host.metrics.watch_target(loaded.target)
+        if isinstance(loaded.draft, RemoteDraft):
+            host.metrics.watch_wire("draft", loaded.draft.wire)
+        elif loaded.draft is not None:
+            host.metrics.watch_draft(loaded.draft)
+
+    return load
 
 
 async def serve(role: str, settings: DiffSpecSettings) -> None:
     host = ServiceHost(settings, role)
-    target: Loading[TargetRuntime] = Loading("the target model")
-    draft: Loading[DraftRuntime] = Loading("the draft model")
-    engine: Loading[SpeculativeEngine] = Loading("the gateway's engine")
+    engine: Loading = Loading("the gateway's engine")
     if role == "target":
-        servicer = target_server.TargetServicer(target, settings, host.metrics)
-        host.add(servicer, target_pb2_grpc.add_TargetServicer_to_server, target_server.SERVICE_NAME)
-    if role == "draft":
-        servicer = draft_server.DraftServicer(draft, settings, host.metrics)
-        host.add(servicer, draft_pb2_grpc.add_DraftServicer_to_server, draft_server.SERVICE_NAME)
-    if role in ("all", "gateway"):
-        servicer = gateway_server.GatewayServicer(engine, settings, host.metrics)
-        host.add(servicer, gateway_pb2_grpc.add_GatewayServicer_to_server, gateway_server.SERVICE_NAME)
+        load_models = add_target(host, settings)
+    elif role == "draft":
+        load_models = add_draft(host, settings)
+    else:
+        load_models = add_gateway(host, settings, engine)
     http = None
     if role in ("all", "gateway") and settings.http_listen:
+        from gateway.http_api import HttpServer, create_app
+
         app = create_app(engine, settings, host.metrics)
         http = HttpServer(app, settings.http_listen, settings.shutdown_grace_seconds)
 
@@ -50,25 +102,7 @@ async def serve(role: str, settings: DiffSpecSettings) -> None:
         if http is not None:  # up while the models load: /health answers, /ready says 503
             address = await http.start()
             print(f"diffspec {role} OpenAI-compatible HTTP API on http://{address}/v1", flush=True)
-        if role == "target":
-            loaded_target = await asyncio.to_thread(TargetRuntime, settings)
-            target.set(loaded_target)
-            host.metrics.watch_target(loaded_target)
-        elif role == "draft":
-            loaded_draft = await asyncio.to_thread(load_draft_runtime, settings)
-            draft.set(loaded_draft)
-            host.metrics.watch_draft(loaded_draft)
-        else:
-            loaded = await load_engine(settings)
-            engine.set(loaded)
-            if isinstance(loaded.target, TargetRuntime):
-                host.metrics.watch_target(loaded.target)
-            if isinstance(loaded.draft, DraftRuntime):
-                host.metrics.watch_draft(loaded.draft)
-            if isinstance(loaded.target, RemoteTarget):
-                host.metrics.watch_wire("target", loaded.target.wire)
-            if isinstance(loaded.draft, RemoteDraft):
-                host.metrics.watch_wire("draft", loaded.draft.wire)
+        await load_models()
 
     async def close() -> None:
         if http is not None:

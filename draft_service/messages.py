@@ -9,7 +9,8 @@ from __future__ import annotations
 from diffspec.errors import DiffSpecError
 from diffspec.feature_rows import Features, WireRows, wire_rows
 from diffspec.v1 import draft_pb2
-from diffspec.wire import error_from_failure, failure_to_proto, tree_from_proto, tree_to_proto
+from diffspec.tree_nodes import TreeNodes
+from diffspec.wire import error_from_failure, failure_to_proto
 from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats, VerifyCost
 from draft_service.options import DraftOptions
 
@@ -76,7 +77,7 @@ def batch_from_proto(step: draft_pb2.DraftStep, features: Features, scope: str) 
 def result_to_proto(result: DraftBatchResult, scope: str) -> draft_pb2.DraftStepReply:
     reply = draft_pb2.DraftStepReply()
     for sid, tree in result.trees.items():
-        reply.trees.add(session_id=sid.removeprefix(scope), tree=tree_to_proto(tree))
+        reply.trees.add(session_id=sid.removeprefix(scope), tree=tree.to_nodes().to_proto())
     for sid, stats in result.released.items():
         reply.released.add(session_id=sid.removeprefix(scope), stats=stats_to_proto(stats))
     reply.failures.extend(failure_to_proto(sid.removeprefix(scope), f) for sid, f in result.failures.items())
@@ -88,7 +89,7 @@ def result_from_proto(reply: draft_pb2.DraftStepReply, peer: str) -> DraftBatchR
     trees = {}
     for proposed in reply.trees:
         try:
-            trees[proposed.session_id] = tree_from_proto(proposed.tree)
+            trees[proposed.session_id] = TreeNodes.from_proto(proposed.tree)
         except DiffSpecError as bad:
             failures[proposed.session_id] = bad
     released = {r.session_id: stats_from_proto(r.stats) for r in reply.released}

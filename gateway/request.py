@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diffspec.sampling import SamplingParams, TokenLogprobs
+from diffspec.sampling_params import SamplingParams, TokenLogprobs
 from draft_service.options import DraftOptions
 
 

@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
-from diffspec.sampling import TokenLogprobs
-from diffspec.tree import DraftTree
+from diffspec.feature_rows import Features, concat_rows
+from diffspec.sampling_params import TokenLogprobs
+from diffspec.tree_nodes import ProposedTree, TreeNodes
 from draft_service.backend import DraftAccept, DraftStart, DraftStats
 from gateway.detokenizer import IncrementalDetokenizer, Tokenizer
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
@@ -53,10 +52,10 @@ class RunningRequest:
     target_session: bool = False  # the target holds a session for it
     last_token: int = -1  # last emitted token: the next tree's root
     prefilled_tokens: int = 0  # prompt tokens the target has reported done
-    prompt_features: list[torch.Tensor] = field(default_factory=list)  # per prefill chunk, until the draft starts
+    prompt_features: list[Features] = field(default_factory=list)  # per prefill chunk, until the draft starts
     pending_start: DraftStart | None = None
     pending_accept: DraftAccept | None = None
-    tree: DraftTree | None = None  # this iteration's proposal
+    tree: ProposedTree | None = None  # this iteration's proposal
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
 
@@ -102,7 +101,7 @@ class RunningRequest:
         self._emit([result.first_token], result.first_logprobs)
         if self.drafting and not self.finished:
             assert self.request.draft is not None
-            features = torch.cat(self.prompt_features)
+            features = concat_rows(self.prompt_features)
             self.pending_start = DraftStart(
                 self.request_id, self.request.prompt_ids, features, result.first_token, self.request.draft
             )
@@ -122,13 +121,13 @@ class RunningRequest:
         self.pending_start = self.pending_accept = self.tree = None
         self.prompt_features = []
 
-    def next_tree(self) -> DraftTree:
+    def next_tree(self) -> ProposedTree:
         """This iteration's proposal if it fits the context left, else one Auto step."""
         tree, self.tree = self.tree, None
         context_left = self.info.max_context - self.prompt_tokens - self.stats.new_tokens
-        if tree is not None and int(tree.depths().max()) + 1 < context_left:
+        if tree is not None and tree.max_depth + 1 < context_left:
             return tree
-        return DraftTree.root_only(self.last_token)
+        return TreeNodes.root_only(self.last_token)
 
     def finish(self, draft_stats: DraftStats | None) -> None:
         """The last chunk: held-back text and the stats."""

@@ -6,6 +6,10 @@ session, and one tree per decoding session (a root-only tree is an Auto step). A
 failure (bad input, no pages left, a sampling overflow) comes back in ``failures`` and leaves
 every other session of the batch untouched. Each result reports the KV pages left free, so the
 engine admits new sessions against the target's real capacity, in process and over gRPC alike.
+
+Torch-free: a tree is any ``ProposedTree`` (a ``DraftTree`` from the in-process draft, ``TreeNodes``
+from the wire or for an Auto step), and features are tensors in process, the received bytes when
+relayed by a gateway (``diffspec/feature_rows.py``).
 """
 
 from __future__ import annotations
@@ -13,11 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from diffspec.errors import DiffSpecError
-from diffspec.sampling import SamplingParams, TokenLogprobs
-from diffspec.tree import DraftTree
+from diffspec.feature_rows import Features
+from diffspec.sampling_params import SamplingParams, TokenLogprobs
+from diffspec.tree_nodes import ProposedTree
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class PrefillWork:
 @dataclass(frozen=True)
 class VerifyStep:
     session_id: str
-    tree: DraftTree  # rooted at the session's last emitted token; root-only = one Auto step
+    tree: ProposedTree  # rooted at the session's last emitted token; root-only = one Auto step
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class PrefillResult:
     done_tokens: int  # prompt tokens whose KV is in the pages after this step
     total_tokens: int  # prompt length
     first_token: int | None  # sampled from the last prompt position; set once the prompt is done
-    features: torch.Tensor | None  # [rows computed this step, 3 * hidden], only when features were asked for
+    features: Features | None  # [rows computed this step, 3 * hidden], only when features were asked for
     first_logprobs: TokenLogprobs | None = None  # of first_token, when the sampling asks for logprobs
 
 
@@ -72,7 +75,7 @@ class VerifyResult:
     accepted_tokens: list[int]  # draft tokens accepted, in order (root and bonus excluded)
     accepted_nodes: list[int]  # their tree node indices
     bonus_token: int  # the target's token after the accepted path; the next tree's root
-    features: torch.Tensor | None  # [1 + len(accepted), 3 * hidden] at the root and accepted positions
+    features: Features | None  # [1 + len(accepted), 3 * hidden] at the root and accepted positions
     logprobs: TokenLogprobs | None = None  # of emitted_tokens, when the sampling asks for logprobs
 
     @property

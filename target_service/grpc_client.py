@@ -3,20 +3,22 @@
 A target that cannot be reached, whose stream breaks, or that does not answer a step within
 ``step_timeout_seconds`` raises ``PeerUnavailable``; the stream is dropped, which releases every
 session on the target, and the next step opens a fresh one. ``wire`` counts the bytes of each
-completed step.
+completed step. Features stay the bytes that arrived (``WireRows``) for a gateway that relays them
+to a remote draft, so it needs no torch; a draft in this process gets them decoded into tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 from diffspec.errors import PeerUnavailable
+from diffspec.feature_rows import Features, RowJoiner, WireRows
 from diffspec.grpc_options import Metadata, call_metadata, open_blocking_channel
 from diffspec.metrics import WireTraffic
 from diffspec.settings import DiffSpecSettings
 from diffspec.step_stream import StepStream, unary_call
 from diffspec.v1 import target_pb2, target_pb2_grpc
-from diffspec.wire import RowJoiner
 from target_service.backend import TargetBatch, TargetBatchResult, TargetInfo
 from target_service.messages import batch_to_proto, info_from_proto, result_from_proto
 
@@ -24,9 +26,17 @@ PEER = "target service"
 
 
 class RemoteTarget:
-    def __init__(self, channel, step_timeout: float, metadata: Metadata = ()) -> None:  # noqa: ANN001 - grpc.Channel
-        """``metadata``: sent with every call (the bearer token)."""
+    def __init__(
+        self, channel, step_timeout: float, metadata: Metadata = (), decode_features: bool = False  # noqa: ANN001
+    ) -> None:
+        """``channel``: a grpc.Channel; ``metadata``: sent with every call (the bearer token);
+        ``decode_features``: hand features on as tensors (for a draft in this process)."""
         self.channel = channel
+        self._decode: Callable[[WireRows], Features] | None = None
+        if decode_features:
+            from diffspec.tensor_wire import rows_to_tensor  # only a process that runs a draft loads torch
+
+            self._decode = rows_to_tensor
         self.metadata = metadata
         self._stub = target_pb2_grpc.TargetStub(channel)
         self.wire = WireTraffic()  # prefill = a step that carries prompt chunks
@@ -37,19 +47,22 @@ class RemoteTarget:
 
     @classmethod
     def connect(cls, address: str, settings: DiffSpecSettings) -> RemoteTarget:
-        return cls(open_blocking_channel(address, settings), settings.step_timeout_seconds, call_metadata(settings))
+        """A client for ``address``; features are decoded when no remote draft is set (the draft runs here)."""
+        channel = open_blocking_channel(address, settings)
+        decode = not settings.draft_address
+        return cls(channel, settings.step_timeout_seconds, call_metadata(settings), decode_features=decode)
 
     def step(self, batch: TargetBatch) -> TargetBatchResult:
         request = batch_to_proto(batch)
         self._bytes_received = 0
         self._stream.send([request])
         reply = self._next("reply")
-        features = None
+        features: Features | None = None
         if reply.feature_rows:
             joiner = RowJoiner(total_rows=reply.feature_rows, row_width=None)
             while not joiner.complete:
                 joiner.add(self._next("features"))
-            features = joiner.tensor()
+            features = joiner.rows() if self._decode is None else self._decode(joiner.rows())
         self.wire.count(bool(batch.prefills), request.ByteSize(), self._bytes_received)
         return result_from_proto(reply, features, PEER)
 

@@ -7,19 +7,12 @@ session's part starts. Malformed work for one session is that session's failure,
 
 from __future__ import annotations
 
-import torch
-
 from diffspec.errors import DiffSpecError
-from diffspec.sampling import SamplingParams, TokenLogprobs
+from diffspec.feature_rows import Features, concat_rows
+from diffspec.sampling_params import SamplingParams, TokenLogprobs
+from diffspec.tree_nodes import TreeNodes
 from diffspec.v1 import target_pb2
-from diffspec.wire import (
-    error_from_failure,
-    failure_to_proto,
-    logprobs_from_proto,
-    logprobs_to_proto,
-    tree_from_proto,
-    tree_to_proto,
-)
+from diffspec.wire import error_from_failure, failure_to_proto, logprobs_from_proto, logprobs_to_proto
 from target_service.backend import (
     PrefillResult,
     PrefillWork,
@@ -56,7 +49,7 @@ def batch_to_proto(batch: TargetBatch) -> target_pb2.TargetStep:
             for o in batch.opens
         ],
         prefills=[target_pb2.PrefillWork(session_id=p.session_id, num_tokens=p.num_tokens) for p in batch.prefills],
-        verifies=[target_pb2.VerifyWork(session_id=v.session_id, tree=tree_to_proto(v.tree)) for v in batch.verifies],
+        verifies=[target_pb2.VerifyWork(session_id=v.session_id, tree=v.tree.to_nodes().to_proto()) for v in batch.verifies],
     )
 
 
@@ -73,7 +66,7 @@ def batch_from_proto(message: target_pb2.TargetStep, scope: str) -> tuple[Target
             failures[o.session_id] = bad
     for v in message.verifies:
         try:
-            verifies.append(VerifyStep(scope + v.session_id, tree_from_proto(v.tree)))
+            verifies.append(VerifyStep(scope + v.session_id, TreeNodes.from_proto(v.tree)))
         except DiffSpecError as bad:
             failures[v.session_id] = bad
     prefills = [PrefillWork(scope + p.session_id, p.num_tokens) for p in message.prefills if p.session_id not in failures]
@@ -81,10 +74,10 @@ def batch_from_proto(message: target_pb2.TargetStep, scope: str) -> tuple[Target
     return TargetBatch(releases, opens, prefills, verifies), failures
 
 
-def result_to_proto(result: TargetBatchResult, scope: str) -> tuple[target_pb2.TargetStepReply, torch.Tensor | None]:
-    """The reply (session ids out of ``scope``) and the features that follow it, if any."""
+def result_to_proto(result: TargetBatchResult, scope: str) -> tuple[target_pb2.TargetStepReply, Features | None]:
+    """The reply (session ids out of ``scope``) and the features that follow it, if any, in one block."""
     reply = target_pb2.TargetStepReply()
-    rows: list[torch.Tensor] = []
+    rows: list[Features] = []
     for sid, prefill in result.prefills.items():
         done = reply.prefills.add(session_id=sid.removeprefix(scope), done_tokens=prefill.done_tokens,
                                   total_tokens=prefill.total_tokens)  # fmt: skip
@@ -93,7 +86,7 @@ def result_to_proto(result: TargetBatchResult, scope: str) -> tuple[target_pb2.T
         if prefill.first_logprobs is not None:
             done.first_logprobs.CopyFrom(logprobs_to_proto(prefill.first_logprobs))
         if prefill.features is not None:
-            done.feature_rows = prefill.features.shape[0]
+            done.feature_rows = len(prefill.features)
             rows.append(prefill.features)
     for sid, verified in result.verifies.items():
         done = reply.verifies.add(
@@ -103,20 +96,21 @@ def result_to_proto(result: TargetBatchResult, scope: str) -> tuple[target_pb2.T
         if verified.logprobs is not None:
             done.logprobs.CopyFrom(logprobs_to_proto(verified.logprobs))
         if verified.features is not None:
-            done.feature_rows = verified.features.shape[0]
+            done.feature_rows = len(verified.features)
             rows.append(verified.features)
     reply.failures.extend(failure_to_proto(sid.removeprefix(scope), f) for sid, f in result.failures.items())
-    features = torch.cat(rows) if rows else None
-    reply.feature_rows = 0 if features is None else features.shape[0]
+    features = concat_rows(rows) if rows else None
+    reply.feature_rows = 0 if features is None else len(features)
     if result.num_free_pages is not None:
         reply.num_free_pages = result.num_free_pages
     return reply, features
 
 
-def result_from_proto(reply: target_pb2.TargetStepReply, features: torch.Tensor | None, peer: str) -> TargetBatchResult:
+def result_from_proto(reply: target_pb2.TargetStepReply, features: Features | None, peer: str) -> TargetBatchResult:
+    """``features``: the rows that followed the reply (relayed bytes, or a tensor), cut per session."""
     row = 0
 
-    def take(n: int) -> torch.Tensor | None:
+    def take(n: int) -> Features | None:
         nonlocal row
         if n == 0 or features is None:
             return None

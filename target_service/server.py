@@ -17,7 +17,7 @@ from diffspec.metrics import ServingMetrics
 from diffspec.serving import Loading
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import target_pb2, target_pb2_grpc
-from diffspec.wire import split_rows
+from diffspec.feature_rows import wire_rows
 from target_service.backend import TargetBatchResult
 from target_service.messages import batch_from_proto, info_to_proto, result_to_proto
 from target_service.runtime import TargetRuntime
@@ -55,7 +55,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         reply, features = result_to_proto(result, scope)
         await context.write(target_pb2.TargetStepResponse(reply=reply))
         if features is not None:
-            for chunk in split_rows(features, self.max_message_bytes):
+            for chunk in wire_rows(features).chunks(self.max_message_bytes):
                 await context.write(target_pb2.TargetStepResponse(features=chunk))
 
 

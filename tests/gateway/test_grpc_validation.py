@@ -25,7 +25,7 @@ from diffspec.v1 import (
     target_pb2_grpc,
     tensor_pb2,
 )
-from diffspec.wire import split_rows, tree_to_proto
+from diffspec.tensor_wire import split_rows
 from tests.gateway.conftest import CODE_PROMPTS, generate
 from tests.gateway.servers import draft_info, target_info, wait_all_released, wait_until
 
@@ -112,7 +112,7 @@ def merged(*steps: target_pb2.TargetStep) -> target_pb2.TargetStep:
 
 def verifies(*trees: tuple[str, DraftTree]) -> target_pb2.TargetStep:
     return target_pb2.TargetStep(
-        verifies=[target_pb2.VerifyWork(session_id=sid, tree=tree_to_proto(tree)) for sid, tree in trees]
+        verifies=[target_pb2.VerifyWork(session_id=sid, tree=tree.to_nodes().to_proto()) for sid, tree in trees]
     )
 
 
