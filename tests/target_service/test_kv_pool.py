@@ -286,23 +286,28 @@ def test_misuse_raises_invalid_request_and_changes_nothing(misuse: Callable[[Pag
 
 # ---- random operations against a fake KV storage ----
 
-Kv = tuple[int, ...]  # fake KV of a position: the token ids up to and including it (real KV depends on all of them)
+# fake KV of a position: its sequence's cache scope, then the token ids up to and including it (real KV depends
+# on all of them; the scope stands for the tenant, whose pages another tenant must never read)
+Kv = tuple[str | int, ...]
 REJECTED: Kv = (-1,)  # what a rejected draft token leaves in its slot
+SCOPES = ("alice", "mallory")
 
 
-def fake_kv(token_ids: list[int]) -> list[Kv]:
-    return [tuple(token_ids[: pos + 1]) for pos in range(len(token_ids))]
+def fake_kv(token_ids: list[int], scope: str) -> list[Kv]:
+    return [(scope, *token_ids[: pos + 1]) for pos in range(len(token_ids))]
 
 
 class PoolMachine(RuleBasedStateMachine):
     """Prefill, decode steps with partial acceptance, fork and release on a 10-page pool with a
-    3-token alphabet, so prefixes collide often."""
+    3-token alphabet, so prefixes collide often; prompts come from two cache scopes, which must never
+    read each other's pages."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pool = PagedKVPool(num_pages=10, page_size=PAGE_SIZE)
         self.storage: dict[int, Kv] = {}  # slot -> fake KV written there: the KV tensors' stand-in
         self.expected: dict[str, list[int]] = {}  # seq_id -> committed token ids
+        self.scopes: dict[str, str] = {}  # seq_id -> cache scope
         self.seen_token_ids: list[list[int]] = []  # committed token ids of every sequence so far, to reuse as prefixes
         self.num_created = 0
 
@@ -318,12 +323,12 @@ class PoolMachine(RuleBasedStateMachine):
                     self.storage[copy.dst_page * PAGE_SIZE + offset] = self.storage[src]
         self.storage.update(zip(slots, kvs))
 
-    @rule(prompt_ids=st.lists(st.integers(0, 2), min_size=1, max_size=12))
-    def prefill(self, prompt_ids: list[int]) -> None:
+    @rule(prompt_ids=st.lists(st.integers(0, 2), min_size=1, max_size=12), scope=st.sampled_from(SCOPES))
+    def prefill(self, prompt_ids: list[int], scope: str) -> None:
         seq_id = self._new_id()
         before = snapshot(self.pool)
         try:
-            num_cached_tokens = self.pool.allocate(seq_id, prompt_ids)
+            num_cached_tokens = self.pool.allocate(seq_id, prompt_ids, scope)
         except KVPoolExhausted:
             assert not self.pool.can_allocate(len(prompt_ids))
             assert snapshot(self.pool) == before
@@ -333,19 +338,21 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.committed_token_ids(seq_id) == prompt_ids[:num_cached_tokens]
         slots, copies = self.pool.reserve(seq_id, len(prompt_ids) - num_cached_tokens)  # never fails
         assert copies == []
-        self._write(slots, copies, fake_kv(prompt_ids)[num_cached_tokens:])
+        self._write(slots, copies, fake_kv(prompt_ids, scope)[num_cached_tokens:])
         self.pool.commit(seq_id, prompt_ids[num_cached_tokens:])
         self.expected[seq_id] = list(prompt_ids)
+        self.scopes[seq_id] = scope
         self.seen_token_ids.append(list(prompt_ids))
 
     @precondition(lambda self: self.seen_token_ids)
-    @rule(data=st.data(), suffix=st.lists(st.integers(0, 2), max_size=4))
-    def prefill_seen_prefix(self, data: st.DataObject, suffix: list[int]) -> None:
-        """A prompt that starts like an earlier sequence, live or released: prefix hits and revivals."""
+    @rule(data=st.data(), suffix=st.lists(st.integers(0, 2), max_size=4), scope=st.sampled_from(SCOPES))
+    def prefill_seen_prefix(self, data: st.DataObject, suffix: list[int], scope: str) -> None:
+        """A prompt that starts like an earlier sequence, live or released, of either scope: prefix hits
+        and revivals in its own scope, none across."""
         token_ids = data.draw(st.sampled_from(self.seen_token_ids))
         prefix_len = data.draw(st.integers(0, len(token_ids)))
         if prefix_len + len(suffix) > 0:
-            self.prefill(token_ids[:prefix_len] + suffix)
+            self.prefill(token_ids[:prefix_len] + suffix, scope)
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data(), token_ids=st.lists(st.integers(0, 2), min_size=1, max_size=6))
@@ -362,7 +369,7 @@ class PoolMachine(RuleBasedStateMachine):
         num_accepted = data.draw(st.integers(0, len(token_ids)))
         accepted = token_ids[:num_accepted]
         num_committed = len(self.expected[seq_id])
-        kvs = fake_kv(self.expected[seq_id] + accepted)[num_committed:]
+        kvs = fake_kv(self.expected[seq_id] + accepted, self.scopes[seq_id])[num_committed:]
         self._write(slots, copies, kvs + [REJECTED] * (len(token_ids) - num_accepted))
         self.pool.commit(seq_id, accepted)
         self.expected[seq_id] += accepted
@@ -374,6 +381,7 @@ class PoolMachine(RuleBasedStateMachine):
         child_id = self._new_id()
         self.pool.fork(parent_id, child_id)
         self.expected[child_id] = list(self.expected[parent_id])
+        self.scopes[child_id] = self.scopes[parent_id]
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data())
@@ -402,7 +410,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.pool.committed_token_ids(seq_id) == token_ids
             table = self.pool.block_table(seq_id)
             slots = [table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE for pos in range(len(token_ids))]
-            assert [self.storage.get(slot) for slot in slots] == fake_kv(token_ids)
+            assert [self.storage.get(slot) for slot in slots] == fake_kv(token_ids, self.scopes[seq_id])
 
     def teardown(self) -> None:
         for seq_id in self.pool.sequences():
