@@ -13,7 +13,7 @@ from functools import partial
 from diffspec.grpc_options import Metadata, call_metadata, open_blocking_channel
 from diffspec.metrics import WireTraffic
 from diffspec.settings import DiffSpecSettings
-from diffspec.step_stream import StepStream
+from diffspec.step_stream import StepStream, unary_call
 from diffspec.v1 import draft_pb2, draft_pb2_grpc
 from draft_service.backend import DraftBatch, DraftBatchResult
 from draft_service.messages import batch_to_proto, result_from_proto
@@ -30,6 +30,7 @@ class RemoteDraft:
         self.max_message_bytes = max_message_bytes
         self.wire = WireTraffic()  # prefill = a step that starts sessions (their prompts' features go with it)
         stub = draft_pb2_grpc.DraftStub(channel)
+        self._info = partial(stub.Info, draft_pb2.DraftInfoRequest(), metadata=metadata)
         self._stream: StepStream[draft_pb2.DraftStepRequest, draft_pb2.DraftStepReply] = StepStream(
             partial(stub.Step, metadata=metadata), PEER, step_timeout
         )
@@ -52,6 +53,10 @@ class RemoteDraft:
         reply = self._stream.receive()
         self.wire.count(bool(batch.starts), sum(m.ByteSize() for m in messages), reply.ByteSize())
         return result_from_proto(reply, PEER)
+
+    def feature_layers(self, timeout: float) -> tuple[int, ...]:
+        """The target layers the served head reads (its aux layer ids; () = the target's default)."""
+        return tuple(unary_call(PEER, lambda: self._info(timeout=timeout)).feature_layers)
 
     def close(self) -> None:
         self._stream.close()

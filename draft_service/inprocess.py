@@ -1,6 +1,8 @@
 """Load the draft runtime from settings: the head, its working-set rules, and the target's embedding.
 
-The draft runtime is itself the in-process ``DraftBackend``; the engine loop calls its ``step``.
+The draft runtime is itself the in-process ``DraftBackend``; the engine loop calls its ``step``. A head
+trained on other target layers than the target's default needs nothing of the target: the engine asks
+the target for those layers' features in each speculative session (``SessionOpen.feature_layers``).
 """
 
 from __future__ import annotations
@@ -8,11 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from diffspec.devices import resolve_device, resolve_dtype
-from diffspec.errors import CheckpointError
 from diffspec.model_config import load_llama_config
 from diffspec.settings import DiffSpecSettings
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.head_fit import check_head_fits_target, read_head_config
+from draft_service.head_fit import check_head_fits_target, feature_layers_for, read_head_config
 from draft_service.runtime import DraftRuntime
 from draft_service.target_embedding import load_target_embedding
 from draft_service.working_set import WorkingSetConfig
@@ -37,14 +38,9 @@ def load_draft_runtime(settings: DiffSpecSettings, target: TargetRuntime | None 
     target_config = target.model.config if target is not None else load_llama_config(settings.base_model)
     head_config = read_head_config(settings.draft_model)
     check_head_fits_target(head_config, target_config, settings.draft_model, settings.base_model)  # before weights
+    feature_layers_for(settings, target_config, head_config)  # an explicit DIFFSPEC_FEATURE_LAYERS must agree
     embedding = target.model.embed_tokens if target is not None else None
     if embedding is None:
         embedding = load_target_embedding(settings.base_model, device, dtype)
     head = Eagle3Head.load(settings.draft_model, embedding, device, dtype)
-    trained_on, serving = head.config.feature_layers, target.feature_layers if target is not None else None
-    if trained_on and serving is not None and tuple(trained_on) != tuple(serving):
-        raise CheckpointError(
-            f"draft head {settings.draft_model} was trained on target layers {list(trained_on)}, "
-            f"but the target extracts features from layers {list(serving)} (set DIFFSPEC_FEATURE_LAYERS)"
-        )
     return DraftRuntime(head, working_set_config(settings), settings.cuda_graphs)

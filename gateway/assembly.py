@@ -90,7 +90,26 @@ async def load_engine(settings: DiffSpecSettings) -> SpeculativeEngine:
 
 def _assemble(settings: DiffSpecSettings, target: TargetBackend, with_draft: bool) -> SpeculativeEngine:
     draft = build_draft(settings, target) if with_draft else None
-    return SpeculativeEngine(target, draft, load_tokenizer(settings), engine_limits(settings))
+    layers = head_feature_layers(draft, PEER_POLL_TIMEOUT_S)
+    return SpeculativeEngine(target, draft, load_tokenizer(settings), engine_limits(settings), layers)
+
+
+def head_feature_layers(draft: DraftBackend | None, timeout: float) -> tuple[int, ...]:
+    """The target layers the draft's head reads (its aux layer ids), which the target extracts for every
+    speculative session: from the head's config in process, from the draft service's Info when split.
+    () = the target's default; also when a remote draft does not answer within ``timeout``, in one log line."""
+    head = getattr(draft, "head", None)  # the in-process DraftRuntime
+    if head is not None:
+        return tuple(head.config.feature_layers)
+    from draft_service.grpc_client import RemoteDraft
+
+    if not isinstance(draft, RemoteDraft):
+        return ()
+    try:
+        return draft.feature_layers(timeout)
+    except PeerUnavailable as gone:
+        log.warning("the draft did not say which target layers its head reads (%s): using the target's default", gone)
+        return ()
 
 
 async def wait_for_target(target, timeout: float) -> None:  # noqa: ANN001 - a RemoteTarget

@@ -48,11 +48,13 @@ class SpeculativeEngine:
         draft: DraftBackend | None,
         tokenizer: Tokenizer,
         limits: EngineLimits = DEFAULT_LIMITS,
+        feature_layers: tuple[int, ...] = (),
     ) -> None:
+        """``feature_layers``: the target layers the draft's head reads; () = the target's default."""
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
-        self.core = EngineCore(target, draft, tokenizer, limits)
+        self.core = EngineCore(target, draft, tokenizer, limits, feature_layers)
 
     async def target_info(self) -> TargetInfo:
         return self.core.info

@@ -104,9 +104,12 @@ class EngineCore:
         draft: DraftBackend | None,
         tokenizer: Tokenizer,
         limits: EngineLimits,
+        feature_layers: tuple[int, ...] = (),
     ) -> None:
+        """``feature_layers``: the target layers the draft's head reads (its aux layer ids); () = the target's default."""
         self.target = target
         self.draft = draft
+        self.feature_layers = feature_layers
         self.tokenizer = tokenizer
         self.limits = limits
         self.info: TargetInfo = target.info()
@@ -287,9 +290,8 @@ class EngineCore:
                     continue
                 request = running.request
                 opens.append(
-                    SessionOpen(
-                        running.request_id, request.prompt_ids, request.sampling, running.drafting, cache_scope=request.client
-                    )
+                    SessionOpen(running.request_id, request.prompt_ids, request.sampling, running.drafting, request.client,
+                                self.feature_layers)
                 )
                 running.phase, running.target_session = Phase.PREFILLING, True
             if running.phase is Phase.PREFILLING:

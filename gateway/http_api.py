@@ -4,7 +4,9 @@
 (streamed as server-sent events ``data: {...}`` ending with ``data: [DONE]``, or whole), ``/health``
 (liveness), ``/ready`` (200 once the engine is loaded, 503 while it loads or drains) and
 ``/metrics`` (the process's Prometheus registry). ``HttpServer`` runs it with uvicorn as a task
-of the gateway's event loop.
+of the gateway's event loop. ``n`` > 1 runs the samples of ``gateway/samples.py``: a streamed
+response interleaves their chunks, each choice with its ``index``; logprobs travel with the chunk
+of the tokens they belong to.
 
 Errors are OpenAI's JSON shape: 400 for a bad request, 429 when ``max_sessions`` generations are
 in flight or the client is past its quota (the client is its ``x-diffspec-client`` header, else its
@@ -36,14 +38,17 @@ from starlette.exceptions import HTTPException
 
 from diffspec.errors import DeadlineExceeded, DiffSpecError, InvalidRequest, PeerUnavailable, ResourceExhausted
 from diffspec.metrics import ServingMetrics
+from diffspec.sampling_params import TokenLogprobs
 from diffspec.serving import Loading
 from diffspec.settings import DiffSpecSettings
 from gateway import openai_schema as oai
 from gateway.engine import SpeculativeEngine
 from gateway.messages import generation_request
+from gateway.detokenizer import Tokenizer
 from gateway.prompt import encode_prompt, render_chat
 from gateway.quota import CLIENT_HEADER, client_id
-from gateway.request import GenerationChunk, GenerationRequest
+from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
+from gateway.samples import generate_samples
 from gateway.server import MAX_CHARS_PER_TOKEN
 from target_service.backend import TargetInfo
 
@@ -121,7 +126,8 @@ def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, m
         client = _caller(http)
         prompt = body.prompt_value()
         prompt_ids = prompt if isinstance(prompt, list) else await _encode(loaded, info, prompt)
-        request = replace(generation_request(body.generate_message(body.max_tokens), prompt_ids, info, settings), client=client)
+        message = body.generate_message(body.max_tokens)
+        request = replace(generation_request(message, prompt_ids, info, settings, loaded.draft is not None), client=client)
         return await _respond(loaded, request, body, info.model, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -134,71 +140,122 @@ def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, m
         _check_chars(chars, info)
         prompt_ids = await asyncio.to_thread(render_chat, loaded.tokenizer, messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        request = replace(generation_request(body.generate_message(max_tokens), prompt_ids, info, settings), client=client)
+        message = body.generate_message(max_tokens)
+        request = replace(generation_request(message, prompt_ids, info, settings, loaded.draft is not None), client=client)
         return await _respond(loaded, request, body, info.model, chat=True)
 
     async def _respond(
         loaded: SpeculativeEngine, request: GenerationRequest, body: oai.SamplingFields, model: str, chat: bool
     ) -> Response:
-        reply = _Reply(model, chat)
+        reply = _Reply(model, chat, loaded.tokenizer)
         chunks = _generation(loaded, request, metrics)
         if not body.stream:
-            text, stats = "", None
             async with aclosing(chunks):
                 async for chunk in chunks:
-                    text += chunk.text
-                    stats = chunk.stats or stats
-            assert stats is not None  # the engine's last chunk carries them
-            return JSONResponse(reply.whole(text, stats))
+                    reply.add(chunk)
+            return JSONResponse(reply.whole())
         try:
             first = await anext(chunks)  # admission and the engine's checks fail here, with a status
         except BaseException:
             await chunks.aclose()
             raise
         return StreamingResponse(
-            _events(reply, first, chunks, body.include_usage), media_type="text/event-stream"
+            _events(reply, first, chunks, request.n, body.include_usage), media_type="text/event-stream"
         )
 
     return app
 
 
-class _Reply:
-    """The OpenAI objects of one response: one id and creation time for all its chunks."""
+class _Choice:
+    """What one sample has produced so far."""
 
-    def __init__(self, model: str, chat: bool) -> None:
+    def __init__(self) -> None:
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.stats: GenerationStats | None = None
+
+
+class _Reply:
+    """The OpenAI objects of one response: one id and creation time for all its chunks, and each choice's
+    text, logprobs and stats as they arrive (``add``)."""
+
+    def __init__(self, model: str, chat: bool, tokenizer: Tokenizer) -> None:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.chat = chat
+        self.tokenizer = tokenizer
+        self.choices: dict[int, _Choice] = {}
+
+    def add(self, chunk: GenerationChunk) -> None:
+        choice = self.choices.setdefault(chunk.index, _Choice())
+        choice.text += chunk.text
+        choice.token_ids += chunk.token_ids
+        if chunk.logprobs is not None:
+            choice.logprobs.append(chunk.logprobs)
+        choice.stats = chunk.stats or choice.stats
+
+    def chunk_logprobs(self, chunk: GenerationChunk) -> dict[str, Any] | None:
+        """The logprobs object of a chunk not yet added (None when it has none)."""
+        if chunk.logprobs is None:
+            return None
+        offset = len(self.choices[chunk.index].text) if chunk.index in self.choices else 0
+        return self._logprobs(chunk.token_ids, chunk.logprobs, offset)
 
     def _object(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, **fields}
 
-    def whole(self, text: str, stats: Any) -> dict[str, Any]:
-        """A non-streamed response; ``diffspec`` holds the request's speculation statistics."""
+    def _logprobs(self, token_ids: list[int], logprobs: TokenLogprobs, offset: int) -> dict[str, Any]:
+        """The choice's logprobs object for ``token_ids``, whose text starts at ``offset`` in the choice's."""
+        tokens = [self.tokenizer.decode([t]) for t in token_ids]
+        alternatives = [[self.tokenizer.decode([t]) for t in ids] for ids in logprobs.top_ids]
+        if self.chat:
+            return oai.chat_logprobs(logprobs, tokens, alternatives)
+        return oai.completion_logprobs(logprobs, tokens, alternatives, offset)
+
+    def _stats(self) -> list[GenerationStats]:
+        return [self.choices[i].stats for i in sorted(self.choices)]  # type: ignore[misc]  # every choice ended
+
+    def _diffspec(self) -> Any:
+        """The speculation statistics: the request's, or a list of each choice's when n > 1."""
+        stats = [s.to_dict() for s in self._stats()]
+        return stats[0] if len(stats) == 1 else stats
+
+    def whole(self) -> dict[str, Any]:
+        """A non-streamed response; ``diffspec`` holds the speculation statistics."""
         kind = "chat.completion" if self.chat else "text_completion"
-        one = oai.choice("chat" if self.chat else "completion", text, oai.finish_reason(stats))
-        return self._object(kind, choices=[one], usage=oai.usage(stats), diffspec=stats.to_dict())
+        choices = []
+        for index in sorted(self.choices):
+            choice = self.choices[index]
+            assert choice.stats is not None  # the engine's last chunk of each sample carries them
+            logprobs = self._logprobs(choice.token_ids, TokenLogprobs.join(choice.logprobs), 0) if choice.logprobs else None
+            one = oai.choice("chat" if self.chat else "completion", choice.text, oai.finish_reason(choice.stats),
+                             index, logprobs)  # fmt: skip
+            choices.append(one)
+        return self._object(kind, choices=choices, usage=oai.usage(self._stats()), diffspec=self._diffspec())
 
-    def chunk(self, text: str, finish: str | None) -> dict[str, Any]:
+    def chunk(self, index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._object(kind, choices=[oai.choice("chat_delta" if self.chat else "completion", text, finish)])
+        one = oai.choice("chat_delta" if self.chat else "completion", text, finish, index, logprobs)
+        return self._object(kind, choices=[one])
 
-    def role_chunk(self) -> dict[str, Any]:
-        return self._object("chat.completion.chunk", choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        delta = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._object("chat.completion.chunk", choices=[delta])
 
-    def usage_chunk(self, stats: Any) -> dict[str, Any]:
+    def usage_chunk(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._object(kind, choices=[], usage=oai.usage(stats), diffspec=stats.to_dict())
+        return self._object(kind, choices=[], usage=oai.usage(self._stats()), diffspec=self._diffspec())
 
 
 async def _generation(
     engine: SpeculativeEngine, request: GenerationRequest, metrics: ServingMetrics
 ) -> AsyncIterator[GenerationChunk]:
-    """The engine's stream, counted in the metrics; closing it aborts the request."""
+    """Every sample's stream, counted in the metrics; closing it aborts the request."""
     metrics.active_generations.inc()
     try:
-        async with aclosing(engine.generate(request)) as chunks:
+        async with aclosing(generate_samples(engine, request)) as chunks:
             async for chunk in chunks:
                 if chunk.stats is not None:
                     metrics.record_generation(chunk.stats)
@@ -208,21 +265,26 @@ async def _generation(
 
 
 async def _events(
-    reply: _Reply, first: GenerationChunk, chunks: AsyncIterator[GenerationChunk], include_usage: bool
+    reply: _Reply, first: GenerationChunk, chunks: AsyncIterator[GenerationChunk], n: int, include_usage: bool
 ) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per engine chunk with text, the finish reason on the last one."""
+    """Server-sent events: a chunk per engine chunk with text, each choice's finish reason on its last one."""
     async with aclosing(chunks):  # type: ignore[type-var]
         if reply.chat:
-            yield _sse(reply.role_chunk())
+            for index in range(n):
+                yield _sse(reply.role_chunk(index))
         chunk: GenerationChunk | None = first
+        finished = 0
         try:
             while chunk is not None:
-                if chunk.text or chunk.stats is not None:
+                logprobs = reply.chunk_logprobs(chunk)
+                reply.add(chunk)
+                if chunk.text or logprobs is not None or chunk.stats is not None:
                     finish = oai.finish_reason(chunk.stats) if chunk.stats is not None else None
-                    yield _sse(reply.chunk(chunk.text, finish))
-                if chunk.stats is not None:
+                    yield _sse(reply.chunk(chunk.index, chunk.text, finish, logprobs))
+                finished += chunk.stats is not None
+                if finished == n:
                     if include_usage:
-                        yield _sse(reply.usage_chunk(chunk.stats))
+                        yield _sse(reply.usage_chunk())
                     break
                 chunk = await anext(chunks, None)
         except DiffSpecError as failure:  # after the 200: the error goes in the stream, as OpenAI's does

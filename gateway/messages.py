@@ -7,7 +7,7 @@ so a bad request costs no prefill and gets INVALID_ARGUMENT with a message sayin
 from __future__ import annotations
 
 from diffspec.errors import InvalidRequest
-from diffspec.sampling import SamplingParams
+from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2
 from diffspec.wire import logprobs_from_proto, logprobs_to_proto
@@ -34,9 +34,14 @@ def prompt_text(message: gateway_pb2.GenerateRequest) -> str | None:
 
 
 def generation_request(
-    message: gateway_pb2.GenerateRequest, prompt_ids: list[int], info: TargetInfo, defaults: DiffSpecSettings
+    message: gateway_pb2.GenerateRequest,
+    prompt_ids: list[int],
+    info: TargetInfo,
+    defaults: DiffSpecSettings,
+    draft_available: bool = True,
 ) -> GenerationRequest:
-    """The engine request for ``message``; unset fields take the server's defaults."""
+    """The engine request for ``message``; unset fields take the server's defaults (without a draft, a
+    request that names no policy is Auto whatever the default policy)."""
     _check_prompt(prompt_ids, info)
     max_new_tokens = message.max_new_tokens if message.HasField("max_new_tokens") else defaults.max_new_tokens
     if not 1 <= max_new_tokens <= info.max_context:
@@ -59,7 +64,7 @@ def generation_request(
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         stop_sequences=stops,
-        draft=_draft_options(message, defaults),
+        draft=_draft_options(message, defaults, draft_available),
         n=n,
     )
 
@@ -76,9 +81,11 @@ def _check_prompt(prompt_ids: list[int], info: TargetInfo) -> None:
         raise InvalidRequest(f"token ids out of the vocabulary [0, {info.vocab_size}): {bad[:5]}")
 
 
-def _draft_options(message: gateway_pb2.GenerateRequest, defaults: DiffSpecSettings) -> DraftOptions | None:
+def _draft_options(
+    message: gateway_pb2.GenerateRequest, defaults: DiffSpecSettings, draft_available: bool
+) -> DraftOptions | None:
     """None for Auto; raises InvalidRequest for an unknown policy or a bad tree config (given with Auto too)."""
-    policy = message.policy or defaults.policy
+    policy = message.policy or (defaults.policy if draft_available else "auto")
     if policy == "auto":
         if message.tree_config:
             TreeBudget.parse(message.tree_config)

@@ -2,19 +2,27 @@
 
 A request becomes the gateway's ``GenerateRequest`` message, so HTTP requests pass exactly the
 checks and defaults of gRPC ones (``gateway/messages.py``). OpenAI fields this server cannot honour
-yet (``n`` > 1, ``logprobs``, penalties, ``top_k``) are refused with a 400 rather than ignored;
-unknown fields are refused too. DiffSpec's own options (``policy``, ``tree_config``, ``salience``)
-are extra body fields (``extra_body`` in the ``openai`` client).
+(penalties, ``echo``, ``best_of``, ``suffix``) are refused with a 400 rather than ignored; unknown
+fields are refused too. DiffSpec's own options (``policy``, ``tree_config``, ``salience``) and
+vLLM's ``top_k`` are extra body fields (``extra_body`` in the ``openai`` client).
+
+Logprobs: completions ask with ``logprobs: k`` and get OpenAI's legacy object (``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``); chat asks with ``logprobs: true`` and
+``top_logprobs: k`` and gets ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``.
+A token's text is its own decoding.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from diffspec.errors import InvalidRequest
+from diffspec.sampling_params import MAX_LOGPROBS, TokenLogprobs
 from diffspec.v1 import gateway_pb2
+from gateway.messages import MAX_SAMPLES
 from gateway.request import GenerationStats
 
 INT32_MAX = 2**31 - 1
@@ -40,9 +48,8 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int = 1
-    logprobs: Any = None
-    top_k: int | None = None
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # None, -1 or 0 = all tokens (vLLM's -1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # DiffSpec's extension fields ("" / None = the server's default)
@@ -52,15 +59,13 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
-        if self.n != 1:
-            raise ValueError("n must be 1: several choices per request are not supported yet")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported yet")
-        if self.top_k not in (None, -1, 0):
-            raise ValueError("top_k is not supported yet (use top_p)")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported")
         return self
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives to report per token; None = no logprobs."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -75,7 +80,11 @@ class SamplingFields(BaseModel):
             stop=stops,
             policy=self.policy,
             tree_config=self.tree_config,
+            top_k=max(self.top_k or 0, 0),
+            n=self.n,
         )
+        if self.num_logprobs() is not None:
+            message.logprobs = self.num_logprobs()
         if max_tokens is not None:
             message.max_new_tokens = max_tokens
         if self.seed is not None:
@@ -87,6 +96,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the token's and this many alternatives
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -100,6 +110,9 @@ class CompletionRequest(SamplingFields):
                 raise ValueError("one prompt per request: send a string or a list of token ids")
         return self
 
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
     def prompt_value(self) -> str | list[int]:
         """The one prompt: its text, or its token ids."""
         if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
@@ -110,6 +123,17 @@ class CompletionRequest(SamplingFields):
 class ChatRequest(SamplingFields):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # the newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token, with logprobs
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The messages with OpenAI's content parts ([{"type": "text", "text": ...}]) joined into one string."""
@@ -129,17 +153,46 @@ def finish_reason(stats: GenerationStats) -> str:
     return FINISH_REASONS.get(stats.finish_reason, "stop")
 
 
-def usage(stats: GenerationStats) -> dict[str, int]:
+def usage(samples: list[GenerationStats]) -> dict[str, int]:
+    """The prompt once, the completions of every sample."""
+    prompt, completion = samples[0].prompt_tokens, sum(stats.new_tokens for stats in samples)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_logprobs(
+    logprobs: TokenLogprobs, tokens: list[str], alternatives: list[list[str]], offset: int
+) -> dict[str, Any]:
+    """OpenAI's legacy completions object; ``offset``: where the first token starts in the choice's text."""
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[: len(tokens)]
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.new_tokens,
-        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "tokens": tokens,
+        "token_logprobs": logprobs.logprobs,
+        "top_logprobs": [dict(zip(names, values)) for names, values in zip(alternatives, logprobs.top_logprobs)],
+        "text_offset": offsets,
     }
 
 
-def choice(kind: Literal["completion", "chat", "chat_delta"], text: str, finish: str | None) -> dict[str, Any]:
+def chat_logprobs(logprobs: TokenLogprobs, tokens: list[str], alternatives: list[list[str]]) -> dict[str, Any]:
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in zip(names, values)]}
+            for token, logprob, names, values in zip(tokens, logprobs.logprobs, alternatives, logprobs.top_logprobs)
+        ]
+    }
+
+
+def choice(
+    kind: Literal["completion", "chat", "chat_delta"],
+    text: str,
+    finish: str | None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One choice: ``text`` for completions, ``message`` for a chat reply, ``delta`` for a chat chunk."""
-    body: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    body: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
     if kind == "completion":
         body["text"] = text
     elif kind == "chat":

@@ -26,6 +26,7 @@ from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.engine import SpeculativeEngine
 from gateway.prompt import encode_prompt
+from gateway.samples import generate_samples
 from gateway.quota import CLIENT_HEADER, client_id, grpc_peer_host
 from gateway.messages import chunk_to_proto, generation_request, prompt_text
 from gateway.tokenizer_pool import TokenizerPool
@@ -50,10 +51,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         client = caller(context)
         text = prompt_text(request)
         prompt_ids = list(request.token_ids.ids) if text is None else await self._tokenize(engine, text)
-        generation = replace(generation_request(request, prompt_ids, info, self.settings), client=client)
+        generation = generation_request(request, prompt_ids, info, self.settings, engine.draft is not None)
+        generation = replace(generation, client=client)
         self.metrics.active_generations.inc()
         try:
-            async with aclosing(engine.generate(generation, timeout=context.time_remaining())) as chunks:
+            async with aclosing(generate_samples(engine, generation, context.time_remaining())) as chunks:
                 async for chunk in chunks:
                     await context.write(chunk_to_proto(chunk))
                     if chunk.stats is not None:

@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from diffspec.settings import BUNDLED_TARGET, SHARED_DIR
+from diffspec.settings import BUNDLED_TARGET, SHARED_DIR, DiffSpecSettings
 
 SHORT_PROMPTS = SHARED_DIR / "data" / "shortctx_eval.jsonl"
 
@@ -31,6 +31,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_target_dir() -> Path:
     return BUNDLED_TARGET
+
+
+@pytest.fixture(scope="session")
+def live_gateway():  # noqa: ANN201 - a tests.gateway.live_gateway.LiveGateway
+    """The gRPC gateway and the OpenAI HTTP API over the bundled tiny pair, in process on loopback ports
+    (Auto by default, at most 8 generations at once)."""
+    from gateway.assembly import build_engine
+    from tests.gateway.live_gateway import LiveGateway
+
+    settings = DiffSpecSettings(num_pages=256, max_sessions=8, policy="auto")
+    engine = build_engine(settings)
+    gateway = LiveGateway(engine, settings)
+    yield gateway
+    gateway.stop()
+    engine.close()
 
 
 def write_random_llama(

@@ -152,8 +152,9 @@ def test_chat_without_a_chat_template_is_a_clear_400(app, engine):
         ({"prompt": "x", "temperature": -1}, "temperature must be finite and >= 0"),
         ({"prompt": "x", "top_p": 0}, "top_p must be in (0, 1]"),
         ({"prompt": "x", "policy": "bogus"}, "bogus"),
-        ({"prompt": "x", "n": 2}, "n must be 1"),
-        ({"prompt": "x", "logprobs": 3}, "logprobs are not supported yet"),
+        ({"prompt": "x", "n": 17}, "n: Input should be less than or equal to 16"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs: Input should be less than or equal to 20"),
+        ({"prompt": "x", "top_k": -2}, "top_k: Input should be greater than or equal to -1"),
         ({"prompt": "x", "frobnicate": 1}, "frobnicate: Extra inputs are not permitted"),
         ({"prompt": ["a", "b"]}, "one prompt per request"),
         ({}, "prompt: Field required"),
@@ -262,3 +263,9 @@ def test_a_token_guards_every_route_but_the_probes(engine):
     assert asyncio.run(get("/v1/models", "wrong")).json()["error"]["type"] == "authentication_error"
     assert asyncio.run(get("/v1/models", "s3cret")).status_code == 200
     assert asyncio.run(get("/health", None)).status_code == 200
+
+
+def test_top_k_one_samples_the_greedy_tokens(app, auto_text):
+    body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 1.5, "top_k": 1, "seed": 3}
+    for policy in ("auto", "full"):
+        assert call(app, "POST", "/v1/completions", {**body, "policy": policy}).json()["choices"][0]["text"] == auto_text

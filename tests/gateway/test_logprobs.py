@@ -97,7 +97,7 @@ def test_n_samples_differ_by_seed_repeat_with_it_and_agree_when_greedy(engine, t
 
 
 def test_later_samples_map_the_prompt_pages_of_the_first(engine, reference_target, tokenizer):
-    prompt = tokenizer(CODE_PROMPTS[1] * 3)["input_ids"]
+    prompt = tokenizer("# a prompt no other test sends\n" + CODE_PROMPTS[1] * 3)["input_ids"]
     assert len(prompt) > 2 * reference_target.pool.page_size
     opened: list[int] = []
     allocate = reference_target.pool.allocate
