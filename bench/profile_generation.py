@@ -143,7 +143,7 @@ def main() -> int:
 
 
 async def _run(engine, prompts, mode: str, max_new_tokens: int, report) -> None:  # noqa: ANN001
-    streams = asyncio.ensure_future(concurrent(engine, prompts, MODES[mode], max_new_tokens))
+    streams = asyncio.ensure_future(concurrent(engine, [[ids] for ids in prompts], MODES[mode], max_new_tokens))
     await asyncio.sleep(0.05)  # every request is in the inbox
     await asyncio.to_thread(_profiled_loop, engine.core, report)
     await streams
