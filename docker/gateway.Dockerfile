@@ -1,4 +1,4 @@
-# The gateway: the client API, admission control and the request loop; CPU only.
+# The gateway: the client API, admission control and the request loop; CPU only, no torch.
 # Build from the repo root: docker build -f docker/gateway.Dockerfile -t diffspec-gateway .
 FROM python:3.11-slim
 
@@ -11,8 +11,12 @@ COPY draft_service ./draft_service
 COPY gateway ./gateway
 COPY kernels ./kernels
 COPY cli ./cli
-# the gateway imports torch for its types only: the CPU wheel keeps the image small
-RUN pip install 'torch==2.13.0' --index-url https://download.pytorch.org/whl/cpu && pip install .
+# Split, the gateway relays features as bytes and trees as lists: it installs pyproject's `gateway`
+# extra (no torch), then the package without its model dependencies.
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gateway']))" \
+        > /tmp/gateway-requirements.txt \
+    && pip install -r /tmp/gateway-requirements.txt \
+    && pip install --no-deps .
 
 EXPOSE 50051
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \

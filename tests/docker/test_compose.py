@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,18 @@ def test_each_image_copies_every_package_it_installs(role):
     packages = {name.strip(' "*') for name in listed.split(",")}
     copied = {args.split()[0] for kind, args in instructions(DOCKER / f"{role}.Dockerfile") if kind == "COPY"}
     assert packages <= copied
+
+
+def test_the_gateway_image_installs_the_gateway_extra_and_no_torch():
+    """The image installs the `gateway` extra's list, read from pyproject.toml, then the package without
+    its dependencies (which name torch); the extra names no torch and pins each entry as dependencies do."""
+    runs = [args for kind, args in instructions(DOCKER / "gateway.Dockerfile") if kind == "RUN"]
+    assert len(runs) == 1 and "torch" not in runs[0]
+    commands = [c.strip() for c in runs[0].split("&&")]
+    reads_extra = "['project']['optional-dependencies']['gateway']"
+    assert reads_extra in commands[0] and commands[0].endswith("> /tmp/gateway-requirements.txt")
+    assert commands[1:] == ["pip install -r /tmp/gateway-requirements.txt", "pip install --no-deps ."]
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    extra = project["optional-dependencies"]["gateway"]
+    assert not [r for r in extra if re.match(r"(torch|triton|flash-attn)\b", r)]
+    assert set(extra) <= set(project["dependencies"])
