@@ -71,13 +71,8 @@ def time_step(model: LlamaModel, mode: str, context: int, tree: int, reps: int) 
     gen = torch.Generator().manual_seed(context + tree)
     draft = DraftTree.random(tree, gen)
     table = torch.randperm(pages, generator=gen).tolist()
-    step_input = StepInput(
-        tokens=torch.randint(3, c.vocab_size, (tree,), generator=gen),
-        positions=draft.depths() + context,
-        mask=draft.ancestor_mask(),
-        context_len=context,
-        block_table=table,
-    )
+    tokens = torch.randint(3, c.vocab_size, (tree,), generator=gen)
+    step_input = StepInput(DraftTree(tokens, draft.parents, draft.draft_probs), context, table)
     if mode == "triton+graphs":
         graphs = StepGraphs(model, attention_backend("triton"), cache, pages * PAGE, (1,), (tree,), (), capture=True)
 

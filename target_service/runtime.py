@@ -214,13 +214,7 @@ class TargetRuntime:
 
     def _step_input(self, step: VerifyStep) -> StepInput:
         committed = self.pool.num_committed(step.session_id)
-        return StepInput(
-            tokens=step.tree.tokens,
-            positions=step.tree.depths() + committed,
-            mask=step.tree.ancestor_mask(),
-            context_len=committed,
-            block_table=self.pool.block_table(step.session_id),
-        )
+        return StepInput(step.tree, committed, self.pool.block_table(step.session_id))
 
     def _feature_layers(self, sessions: list[TargetSession]) -> tuple[int, ...]:
         """The layers a forward over ``sessions`` extracts: every layer one of them wants features from."""

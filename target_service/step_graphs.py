@@ -22,6 +22,7 @@ import torch
 
 from diffspec.cuda_graphs import record_graph
 from diffspec.devices import copy_in
+from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata
 from target_service.kv_cache import PagedKVCache
 from target_service.llama import AttentionBackend, LlamaModel, PagedForwardOutput
@@ -29,13 +30,31 @@ from target_service.llama import AttentionBackend, LlamaModel, PagedForwardOutpu
 
 @dataclass(frozen=True)
 class StepInput:
-    """One sequence's new tokens in a verify step (host tensors)."""
+    """One sequence's new tokens in a verify step: a tree after ``context_len`` committed tokens."""
 
-    tokens: torch.Tensor  # [n] int64
-    positions: torch.Tensor  # [n] int64
-    mask: torch.Tensor  # [n, n] bool: row i sees new token j
+    tree: DraftTree  # its nodes are the new tokens; the root is the last committed token's successor
     context_len: int  # committed tokens before the new ones
     block_table: list[int]  # pages holding the committed tokens
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[n] int64 (host)."""
+        return self.tree.tokens
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[n] int64 (host): the committed length plus each node's depth."""
+        return self.tree.depths() + self.context_len
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[n, n] bool (host): row i sees new token j (its ancestors and itself)."""
+        return self.tree.ancestor_mask()
+
+    def device_mask(self, device: torch.device) -> torch.Tensor | None:
+        """The mask where the drafter left it on ``device`` ([capacity, capacity], padded), else None."""
+        on_device = self.tree.on_device
+        return on_device.ancestor_mask if on_device is not None and on_device.ancestor_mask.device == device else None
 
 
 @dataclass(frozen=True)
@@ -66,16 +85,26 @@ class _Bucket:
         self.outputs: tuple[PagedForwardOutput, torch.Tensor] | None = None
 
     def fill(self, steps: list[StepInput]) -> None:
-        """Copy the steps into the static buffers (one host-to-device copy per buffer, none waiting on the GPU)."""
+        """Copy the steps into the static buffers: one host-to-device copy per buffer, none waiting on
+        the GPU, then one device copy for every tree mask the drafter left on the device (those are
+        never built on the host)."""
+        device = self.input_ids.device
         ids = torch.zeros(self.batch, self.tree, dtype=torch.int64)
         positions = torch.zeros(self.batch, self.tree, dtype=torch.int64)
         mask = self.host_identity.clone()
         context = torch.zeros(self.batch, dtype=torch.int32)
         width = max(1, max(len(s.block_table) for s in steps))
         tables = torch.zeros(self.batch, width, dtype=torch.int32)
+        device_rows, device_masks = [], []
         for b, step in enumerate(steps):
-            n = step.tokens.numel()
-            ids[b, :n], positions[b, :n], mask[b, :n, :n] = step.tokens, step.positions, step.mask
+            n = step.tree.num_nodes
+            ids[b, :n], positions[b, :n] = step.tokens, step.positions
+            on_device = step.device_mask(device)
+            if on_device is None:
+                mask[b, :n, :n] = step.mask
+            else:
+                device_rows.append(self.new_token_mask[b, :n, :n])
+                device_masks.append(on_device[:n, :n])
             context[b] = step.context_len
             tables[b, : len(step.block_table)] = torch.tensor(step.block_table, dtype=torch.int32)
         copy_in(self.input_ids, ids.flatten())
@@ -83,6 +112,13 @@ class _Bucket:
         copy_in(self.meta.new_token_mask, mask.flatten(0, 1))
         copy_in(self.meta.context_lens_t, context)
         copy_in(self.meta.block_tables[:, :width], tables)  # columns past width are never read
+        if device_rows:
+            torch._foreach_copy_(device_rows, device_masks)
+
+    @property
+    def new_token_mask(self) -> torch.Tensor:
+        """[batch, tree, tree] bool: the metadata's mask seen per sequence."""
+        return self.meta.new_token_mask.view(self.batch, self.tree, self.tree)
 
 
 class StepGraphs:
@@ -129,9 +165,7 @@ class StepGraphs:
         """Record every bucket now instead of at its first step (a server does this before taking traffic)."""
         for batch in self.batch_sizes:
             for tree in self.tree_sizes:
-                empty = StepInput(torch.zeros(tree, dtype=torch.int64), torch.zeros(tree, dtype=torch.int64),
-                                  torch.eye(tree, dtype=torch.bool), 0, [])  # fmt: skip
-                self.run([empty] * batch)
+                self.run([StepInput(DraftTree.chain([0] * tree), 0, [])] * batch)
 
     @property
     def num_recorded(self) -> int:

@@ -13,13 +13,13 @@ import torch
 
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
-from diffspec.tree import DraftTree
+from diffspec.tree import DeviceTree, DraftTree
 from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
 from gateway.request import GenerationRequest
 from target_service.backend import TargetBatch, VerifyStep
 from target_service.runtime import TargetRuntime
-from target_service.step_graphs import StepGraphs
+from target_service.step_graphs import StepGraphs, StepInput, _Bucket
 
 GREEDY = SamplingParams()
 PROMPTS = {"a": list(range(5, 405)), "b": list(range(900, 1037)), "c": [7, 8, 9] * 60}
@@ -49,7 +49,23 @@ def _tree(root: int, truth: list[int], extra: int, seed: int) -> DraftTree:
     return DraftTree(tokens, parents, torch.ones(tokens.numel()))
 
 
-def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int) -> list[tuple]:
+def _with_device_tree(tree: DraftTree, capacity: int, mask: torch.Tensor | None = None) -> DraftTree:
+    """``tree`` carrying a device copy as the drafter leaves one: padded to ``capacity`` nodes (on the CPU here)."""
+    n = tree.num_nodes
+    padded_mask = torch.eye(capacity, dtype=torch.bool)
+    padded_mask[:n, :n] = tree.ancestor_mask() if mask is None else mask
+    pad = capacity - n
+    on_device = DeviceTree(
+        tokens=torch.cat([tree.tokens, torch.zeros(pad, dtype=torch.long)]),
+        parents=torch.cat([tree.parents, torch.full((pad,), -1)]),
+        depths=torch.cat([tree.depths(), torch.zeros(pad, dtype=torch.long)]),
+        ancestor_mask=padded_mask,
+        num_nodes=torch.tensor(n),
+    )
+    return DraftTree(tree.tokens, tree.parents, tree.draft_probs, on_device=on_device)
+
+
+def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int, device_trees: bool = False) -> list[tuple]:
     """Prefill every prompt, then verify batches of trees of varying size and batch; record every result."""
     seen = []
     for sid, prompt in PROMPTS.items():
@@ -60,7 +76,8 @@ def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int) -> li
         steps = []
         for i, sid in enumerate(batch):
             good = truth[sid][emitted[sid] : emitted[sid] + 1 + (r + i) % 4]
-            steps.append(VerifyStep(sid, _tree(runtime.pending_token(sid), good, extra=(3 * r + i) % 13, seed=r)))
+            tree = _tree(runtime.pending_token(sid), good, extra=(3 * r + i) % 13, seed=r)
+            steps.append(VerifyStep(sid, _with_device_tree(tree, capacity=24) if device_trees and i % 2 == 0 else tree))
         results = runtime.step(TargetBatch(verifies=steps)).verifies
         assert list(results) == [step.session_id for step in steps]
         for sid, result in results.items():
@@ -108,6 +125,28 @@ def test_padded_buckets_equal_the_unpadded_forward(tiny_target_dir, truth):
     _assert_same(got, want)
     accepted = sum(len(row[0]) for row in want if len(row) == 4)
     assert accepted > 12  # the chains of true tokens were accepted, so commits of long paths were compared
+
+
+def test_trees_left_on_the_device_verify_as_host_trees(tiny_target_dir, truth):
+    """Half the trees carry the drafter's device copy, whose mask the bucket copies on the device."""
+    want = _run(_runtime(tiny_target_dir), truth, rounds=12)
+    padded = _padded(_runtime(tiny_target_dir), batch_sizes=(1, 2, 4), tree_sizes=(1, 4, 8, 16))
+    _assert_same(_run(padded, truth, rounds=12, device_trees=True), want)
+
+
+def test_a_bucket_takes_the_tree_mask_from_the_device_copy():
+    """The device copy's mask is what lands in the bucket (the host mask is not rebuilt for it); a tree
+    without one gets its host mask; rows past a tree see only themselves."""
+    host_tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0]), torch.ones(3))
+    marked = torch.ones(4, 4, dtype=torch.bool)  # not an ancestor mask: shows where the bucket read from
+    device_tree = _with_device_tree(DraftTree.chain([1, 2, 3, 4]), capacity=6, mask=marked)
+    bucket = _Bucket(batch=2, tree=8, max_pages_per_seq=2, page_size=16, device=torch.device("cpu"))
+    bucket.fill([StepInput(device_tree, 3, [0]), StepInput(host_tree, 9, [1])])
+    masks = bucket.new_token_mask
+    assert torch.equal(masks[0, :4, :4], marked)
+    assert torch.equal(masks[1, :3, :3], host_tree.ancestor_mask())
+    assert torch.equal(masks[0, 4:, 4:], torch.eye(4, dtype=torch.bool))
+    assert bucket.positions.view(2, 8)[0, :4].tolist() == [3, 4, 5, 6]
 
 
 def test_steps_beyond_every_bucket_run_unpadded(tiny_target_dir, truth):
