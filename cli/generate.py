@@ -55,7 +55,7 @@ async def _in_process(settings: DiffSpecSettings) -> AsyncIterator[Source]:
 
     async def generate(message: gateway_pb2.GenerateRequest) -> AsyncIterator[GenerationChunk]:
         prompt_ids = engine.tokenizer(prompt_text(message))["input_ids"]
-        request = generation_request(message, prompt_ids, await engine.target_info(), settings)
+        request = generation_request(message, prompt_ids, settings)
         async for chunk in engine.generate(request):
             yield chunk
 

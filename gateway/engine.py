@@ -84,7 +84,8 @@ class SpeculativeEngine:
                 self.core.abort(request_id)
 
     def check(self, request: GenerationRequest) -> None:
-        """Everything about a request that can be refused before it reaches a service."""
+        """Everything about a request that can be refused before it reaches a service: the one check of
+        every request, whichever front end built it (gRPC, HTTP, the CLI)."""
         info = self.core.info
         if not request.prompt_ids:
             raise InvalidRequest("the prompt is empty")
@@ -92,12 +93,17 @@ class SpeculativeEngine:
             raise InvalidRequest(
                 f"prompt of {len(request.prompt_ids)} tokens does not fit the context of {info.max_context} tokens"
             )
-        if request.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        outside = [t for t in request.prompt_ids if not 0 <= t < info.vocab_size]
+        if outside:
+            raise InvalidRequest(f"token ids out of the vocabulary [0, {info.vocab_size}): {outside[:5]}")
+        if not 1 <= request.max_new_tokens <= info.max_context:
+            raise InvalidRequest(
+                f"max_new_tokens must be in [1, {info.max_context}] (the context), got {request.max_new_tokens}"
+            )
         if request.draft is not None:
+            validate_options(request.draft)
             if self.draft is None:
                 raise InvalidRequest(f"policy {request.draft.policy!r} needs a draft model, and none is configured")
-            validate_options(request.draft)
 
     def close(self) -> None:
         """Stop the loop (its requests fail as the server shuts down), then drop remote connections."""

@@ -127,7 +127,7 @@ def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, m
         prompt = body.prompt_value()
         prompt_ids = prompt if isinstance(prompt, list) else await _encode(loaded, info, prompt)
         message = body.generate_message(body.max_tokens)
-        request = replace(generation_request(message, prompt_ids, info, settings, loaded.draft is not None), client=client)
+        request = replace(generation_request(message, prompt_ids, settings, loaded.draft is not None), client=client)
         return await _respond(loaded, request, body, info.model, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -141,7 +141,7 @@ def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, m
         prompt_ids = await asyncio.to_thread(render_chat, loaded.tokenizer, messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         message = body.generate_message(max_tokens)
-        request = replace(generation_request(message, prompt_ids, info, settings, loaded.draft is not None), client=client)
+        request = replace(generation_request(message, prompt_ids, settings, loaded.draft is not None), client=client)
         return await _respond(loaded, request, body, info.model, chat=True)
 
     async def _respond(

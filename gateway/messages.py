@@ -1,7 +1,9 @@
-"""Gateway messages <-> the engine's request/chunk/stats dataclasses, with the request checks.
+"""Gateway messages <-> the engine's request/chunk/stats dataclasses.
 
-Every check that needs no model runs here, before the target or the draft sees the request,
-so a bad request costs no prefill and gets INVALID_ARGUMENT with a message saying what to fix.
+What is checked here is the message itself (a prompt to read, stop sequences, n, a tree config
+given with Auto); what the target could not serve (the prompt's length and vocabulary,
+max_new_tokens, the draft options) is checked once for every front end by the engine
+(``SpeculativeEngine.check``), before any service sees it.
 """
 
 from __future__ import annotations
@@ -11,10 +13,9 @@ from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2
 from diffspec.wire import logprobs_from_proto, logprobs_to_proto
-from draft_service.options import DraftOptions, validate_options
+from draft_service.options import DraftOptions
 from draft_service.tree_budget import TreeBudget
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
-from target_service.backend import TargetInfo
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
@@ -36,16 +37,12 @@ def prompt_text(message: gateway_pb2.GenerateRequest) -> str | None:
 def generation_request(
     message: gateway_pb2.GenerateRequest,
     prompt_ids: list[int],
-    info: TargetInfo,
     defaults: DiffSpecSettings,
     draft_available: bool = True,
 ) -> GenerationRequest:
     """The engine request for ``message``; unset fields take the server's defaults (without a draft, a
     request that names no policy is Auto whatever the default policy)."""
-    _check_prompt(prompt_ids, info)
     max_new_tokens = message.max_new_tokens if message.HasField("max_new_tokens") else defaults.max_new_tokens
-    if not 1 <= max_new_tokens <= info.max_context:
-        raise InvalidRequest(f"max_new_tokens must be in [1, {info.max_context}] (the context), got {max_new_tokens}")
     stops = tuple(message.stop)
     if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stops):
         raise InvalidRequest(f"at most {MAX_STOP_SEQUENCES} stop sequences of at most {MAX_STOP_CHARS} characters")
@@ -69,34 +66,21 @@ def generation_request(
     )
 
 
-def _check_prompt(prompt_ids: list[int], info: TargetInfo) -> None:
-    if not prompt_ids:
-        raise InvalidRequest("the prompt is empty")
-    if len(prompt_ids) >= info.max_context:
-        raise InvalidRequest(
-            f"prompt of {len(prompt_ids)} tokens does not fit the context of {info.max_context} tokens"
-        )
-    bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
-    if bad:
-        raise InvalidRequest(f"token ids out of the vocabulary [0, {info.vocab_size}): {bad[:5]}")
-
-
 def _draft_options(
     message: gateway_pb2.GenerateRequest, defaults: DiffSpecSettings, draft_available: bool
 ) -> DraftOptions | None:
-    """None for Auto; raises InvalidRequest for an unknown policy or a bad tree config (given with Auto too)."""
+    """None for Auto; a tree config given with Auto is parsed here, where it would otherwise be dropped (the
+    engine checks the options of every other policy)."""
     policy = message.policy or (defaults.policy if draft_available else "auto")
     if policy == "auto":
         if message.tree_config:
             TreeBudget.parse(message.tree_config)
         return None
-    options = DraftOptions(
+    return DraftOptions(
         policy=policy,
         tree_config=message.tree_config or defaults.tree_config,
         salience=message.salience if message.HasField("salience") else defaults.salience,
     )
-    validate_options(options)
-    return options
 
 
 def chunk_to_proto(chunk: GenerationChunk) -> gateway_pb2.GenerateResponse:

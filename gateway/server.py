@@ -47,11 +47,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: Context) -> None:
         engine = self.engine.get()
-        info = await engine.target_info()
         client = caller(context)
         text = prompt_text(request)
         prompt_ids = list(request.token_ids.ids) if text is None else await self._tokenize(engine, text)
-        generation = generation_request(request, prompt_ids, info, self.settings, engine.draft is not None)
+        generation = generation_request(request, prompt_ids, self.settings, engine.draft is not None)
         generation = replace(generation, client=client)
         self.metrics.active_generations.inc()
         try:
