@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from diffspec.errors import InvalidRequest, PeerUnavailable
+from diffspec.feature_rows import WireRows
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
+from diffspec.tensor_wire import rows_to_tensor
 from diffspec.tree import DraftTree
 from diffspec.v1 import target_pb2_grpc
 from draft_service.backend import DraftAccept, DraftBatch, DraftOptions, DraftStart
@@ -57,6 +59,24 @@ def test_remote_target_steps_equal_the_runtime_in_process(split_deployment, refe
     assert got.features.shape == (len(prompt), 768) and torch.equal(got.features, want.features.cpu())
     assert (step.accepted_tokens, step.accepted_nodes, step.bonus_token) == ([], [], want_step.bonus_token)
     assert torch.equal(step.features, want_step.features.cpu())
+
+
+def test_a_gateway_that_relays_to_a_remote_draft_keeps_the_features_as_bytes(split_deployment, tokenizer):
+    """With a remote draft the rows stay the bytes that arrived (no torch needed to pass them on); with the
+    draft in process they are decoded; both are the same rows."""
+    prompt = tokenizer(short_prompts(1)[0][-500:])["input_ids"]
+    relay_settings = SETTINGS.model_copy(update={"draft_address": split_deployment.draft.address})
+    features = {}
+    for name, settings in (("relayed", relay_settings), ("decoded", SETTINGS)):
+        remote = RemoteTarget.connect(split_deployment.target.address, settings)
+        try:
+            features[name] = remote.step(open_and_prefill("a", prompt, want_features=True)).prefills["a"].features
+        finally:
+            remote.close()
+    relayed, decoded = features["relayed"], features["decoded"]
+    assert isinstance(relayed, WireRows) and isinstance(decoded, torch.Tensor)
+    assert (len(relayed), relayed.row_width) == tuple(decoded.shape) == (len(prompt), 768)
+    assert torch.equal(rows_to_tensor(relayed), decoded)
 
 
 def test_session_ids_live_in_their_stream_and_die_with_it(split_deployment):
