@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from diffspec.serving import Loading, ServiceHost
 from diffspec.settings import DiffSpecSettings
+
+if TYPE_CHECKING:
+    from gateway.engine import SpeculativeEngine
 
 Load = Callable[[], Awaitable[None]]
 
@@ -56,7 +60,7 @@ def add_draft(host: ServiceHost, settings: DiffSpecSettings) -> Load:
     return load
 
 
-def add_gateway(host: ServiceHost, settings: DiffSpecSettings, engine: Loading) -> Load:
+def add_gateway(host: ServiceHost, settings: DiffSpecSettings, engine: Loading[SpeculativeEngine]) -> Load:
     """``engine``: filled once loaded (the backends in process unless their addresses are set)."""
     from diffspec.v1 import gateway_pb2_grpc
     from draft_service.grpc_client import RemoteDraft
@@ -84,7 +88,7 @@ def add_gateway(host: ServiceHost, settings: DiffSpecSettings, engine: Loading) 
 
 async def serve(role: str, settings: DiffSpecSettings) -> None:
     host = ServiceHost(settings, role)
-    engine: Loading = Loading("the gateway's engine")
+    engine: Loading[SpeculativeEngine] = Loading("the gateway's engine")
     if role == "target":
         load_models = add_target(host, settings)
     elif role == "draft":
