@@ -10,8 +10,8 @@ Run. ``_search`` is the whole proposal: per depth, the head over the frontier ro
 output is the session's last one), attention over the session's staged context and its tree's
 own entries (``TreeKV``), the top children of every row and the next frontier; at the end the
 rerank to ``total_tokens`` and the device tree (``tree_search``). Without ``capture`` it runs
-eagerly; with it, it is recorded once per shape and replayed: one launch per proposal. Either way
-the one host sync is the copy of the finished trees to the host after it.
+eagerly; with it, a shape met a second time is recorded and from then on replayed: one launch per
+proposal. Either way the one host sync is the copy of the finished trees to the host after it.
 
 Staging. Before a run the contexts are copied into a static buffer per (batch, capacity) (device
 to device; keys past a session's length are masked) and the per-session facts go in with one
@@ -20,6 +20,7 @@ host-to-device copy. Padded sessions have no plan: they grow nothing and keep no
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -99,7 +100,13 @@ class TreeProposer:
         self.head, self.fused, self.capture = head, fused, capture
         self._contexts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._runs: dict[ProposalShape, _Run] = {}
+        self._sightings: collections.Counter[ProposalShape] = collections.Counter()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def num_recorded(self) -> int:
+        """Proposal shapes recorded as CUDA graphs so far."""
+        return sum(run.graph is not None for run in self._runs.values())
 
     @torch.no_grad()
     def propose(self, requests: list[ProposalRequest]) -> list[DraftTree]:
@@ -110,10 +117,14 @@ class TreeProposer:
             return [DraftTree.root_only(r.session.root_token) for r in requests]
         with record_function("draft.propose.stage"):
             run = self._stage(shape, requests, contexts, lengths)
+        # A shape is recorded the second time it comes: one met once (a passing width of an online
+        # plan, a batch size between arrivals) runs eagerly rather than paying for a capture.
+        self._sightings[shape] += 1
+        graphed = self.capture and self._sightings[shape] > 1
         with record_function("draft.propose.search"):
-            out = self._replay(run) if self.capture else self._search(run)
+            out = self._replay(run) if graphed else self._search(run)
         with record_function("draft.propose.trees"):
-            return _trees(out, len(requests), copy_device=self.capture)
+            return _trees(out, len(requests), copy_device=graphed)
 
     def _stage(
         self, shape: ProposalShape, requests: list[ProposalRequest], contexts: list[DraftContext], lengths: list[int]

@@ -218,6 +218,21 @@ def test_graph_replays_equal_the_eager_proposal(dtype):
 
 
 @pytest.mark.gpu
+def test_a_shape_is_recorded_the_second_time_it_comes():
+    """A proposal shape met once runs eagerly; the second proposal of that shape records its graph."""
+    graphed, _ = _graphed_and_eager(torch.bfloat16)
+    plan, budget = POLICIES["full"]
+    sessions = start_sessions(graphed, CONTEXT_LENGTHS, None)
+    requests = [ProposalRequest(s, plan, budget) for s in sessions]
+    first = graphed.propose_many(requests)
+    assert graphed.proposer.num_recorded == 0
+    second = graphed.propose_many(requests)
+    assert graphed.proposer.num_recorded == 1
+    for a, b in zip(first, second):
+        assert a.tokens.tolist() == b.tokens.tolist()
+
+
+@pytest.mark.gpu
 def test_the_eager_proposal_never_syncs_the_gpu():
     """The eager search (what the graph records) launches work only: CUDA's sync check raises on any host wait."""
     _, eager = _graphed_and_eager(torch.bfloat16)
