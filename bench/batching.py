@@ -27,6 +27,7 @@ import torch
 from bench.warmup import warm_up_target
 from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
+from draft_service.runtime import DraftRuntime
 from gateway.assembly import build_engine
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest
@@ -64,8 +65,10 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
     while engine.core.has_work():  # the last run's releases: an iteration in flight would add to the reset timing
         time.sleep(0.001)
     timing.reset()
+    recorded_before = _draft_graphs(engine)
     tokens, seconds = asyncio.run(concurrent(engine, streams, MODES[mode], max_new_tokens))
     return {
+        "draft_graphs_recorded_in_run": _draft_graphs(engine) - recorded_before,
         "mode": mode,
         "streams": len(streams),
         "requests_per_stream": len(streams[0]),
@@ -79,6 +82,12 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
         "verify_ms": round(timing.verify_ms, 3),
         "ms_per_iteration": round(timing.ms_per_iteration(timing.loop_seconds), 3),
     }
+
+
+def _draft_graphs(engine: SpeculativeEngine) -> int:
+    """Proposal graphs the in-process draft has recorded (0 without one): a capture inside a timed run costs
+    tens of milliseconds, so a run that records many is not steady state."""
+    return engine.draft.drafter.proposer.num_recorded if isinstance(engine.draft, DraftRuntime) else 0
 
 
 def plot(rows: list[dict], path: Path) -> None:
