@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffspec.sampling import LOGPROB_FLOOR, SamplingParams, TokenLogprobs, target_logprobs
-from diffspec.settings import BUNDLED_DRAFT
+from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
@@ -25,9 +25,15 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def engine(reference_target: TargetRuntime, tokenizer) -> Iterator[SpeculativeEngine]:
-    head = Eagle3Head.load(BUNDLED_DRAFT, reference_target.model.embed_tokens, torch.device("cpu"), torch.float32)
-    loaded = SpeculativeEngine(reference_target, DraftRuntime(head), tokenizer)
+def target(tiny_target_dir) -> TargetRuntime:
+    """This module's own target: its tests count the sessions and prefix-cache hits on it."""
+    return TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=512, dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def engine(target: TargetRuntime, tokenizer) -> Iterator[SpeculativeEngine]:
+    head = Eagle3Head.load(BUNDLED_DRAFT, target.model.embed_tokens, torch.device("cpu"), torch.float32)
+    loaded = SpeculativeEngine(target, DraftRuntime(head), tokenizer)
     yield loaded
     loaded.close()
 
@@ -61,7 +67,7 @@ def dense_logprobs(target: TargetRuntime, prompt: list[int], tokens: list[int], 
     [SamplingParams(logprobs=3), SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=5, logprobs=2)],
     ids=["greedy", "sampled"],
 )
-def test_speculative_logprobs_equal_autos_and_the_dense_forwards(engine, reference_target, tokenizer, params):
+def test_speculative_logprobs_equal_autos_and_the_dense_forwards(engine, target, tokenizer, params):
     prompt = tokenizer(CODE_PROMPTS[0])["input_ids"]
     auto = run(engine, GenerationRequest(prompt, NEW_TOKENS, params))[0]
     speculative = run(engine, GenerationRequest(prompt, NEW_TOKENS, params, draft=DraftOptions("full", "24:0.0:5")))[0]
@@ -70,7 +76,7 @@ def test_speculative_logprobs_equal_autos_and_the_dense_forwards(engine, referen
         assert speculative[1].top_ids == auto[1].top_ids
         assert torch.allclose(torch.tensor(speculative[1].logprobs), torch.tensor(auto[1].logprobs), atol=TOLERANCE)
     for tokens, logprobs in (auto, speculative):
-        want = dense_logprobs(reference_target, prompt, tokens, params)
+        want = dense_logprobs(target, prompt, tokens, params)
         got = torch.tensor(logprobs.logprobs)
         assert torch.allclose(got, want[torch.arange(len(tokens)), tokens], atol=TOLERANCE)
         assert torch.allclose(torch.tensor(logprobs.top_logprobs), want.topk(params.logprobs, -1).values, atol=TOLERANCE)
@@ -96,20 +102,20 @@ def test_n_samples_differ_by_seed_repeat_with_it_and_agree_when_greedy(engine, t
     assert_all_released(engine)
 
 
-def test_later_samples_map_the_prompt_pages_of_the_first(engine, reference_target, tokenizer):
+def test_later_samples_map_the_prompt_pages_of_the_first(engine, target, tokenizer):
     prompt = tokenizer("# a prompt no other test sends\n" + CODE_PROMPTS[1] * 3)["input_ids"]
-    assert len(prompt) > 2 * reference_target.pool.page_size
+    assert len(prompt) > 2 * target.pool.page_size
     opened: list[int] = []
-    allocate = reference_target.pool.allocate
+    allocate = target.pool.allocate
 
     def counting_allocate(seq_id, prompt_ids, *args):  # noqa: ANN001, ANN202
         opened.append(cached := allocate(seq_id, prompt_ids, *args))
         return cached
 
-    reference_target.pool.allocate = counting_allocate
+    target.pool.allocate = counting_allocate
     try:
         run(engine, GenerationRequest(prompt + [7], 4, SamplingParams(temperature=1.0, seed=3), n=3))
     finally:
-        del reference_target.pool.allocate
-    full_pages = (len(prompt) // reference_target.pool.page_size) * reference_target.pool.page_size
+        del target.pool.allocate
+    full_pages = (len(prompt) // target.pool.page_size) * target.pool.page_size
     assert opened == [0, full_pages, full_pages]  # sample 0 computes the prompt, the others map its pages
