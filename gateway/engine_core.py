@@ -4,10 +4,11 @@ Each iteration, on the engine's own thread:
   1. takes new requests and cancellations from the inbox, and ends requests past their deadline;
   2. makes one draft call: release finished sessions, start sessions whose prompt is done, accept
      what the last verification committed, propose a tree for every speculative session;
-  3. makes one target call: release, open new sessions, the next prompt chunk of each prefilling
-     request under the iteration's token budget (trees first, so a 64K prompt never stalls the
-     streams already decoding), and one verification of every decoding request, speculative
-     (its tree) and Auto (a root-only tree) alike;
+  3. makes one target call: release, open sessions for the queued requests the KV pool can hold to
+     their end (``gateway/admission.py``, fair across clients), the next prompt chunk of each
+     prefilling request under the iteration's token budget (trees first, so a 64K prompt never
+     stalls the streams already decoding), and one verification of every decoding request,
+     speculative (its tree) and Auto (a root-only tree) alike;
   4. hands each request's tokens to its output sink.
 Front ends (gRPC, HTTP, the CLI) only submit requests and read their sinks. A session failure
 fails that request alone; a draft failure turns the affected requests to Auto, which the target
