@@ -58,6 +58,11 @@ def test_n_samples_logprobs_and_stop(live_gateway):
         logprobs = choice.logprobs
         assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 8
         assert all(lp <= 0 for lp in logprobs.token_logprobs) and all(len(top) <= 2 for top in logprobs.top_logprobs)
+    with_logprobs = client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                              stream=True)  # fmt: skip
+    pieces = [c.choices[0] for c in with_logprobs if c.choices and c.choices[0].logprobs]
+    offsets = [offset for piece in pieces for offset in piece.logprobs.text_offset]
+    assert len(offsets) == 6 and offsets == sorted(offsets) and offsets[0] == 0  # offsets into the choice's text
     streamed = client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0, n=2, stream=True)
     texts = {0: "", 1: ""}
     for chunk in streamed:
