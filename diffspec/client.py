@@ -203,7 +203,8 @@ class GatewayClient:
 
 
 class AsyncGatewayClient:
-    """``GatewayClient`` for asyncio: ``generate`` is an async iterator, ``complete`` and ``tokenize`` coroutines."""
+    """``GatewayClient`` for asyncio: ``generate`` is an async iterator, ``complete`` and ``tokenize`` coroutines.
+    Create it in the event loop that uses it (``async with AsyncGatewayClient(...) as client``)."""
 
     def __init__(
         self, address: str, *, auth_token: str | None = None, tls_ca: str | None = None,
