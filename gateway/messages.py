@@ -54,8 +54,8 @@ def generation_request(
         logprobs=message.logprobs if message.HasField("logprobs") else None,
     )
     n = message.n if message.HasField("n") else 1
-    if not 1 <= n <= MAX_SAMPLES:
-        raise InvalidRequest(f"n must be in [1, {MAX_SAMPLES}], got {n}")
+    if not 1 <= n <= min(MAX_SAMPLES, defaults.max_sessions):  # each sample is one of the concurrent generations
+        raise InvalidRequest(f"n must be in [1, {min(MAX_SAMPLES, defaults.max_sessions)}], got {n}")
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,

@@ -40,6 +40,10 @@ def test_unset_fields_take_the_server_defaults():
     [
         ({"stop": ["y" * 257]}, [0], "stop sequences"),
         ({"policy": "auto", "tree_config": "64:abc:8"}, [0], "bad tree config"),  # checked with Auto too
+        ({"n": 0}, [0], "n must be in"),
+        ({"n": 17}, [0], "n must be in \\[1, 16\\]"),
+        ({"top_k": -1}, [0], "top_k must be >= 0"),
+        ({"logprobs": 21}, [0], "logprobs must be in"),
     ],
 )
 def test_malformed_messages_are_rejected_up_front(fields, ids, message):
@@ -47,6 +51,20 @@ def test_malformed_messages_are_rejected_up_front(fields, ids, message):
     (test_request_checks.py)."""
     with pytest.raises(InvalidRequest, match=message):
         generation_request(gateway_pb2.GenerateRequest(text="x", **fields), ids, DEFAULTS)
+
+
+def test_n_is_bounded_by_the_concurrent_generations_and_sampling_fields_reach_the_request():
+    two_at_once = DEFAULTS.model_copy(update={"max_sessions": 2})
+    with pytest.raises(InvalidRequest, match="n must be in \\[1, 2\\]"):
+        generation_request(gateway_pb2.GenerateRequest(text="x", n=3), [0], two_at_once)
+    message = gateway_pb2.GenerateRequest(text="x", n=3, top_k=5, logprobs=0, temperature=1.0)
+    request = generation_request(message, [0], DEFAULTS)
+    assert (request.n, request.sampling.top_k, request.sampling.logprobs) == (3, 5, 0)
+    assert generation_request(gateway_pb2.GenerateRequest(text="x"), [0], DEFAULTS).sampling.logprobs is None
+
+
+def test_without_a_draft_a_request_naming_no_policy_is_auto():
+    assert generation_request(gateway_pb2.GenerateRequest(text="x"), [0], DEFAULTS, draft_available=False).draft is None
 
 
 def test_prompt_text_needs_a_prompt():
