@@ -6,6 +6,7 @@ Speculative output and logprobs equal Auto's, over the wire too."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -17,14 +18,15 @@ from diffspec.settings import DiffSpecSettings
 from diffspec.tensor_wire import rows_to_tensor
 from draft_service.backend import DraftBatch
 from draft_service.options import DraftOptions
-from gateway.assembly import build_engine
+from draft_service.grpc_client import RemoteDraft
+from gateway.assembly import build_engine, head_feature_layers
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest
 from target_service.llama import LlamaModel
 from tests.conftest import write_random_llama
 from tests.draft_service.test_head_fit import published_head
 from tests.gateway.conftest import assert_all_released, collect
-from tests.gateway.servers import ServerProcess
+from tests.gateway.servers import ServerProcess, free_port
 from tests.gateway.tiny_tokenizer import write_llama3_tokenizer
 
 HEAD_LAYERS = (0, 2, 3)  # the 4-layer target's default is (1, 2, 3)
@@ -112,3 +114,14 @@ def test_split_the_gateway_asks_the_draft_which_layers(pair, tmp_path):
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_draft_that_does_not_answer_leaves_the_targets_default_in_one_log_line(caplog):
+    draft = RemoteDraft.connect(f"127.0.0.1:{free_port()}", DiffSpecSettings())
+    try:
+        with caplog.at_level(logging.WARNING, logger="gateway.assembly"):
+            assert head_feature_layers(draft, timeout=0.5) == ()
+    finally:
+        draft.close()
+    assert len(caplog.records) == 1 and "target's default" in caplog.records[0].getMessage()
+    assert head_feature_layers(None, timeout=0.5) == ()
