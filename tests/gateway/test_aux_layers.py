@@ -17,8 +17,8 @@ from diffspec.sampling import SamplingParams, TokenLogprobs
 from diffspec.settings import DiffSpecSettings
 from diffspec.tensor_wire import rows_to_tensor
 from draft_service.backend import DraftBatch
-from draft_service.options import DraftOptions
 from draft_service.grpc_client import RemoteDraft
+from draft_service.options import DraftOptions
 from gateway.assembly import build_engine, head_feature_layers
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest
