@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from diffspec.errors import CheckpointError, PeerUnavailable
-from diffspec.settings import DiffSpecSettings
+from diffspec.settings import BUNDLED_TARGET, DiffSpecSettings
 from draft_service.backend import DraftBackend
 from gateway.engine import SpeculativeEngine
 from gateway.engine_core import EngineLimits
@@ -46,7 +47,27 @@ def build_target(settings: DiffSpecSettings) -> TargetBackend:
         return RemoteTarget.connect(settings.target_address, settings)
     from target_service.runtime import TargetRuntime
 
-    return TargetRuntime(settings)
+    return TargetRuntime(_with_head_layers(settings))
+
+
+def _with_head_layers(settings: DiffSpecSettings) -> DiffSpecSettings:
+    """In one process the target's own feature layers are the head's aux layer ids (read from its
+    config.json), so the CUDA graphs of its verify steps compute what every speculative session asks
+    for. A split target keeps its own, and runs a step that needs other layers eagerly."""
+    from diffspec.model_config import load_llama_config
+    from draft_service.head_fit import read_head_config
+
+    bundled = Path(settings.base_model).resolve() == BUNDLED_TARGET.resolve()
+    configured = "draft_model" in settings.model_fields_set or bundled  # else Auto (draft_model_for)
+    if settings.draft_address or settings.feature_layers != "auto" or not configured:
+        return settings
+    if not (Path(settings.draft_model) / "config.json").exists():
+        return settings  # build_draft says what is missing
+    layers = read_head_config(settings.draft_model).feature_layers
+    num_layers = load_llama_config(settings.base_model).num_layers
+    if not layers or not all(0 <= i < num_layers for i in layers):
+        return settings  # the target's default, or a head that does not fit, which build_draft refuses
+    return settings.model_copy(update={"feature_layers": ",".join(str(i) for i in layers)})
 
 
 def build_draft(settings: DiffSpecSettings, target: TargetBackend) -> DraftBackend | None:

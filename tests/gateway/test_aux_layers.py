@@ -1,6 +1,8 @@
 """A head whose ``eagle_aux_hidden_state_layer_ids`` differ from the target's default (2, L//2, L-3 rule):
 the target extracts the head's layers for its sessions, in one process and split over three, and the
 draft receives exactly those layers' features (a tiny Llama-3.1-layout target, a published-layout head).
+In one process the target takes the head's layers as its own; split, it keeps its default (1, 2, 3) and
+each speculative session asks for the head's.
 Speculative output and logprobs equal Auto's, over the wire too."""
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def test_in_process_the_target_extracts_the_heads_layers(pair):
     target_dir, head_dir = pair
     engine = build_engine(DiffSpecSettings(base_model=target_dir, draft_model=head_dir, num_pages=64, dtype="float32"))
     try:
-        assert engine.target.feature_layers == (1, 2, 3)  # the target's own default is unchanged
+        assert engine.target.feature_layers == HEAD_LAYERS  # its own, so its CUDA graphs hold them
         check_features_and_lossless(engine, target_dir)
         assert_all_released(engine)
     finally:
