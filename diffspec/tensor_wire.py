@@ -71,15 +71,16 @@ def rows_from_tensor(tensor: torch.Tensor) -> WireRows:
 
 
 def rows_to_tensor(rows: WireRows) -> torch.Tensor:
-    """A CPU ``[num_rows, row_width]`` tensor that owns its memory (one copy of the bytes)."""
-    buffer = bytearray(rows.num_rows * rows.row_bytes)
+    """A CPU ``[num_rows, row_width]`` tensor that owns its memory (one copy of the bytes), allocated by
+    torch: the draft's steps over a tensor that wraps a Python buffer (``torch.frombuffer``) measured an
+    order of magnitude slower on CPU."""
+    tensor = torch.empty((rows.num_rows, rows.row_width), dtype=DTYPES[rows.dtype])
+    raw = tensor.view(-1).view(torch.uint8).numpy()
     offset = 0
     for segment in rows.segments:
-        buffer[offset : offset + len(segment)] = segment
+        raw[offset : offset + len(segment)] = np.frombuffer(segment, dtype=np.uint8)
         offset += len(segment)
-    if not buffer:
-        return torch.empty((rows.num_rows, rows.row_width), dtype=DTYPES[rows.dtype])
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(DTYPES[rows.dtype]).reshape(rows.num_rows, rows.row_width)
+    return tensor
 
 
 def split_rows(tensor: torch.Tensor, max_message_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
