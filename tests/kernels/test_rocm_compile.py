@@ -57,18 +57,21 @@ def scalars(names: str, kind: str) -> dict[str, str]:
 
 
 def tree_attention_cases() -> list[Case]:
-    """One case per distinct launch plan over the CUDA-graph buckets (batch sizes x tree sizes)."""
-    from kernels.tree_attention_triton import plan_tree_attention
+    """One case per distinct launch over the CUDA-graph buckets (batch sizes x tree sizes), at a short and a
+    128K block table, for an H200's 132 SMs and an MI300X's 304 CUs."""
+    from kernels.tree_attention_triton import _merge_launch, plan_tree_attention
 
     settings = DiffSpecSettings()
-    batch_sizes = [int(b) for b in settings.graph_batch_sizes.split(",")]
-    tree_sizes = [int(t) for t in settings.graph_tree_sizes.split(",")]
-    plans = [
-        plan_tree_attention(batch, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, tree, 131072, HEAD_DIM, num_sms=132)
-        for batch in batch_sizes
-        for tree in tree_sizes
-    ]
-    tiles = sorted({(p.block_m, p.block_n, p.num_warps, p.num_stages) for p in plans})  # what is compiled in
+    group = NUM_HEADS // NUM_KV_HEADS
+    launches = [
+        (batch * tree * NUM_HEADS, plan_tree_attention(batch, NUM_KV_HEADS, group, tree, context, HEAD_DIM, num_sms))
+        for batch in (int(b) for b in settings.graph_batch_sizes.split(","))
+        for tree in (int(t) for t in settings.graph_tree_sizes.split(","))
+        for context in (4096, 131072)
+        for num_sms in (132, 304)
+    ]  # (merged rows, plan)
+    tiles = sorted({(p.block_m, p.block_n, p.num_warps, p.num_stages) for _, p in launches})
+    merges = sorted({_merge_launch(rows, p.num_splits + 1)[1:] for rows, p in launches})  # (BLOCK_R, BLOCK_P, PART_CHUNK)
     signature = {
         **pointers("q_ptr k_new_ptr v_new_ptr k_pages_ptr v_pages_ptr", DTYPE),
         **pointers("cu_q_lens_ptr context_lens_ptr block_tables_ptr", "i32"),
@@ -78,25 +81,29 @@ def tree_attention_cases() -> list[Case]:
         **scalars("num_kv_heads group num_splits max_pages_per_seq max_q_len", "i32"),
         **scalars("BLOCK_M BLOCK_N HEAD_DIM PAGE_SIZE", "constexpr"),
     }
-    cases = [
-        Case(
-            f"tree_attention_partials[m{block_m},n{block_n},w{num_warps}]",
-            "kernels.tree_attention_triton", "_tree_attention_partials_kernel", signature,
-            {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "PAGE_SIZE": settings.page_size},
-            num_warps, num_stages,
-        )  # fmt: skip
-        for block_m, block_n, num_warps, num_stages in tiles
-    ]
     merge_signature = {
-        **pointers("partial_out_ptr partial_lse_ptr", "fp32"), "out_ptr": f"*{DTYPE}", "num_parts": "i32",
-        **scalars("BLOCK_P PART_CHUNK HEAD_DIM", "constexpr"),
+        **pointers("partial_out_ptr partial_lse_ptr", "fp32"), "out_ptr": f"*{DTYPE}",
+        **scalars("num_rows num_parts", "i32"), **scalars("BLOCK_R BLOCK_P PART_CHUNK HEAD_DIM", "constexpr"),
     }  # fmt: skip
-    for block_p in sorted({1 << plan.num_splits.bit_length() for plan in plans}):  # >= num_splits + 1 partials
-        cases.append(Case(
-            f"merge_partials[p{block_p}]", "kernels.tree_attention_triton", "_merge_partials_kernel", merge_signature,
-            {"BLOCK_P": block_p, "PART_CHUNK": 16, "HEAD_DIM": HEAD_DIM},
-        ))  # fmt: skip
-    return cases
+    return [
+        *[
+            Case(
+                f"tree_attention_partials[m{block_m},n{block_n},w{num_warps}]",
+                "kernels.tree_attention_triton", "_tree_attention_partials_kernel", signature,
+                {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "PAGE_SIZE": settings.page_size},
+                num_warps, num_stages,
+            )
+            for block_m, block_n, num_warps, num_stages in tiles
+        ],
+        *[
+            Case(
+                f"merge_partials[r{block_r},p{block_p},c{part_chunk}]", "kernels.tree_attention_triton",
+                "_merge_partials_kernel", merge_signature,
+                {"BLOCK_R": block_r, "BLOCK_P": block_p, "PART_CHUNK": part_chunk, "HEAD_DIM": HEAD_DIM},
+            )
+            for block_r, block_p, part_chunk in merges
+        ],
+    ]  # fmt: skip
 
 
 def kernel_cases() -> list[Case]:
