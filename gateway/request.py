@@ -14,6 +14,7 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop_sequences: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()  # a generated id among these ends the request, as EOS does
     draft: DraftOptions | None = None  # None = Auto (target-only decoding)
     n: int = 1  # independent samples of the prompt; the engine runs one request per sample (gateway/samples.py)
     client: str = ""  # who asked (gateway/quota.py): the quota key and the prefix-cache scope; "" = this process
@@ -43,7 +44,8 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        return (self.new_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """Tokens after the first (which prefill made) per decode second; 0 when none came after it."""
+        return (self.new_tokens - 1) / self.decode_seconds if self.new_tokens > 1 and self.decode_seconds > 0 else 0.0
 
     def record_step(self, num_accepted: int) -> None:
         self.steps += 1
