@@ -93,6 +93,7 @@ class GenerateOptions(TypedDict, total=False):
     top_k: int  # 0 = all tokens
     seed: int
     stop: Sequence[str]
+    stop_token_ids: Sequence[int]  # a generated id among these ends the sample, itself not emitted
     n: int  # independent samples
     logprobs: int  # each token's logprob and this many alternatives
     policy: str  # auto, chain, uniform<K>, full, online
@@ -109,6 +110,7 @@ def generate_request(
     top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
     n: int | None = None,
     logprobs: int | None = None,
     policy: str = "",
@@ -122,6 +124,7 @@ def generate_request(
         message = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=list(prompt)))
     message.temperature, message.policy, message.tree_config = temperature, policy, tree_config
     message.stop.extend(stop)
+    message.stop_token_ids.extend(stop_token_ids)
     optional = {"max_new_tokens": max_new_tokens, "top_p": top_p, "top_k": top_k, "seed": seed, "n": n,
                 "logprobs": logprobs, "salience": salience}  # fmt: skip
     for name, value in optional.items():

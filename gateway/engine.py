@@ -96,6 +96,9 @@ class SpeculativeEngine:
         outside = [t for t in request.prompt_ids if not 0 <= t < info.vocab_size]
         if outside:
             raise InvalidRequest(f"token ids out of the vocabulary [0, {info.vocab_size}): {outside[:5]}")
+        outside = sorted(t for t in request.stop_token_ids if not 0 <= t < info.vocab_size)
+        if outside:
+            raise InvalidRequest(f"stop token ids out of the vocabulary [0, {info.vocab_size}): {outside[:5]}")
         if not 1 <= request.max_new_tokens <= info.max_context:
             raise InvalidRequest(
                 f"max_new_tokens must be in [1, {info.max_context}] (the context), got {request.max_new_tokens}"

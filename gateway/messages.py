@@ -1,6 +1,6 @@
 """Gateway messages <-> the engine's request/chunk/stats dataclasses.
 
-What is checked here is the message itself (a prompt to read, stop sequences, n, a tree config
+What is checked here is the message itself (a prompt to read, stop sequences and ids, n, a tree config
 given with Auto); what the target could not serve (the prompt's length and vocabulary,
 max_new_tokens, the draft options) is checked once for every front end by the engine
 (``SpeculativeEngine.check``), before any service sees it.
@@ -19,6 +19,7 @@ from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_SAMPLES = 16  # most samples (n) one request may ask for
 
 
@@ -46,6 +47,8 @@ def generation_request(
     stops = tuple(message.stop)
     if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stops):
         raise InvalidRequest(f"at most {MAX_STOP_SEQUENCES} stop sequences of at most {MAX_STOP_CHARS} characters")
+    if len(message.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(message.stop_token_ids)}")
     sampling = SamplingParams(
         temperature=message.temperature,
         top_p=message.top_p if message.HasField("top_p") else 1.0,
@@ -61,6 +64,7 @@ def generation_request(
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         stop_sequences=stops,
+        stop_token_ids=frozenset(message.stop_token_ids),
         draft=_draft_options(message, defaults, draft_available),
         n=n,
     )

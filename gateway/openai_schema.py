@@ -4,7 +4,7 @@ A request becomes the gateway's ``GenerateRequest`` message, so HTTP requests pa
 checks and defaults of gRPC ones (``gateway/messages.py``). OpenAI fields this server cannot honour
 (penalties, ``echo``, ``best_of``, ``suffix``) are refused with a 400 rather than ignored; unknown
 fields are refused too. DiffSpec's own options (``policy``, ``tree_config``, ``salience``) and
-vLLM's ``top_k`` are extra body fields (``extra_body`` in the ``openai`` client).
+vLLM's ``top_k`` and ``stop_token_ids`` are extra body fields (``extra_body`` in the ``openai`` client).
 
 Logprobs: completions ask with ``logprobs: k`` and get OpenAI's legacy object (``tokens``,
 ``token_logprobs``, ``top_logprobs``, ``text_offset``); chat asks with ``logprobs: true`` and
@@ -15,7 +15,7 @@ A token's text is its own decoding.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,6 +50,7 @@ class SamplingFields(BaseModel):
     user: str | None = None
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # None, -1 or 0 = all tokens (vLLM's -1)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = None  # vLLM's: a generated id among these ends the choice, unemitted
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # DiffSpec's extension fields ("" / None = the server's default)
@@ -78,6 +79,7 @@ class SamplingFields(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             stop=stops,
+            stop_token_ids=self.stop_token_ids or [],
             policy=self.policy,
             tree_config=self.tree_config,
             top_k=max(self.top_k or 0, 0),

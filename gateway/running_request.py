@@ -138,13 +138,17 @@ class RunningRequest:
         self.sink.put(GenerationChunk(token_ids=[], text=self.detokenizer.flush(), stats=self.stats))
 
     def _emit(self, tokens: list[int], logprobs: TokenLogprobs | None) -> None:
-        """Clip the step's tokens (and their logprobs) at EOS, a stop sequence, max_new_tokens or the context
-        end, and send them."""
+        """Clip the step's tokens (and their logprobs) at EOS, a stop token or sequence, max_new_tokens or the
+        context end, and send them. EOS and stop tokens end the request without being emitted, wherever
+        they fall in an accepted run, so speculation stops where Auto would."""
         kept: list[int] = []
         text = ""
         for token in tokens:
             if token in self.info.eos_token_ids:
                 self.stats.finish_reason = "eos"
+                break
+            if token in self.request.stop_token_ids:
+                self.stats.finish_reason = "stop"
                 break
             kept.append(token)
             self.last_token = token

@@ -14,7 +14,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop", "policy", "tree_config", "salience", "top_k", "logprobs", "n")
+    __slots__ = ("text", "token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop", "policy", "tree_config", "salience", "top_k", "logprobs", "n", "stop_token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class GenerateRequest(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     max_new_tokens: int
@@ -41,7 +42,8 @@ class GenerateRequest(_message.Message):
     top_k: int
     logprobs: int
     n: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ..., tree_config: _Optional[str] = ..., salience: _Optional[bool] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ..., tree_config: _Optional[str] = ..., salience: _Optional[bool] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "new_tokens", "steps", "accepted_drafts", "mean_accepted_length", "stop_depth_histogram", "prefill_seconds", "draft_seconds", "verify_seconds", "decode_seconds", "decode_tokens_per_second", "finish_reason", "fell_back_to_auto", "hazard", "working_set_tokens")

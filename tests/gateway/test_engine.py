@@ -141,6 +141,24 @@ def test_stop_sequence_and_length_clip_the_output(random_head_engine, auto, toke
     assert short_ids == full_ids[:7] and short_stats.finish_reason == "length"
 
 
+def test_a_stop_token_inside_an_accepted_run_cuts_the_output_there(shipped_head_engine, auto, tokenizer):
+    """The trained head gets runs of several tokens accepted per step; a stop token in the middle of one
+    ends the output just before it, as Auto's would."""
+    ids = tokenizer(CODE_PROMPTS[0])["input_ids"]
+    full_ids = auto(ids, NEW_TOKENS)[0]
+    _, _, spec_stats = collect(shipped_head_engine, GenerationRequest(ids, NEW_TOKENS, draft=DraftOptions("full")))
+    assert spec_stats.mean_accepted_length > 2  # the cut below falls inside accepted runs
+    for cut in (5, 11, 20):
+        stop = full_ids[cut]
+        want = full_ids[: full_ids.index(stop)]
+        for draft in (None, DraftOptions("full"), DraftOptions("chain")):
+            request = GenerationRequest(ids, NEW_TOKENS, stop_token_ids=frozenset({stop}), draft=draft)
+            got, text, stats = collect(shipped_head_engine, request)
+            assert got == want and text == tokenizer.decode(want) and stats.finish_reason == "stop", (cut, draft)
+            assert stats.new_tokens == len(want)
+    assert_all_released(shipped_head_engine)
+
+
 class FlakyDraft:
     """A draft service that answers ``fail_after`` steps, then is gone (every later step is UNAVAILABLE)."""
 
@@ -241,6 +259,7 @@ def test_cancelled_generation_frees_every_page(random_head_engine, tokenizer):
         (GenerationRequest([0, 5], 5, draft=DraftOptions("sideways")), "unknown policy"),
         (GenerationRequest([0, 5], 5, draft=DraftOptions("full", "64:x:8")), "bad tree config"),
         (GenerationRequest([0, 9000], 5), "out of the vocabulary"),
+        (GenerationRequest([0, 5], 5, stop_token_ids=frozenset({9000})), "stop token ids out of the vocabulary"),
     ],
 )
 def test_bad_requests_are_rejected(random_head_engine, request_, message):

@@ -33,12 +33,15 @@ def test_unset_fields_take_the_server_defaults():
     request = generation_request(explicit, [0, 5], DEFAULTS)
     assert request.max_new_tokens == 3 and request.sampling.top_p == 0.5 and request.sampling.seed == 0
     assert request.draft is None and request.stop_sequences == ("\n",) and request.sampling.temperature == 0.7
+    stopping = generation_request(gateway_pb2.GenerateRequest(text="x", stop_token_ids=[7, 3, 7]), [0], DEFAULTS)
+    assert stopping.stop_token_ids == {3, 7}
 
 
 @pytest.mark.parametrize(
     "fields, ids, message",
     [
         ({"stop": ["y" * 257]}, [0], "stop sequences"),
+        ({"stop_token_ids": list(range(65))}, [0], "at most 64 stop token ids"),
         ({"policy": "auto", "tree_config": "64:abc:8"}, [0], "bad tree config"),  # checked with Auto too
         ({"n": 0}, [0], "n must be in"),
         ({"n": 17}, [0], "n must be in \\[1, 16\\]"),

@@ -74,6 +74,22 @@ def test_n_samples_logprobs_and_stop(live_gateway):
     assert stopped.finish_reason == "stop" and stop not in stopped.text
 
 
+def test_stop_token_ids_end_a_choice_as_over_grpc(live_gateway):
+    """vLLM's ``stop_token_ids`` extension: the choice ends before the first listed id, finish_reason stop."""
+    with GatewayClient(live_gateway.address) as grpc_client:
+        (full,) = grpc_client.complete(PROMPT, max_new_tokens=16, policy="full")
+        stop_id = full.token_ids[6]
+        (grpc_stopped,) = grpc_client.complete(PROMPT, max_new_tokens=16, policy="full", stop_token_ids=[stop_id])
+    assert grpc_stopped.token_ids == full.token_ids[: full.token_ids.index(stop_id)]
+    assert grpc_stopped.stats is not None and grpc_stopped.stats.finish_reason == "stop"
+    reply = client_of(live_gateway).completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=0,
+                                                       extra_body={"stop_token_ids": [stop_id], "policy": "full"})
+    assert reply.choices[0].text == grpc_stopped.text and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == len(grpc_stopped.token_ids)
+    with pytest.raises(openai.BadRequestError, match="stop token ids out of the vocabulary"):
+        client_of(live_gateway).completions.create(model="m", prompt=PROMPT, extra_body={"stop_token_ids": [10**9]})
+
+
 def test_a_bad_request_raises_openais_error(live_gateway):
     with pytest.raises(openai.BadRequestError) as raised:
         client_of(live_gateway).completions.create(model="m", prompt=PROMPT, top_p=3.0)
