@@ -110,6 +110,19 @@ class DiffSpecSettings(BaseSettings):
     step_timeout_seconds: float = Field(
         120.0, gt=0, description="How long the gateway waits for a remote target's or draft's reply to one step."
     )
+    draft_timeout_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="How long the gateway waits for a remote draft's proposals in one step (a few verify steps' "
+        "worth): past it that step verifies Auto trees at once, and later steps ask the draft again once it has "
+        "answered. A draft behind for step_timeout_seconds is dropped (its requests finish with Auto).",
+    )
+    peer_health_seconds: float = Field(
+        2.0,
+        gt=0,
+        description="How often a gateway with a remote target asks whether the target answers; its health and "
+        "/ready say NOT_SERVING / 503 while it does not.",
+    )
     peer_wait_seconds: float = Field(
         120.0, gt=0, description="How long a starting gateway waits for a remote target to answer before giving up."
     )
@@ -141,6 +154,14 @@ class DiffSpecSettings(BaseSettings):
         description="Shared bearer token: servers refuse calls without 'authorization: Bearer <token>' (health "
         "checks exempt) and clients send it; empty = no check. Prefer the DIFFSPEC_AUTH_TOKEN variable to the "
         "flag, which other users can read from ps.",
+    )
+
+    api_keys_file: str = Field(
+        "",
+        description="File of client API keys, one 'TENANT TOKEN' per line ('#' starts a comment): the gateway "
+        "takes 'authorization: Bearer TOKEN' as that tenant, which keys its quota and its prefix-cache scope, and "
+        "refuses other tokens (UNAUTHENTICATED, HTTP 401); auth_token, when set too, is still accepted. Empty = "
+        "no per-tenant keys.",
     )
 
     @field_validator("feature_layers")

@@ -49,11 +49,19 @@ class StepStream(Generic[Request, Reply]):
 
     def receive(self) -> Reply:
         """The next reply; a broken, ended or silent call raises (and is dropped)."""
-        try:
-            item = self._replies.get(timeout=self.step_timeout)
-        except queue.Empty:
+        reply = self.poll(self.step_timeout)
+        if reply is None:
             self.close()
-            raise PeerUnavailable(f"{self.peer} sent no reply within {self.step_timeout:.0f} s") from None
+            raise PeerUnavailable(f"{self.peer} sent no reply within {self.step_timeout:.0f} s")
+        return reply
+
+    def poll(self, timeout: float) -> Reply | None:
+        """The next reply if it comes within ``timeout`` seconds (0: only one already here), else None and the
+        call stays open, its reply still owed; a broken or ended call raises (and is dropped)."""
+        try:
+            item = self._replies.get(timeout=timeout) if timeout > 0 else self._replies.get_nowait()
+        except queue.Empty:
+            return None
         if isinstance(item, Message):
             return item  # type: ignore[return-value]
         self.close()
