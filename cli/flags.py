@@ -8,6 +8,7 @@ to everything else.
 from __future__ import annotations
 
 import argparse
+import types
 import typing
 from pathlib import Path
 from typing import Any, Iterable, TypeVar
@@ -36,10 +37,13 @@ def flag_name(field: str) -> str:
 
 def _flag_type(annotation: Any) -> dict[str, Any]:
     origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):  # an optional X is typed as X: unset is the default
+        kinds = [kind for kind in typing.get_args(annotation) if kind is not type(None)]
+        return _flag_type(kinds[0]) if len(kinds) == 1 else {"type": str}
     if origin is typing.Literal:
         return {"choices": [str(c) for c in typing.get_args(annotation)]}
-    if origin is list:
-        return {"nargs": "+", **_flag_type(typing.get_args(annotation)[0])}
+    if origin is list:  # --stop a b and --stop a --stop b alike
+        return {"nargs": "+", "action": "extend", **_flag_type(typing.get_args(annotation)[0])}
     if annotation is bool:
         return {"type": parse_switch, "metavar": "on|off"}
     if annotation in (int, float, Path, str):
@@ -49,6 +53,8 @@ def _flag_type(annotation: Any) -> dict[str, Any]:
 
 def _shown(value: Any) -> str:
     """A default as the user would type it: on|off for switches, space-separated lists."""
+    if value is None:
+        return "none"
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, list):

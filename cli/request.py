@@ -3,34 +3,43 @@
 The same message goes to a gateway or, in process, through the gateway's own conversion, so
 both paths share one set of rules and defaults. It carries only what the user set: whatever
 is left unset takes the server's default (in process: the settings, flags and ``DIFFSPEC_*``).
+The sampling flags derive from ``SamplingFlags``, and the Python client's ``generate_request``
+builds the message, so the CLI and ``diffspec.client`` name every field alike.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from cli.flags import model_from_flags
+from diffspec.client import generate_request
 from diffspec.errors import InvalidRequest
+from diffspec.sampling_params import MAX_LOGPROBS
 from diffspec.v1 import gateway_pb2
 from draft_service.tree_budget import TreeBudget, TreePolicy
 
 REQUEST_FIELDS = ("policy", "tree_config", "salience", "max_new_tokens")  # settings fields a request may override
+INT64 = 2**63
 
 
-def temperature(text: str) -> float:
-    """argparse type: a finite temperature >= 0."""
-    value = float(text)
-    if not 0.0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
-    return value
+class SamplingFlags(BaseModel):
+    """How ``diffspec generate`` samples: each field is a flag and the ``GenerateRequest`` field of its name.
+    The defaults are the server's, shown in the help; only the flags given are sent."""
 
+    model_config = ConfigDict(extra="forbid")
 
-def top_p(text: str) -> float:
-    """argparse type: a nucleus mass in (0, 1]."""
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+    temperature: float = Field(0.0, ge=0, allow_inf_nan=False, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass kept, after top-k")
+    top_k: int = Field(0, ge=0, lt=2**31, description="most likely tokens kept before top-p; 0 = all")
+    seed: int | None = Field(None, ge=-INT64, lt=INT64, description="fixes the sampling stream (sample i of n "
+                             "derives its own from it)")  # fmt: skip
+    stop: list[str] = Field(default_factory=list, description="stop sequences")
+    stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end a sample, unemitted")
+    n: int = Field(1, ge=1, lt=2**31, description="independent samples of the prompt")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="report each token's logprob and this "
+                                 "many most likely alternatives (in --json)")  # fmt: skip
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -43,13 +52,13 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def request_from_flags(args: argparse.Namespace, text: str) -> gateway_pb2.GenerateRequest:
-    """The request the flags describe; raises InvalidRequest for an empty prompt, a bad policy or tree config."""
+    """The request the flags describe; raises InvalidRequest for an empty prompt, a bad sampling value, a
+    bad policy or tree config."""
     if not text:
         raise InvalidRequest("the prompt is empty")  # the gateway's rule, found before anything loads
-    message = gateway_pb2.GenerateRequest(text=text, temperature=args.temperature, stop=args.stop)
-    for name in (*REQUEST_FIELDS, "top_p", "seed"):
-        if getattr(args, name) is not None:
-            setattr(message, name, getattr(args, name))
+    sampling = model_from_flags(SamplingFlags, args)
+    given = {name: getattr(args, name) for name in REQUEST_FIELDS if getattr(args, name) is not None}
+    message = generate_request(text, **sampling.model_dump(include=sampling.model_fields_set), **given)
     check_draft_fields(message.policy, message.tree_config)
     return message
 

@@ -83,6 +83,28 @@ def test_a_generate_request_carries_only_the_flags_given():
     assert given.HasField("salience") and not given.salience and list(given.stop) == ["\n"]
 
 
+def test_sampling_flags_reach_the_request_and_unset_ones_stay_unset():
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    bare = request_from_flags(args, args.prompt)
+    for field in ("top_k", "n", "logprobs"):
+        assert not bare.HasField(field), field
+    assert list(bare.stop_token_ids) == [] and bare.temperature == 0.0
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--temperature", "0.7", "--top-k", "5", "--n", "3", "--logprobs", "0",
+         "--stop-token-ids", "13", "7", "--stop-token-ids", "2", "--stop", "a", "--stop", "b c"]
+    )
+    given = request_from_flags(args, args.prompt)
+    assert (given.temperature, given.top_k, given.n, given.logprobs) == (0.7, 5, 3, 0)
+    assert given.HasField("logprobs") and list(given.stop_token_ids) == [13, 7, 2] and list(given.stop) == ["a", "b c"]
+
+
+def test_an_optional_field_gets_its_type_and_shows_none():
+    text = help_of("generate")
+    assert "--seed SEED" in text and "(default: none)" in text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--seed", "three"])  # argparse's int check
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--policy", "auto", "--tree-config", "64:abc:8"], "bad tree config '64:abc:8'"),
     (["--policy", "uniform0"], "unknown policy 'uniform0'"),

@@ -57,14 +57,38 @@ def test_the_prompt_file_and_stop_sequences():
     assert missing.returncode == 2 and "cannot read --prompt-file" in missing.stderr
 
 
+def test_samples_logprobs_and_stop_token_ids_in_json():
+    """--n: one last line per sample, tagged with its index, sample 0 equal to the lone run with the seed;
+    --logprobs: one entry per token; --stop-token-ids: the output ends before the first listed id."""
+    sampled = ("--prompt", "def fibonacci(n):", "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "5",
+               "--policy", "full", "--json")  # fmt: skip
+    run = run_cli("generate", *sampled, "--n", "2", "--logprobs", "1")
+    assert run.returncode == 0, run.stderr
+    finals = [line for line in map(json.loads, run.stdout.splitlines()) if "stats" in line]
+    assert sorted(final["index"] for final in finals) == [0, 1]
+    for final in finals:
+        logprobs = final["logprobs"]
+        assert len(logprobs["logprobs"]) == len(logprobs["top_ids"]) == len(final["token_ids"]) == 8
+    by_index = {final["index"]: final["token_ids"] for final in finals}
+    alone = json.loads(run_cli("generate", *sampled).stdout.splitlines()[-1])
+    assert alone["token_ids"] == by_index[0] and "index" not in alone and "logprobs" not in alone
+    stop = by_index[0][4]
+    stopped = json.loads(run_cli("generate", *sampled, "--stop-token-ids", str(stop)).stdout.splitlines()[-1])
+    assert stopped["token_ids"] == by_index[0][: by_index[0].index(stop)]
+    assert stopped["stats"]["finish_reason"] == "stop"
+
+
 def test_bad_input_is_refused_before_any_model_loads():
     """Each of these exits 2 with one line naming the problem, without importing torch."""
     for args, message in [
         (["generate", "--prompt", "x", "--tree-config", "64:abc:8", "--policy", "auto"], "bad tree config '64:abc:8'"),
         (["generate", "--prompt", "x", "--policy", "sideways"], "unknown policy 'sideways'"),
         (["generate", "--prompt", ""], "the prompt is empty"),
-        (["generate", "--prompt", "x", "--temperature", "-1"], "argument --temperature: must be finite and >= 0"),
-        (["generate", "--prompt", "x", "--top-p", "0"], "argument --top-p: must be in (0, 1]"),
+        (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature: Input should be greater than or equal"),
+        (["generate", "--prompt", "x", "--temperature", "inf"], "--temperature: Input should be a finite number"),
+        (["generate", "--prompt", "x", "--top-p", "0"], "--top-p: Input should be greater than 0"),
+        (["generate", "--prompt", "x", "--logprobs", "21"], "--logprobs: Input should be less than or equal to 20"),
+        (["generate", "--prompt", "x", "--n", "2", "--vs-auto"], "--vs-auto compares one sample"),
         (["generate", "--prompt", "x", "--num-pages", "0"], "--num-pages (or DIFFSPEC_NUM_PAGES): Input should be"),
         (["generate", "--prompt", "x", "--gateway", "127.0.0.1:1", "--dtype", "float32"], "--dtype: in-process"),
         (["serve", "--listen", "127.0.0.1:99999"], "--listen must be HOST:PORT with a port in [0, 65535]"),
