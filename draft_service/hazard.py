@@ -1,4 +1,4 @@
-"""The hazard profile: where accepted paths stop, and the tree budget that follows from it.
+"""The hazard profile: where accepted paths stop, and the hazard-shaped tree that follows from it.
 
 Terms. Per verification step the *stop depth* s is the number of accepted draft tokens. A
 path *reaches* depth d (1-based draft depth) when s >= d - 1; it *passes* d when the target
@@ -16,26 +16,26 @@ so it never reaches 0 or 1 and one noisy step moves it little. Then
 A rank never tried keeps its prior, so a wider fan is predicted to help in proportion to the
 top-1 hazard, and the prediction is corrected once wider trees are verified.
 
-Budget rule. A plan gives each depth d a width w_d (children per expanded node; the best
+Shaped trees. A plan gives each depth d a width w_d (children per expanded node; the best
 w_{d-1} nodes of depth d-1 are expanded). The expected tokens per step are
     E(w) = 1 + sum_d prod_{j<=d} P(pass j | w_j)        (the 1 is the bonus token)
-and a step costs  T(w) = D * t_draft + c(N(w)),  N(w) = 1 + w_1 + sum_{d>=2} w_{d-1} w_d,
-with c(N) the verification cost measured as a function of the tokens a verify batch holds (a
-running least-squares line) and t_draft the measured draft time per depth. In a batch, one
-session's tree shares the verify with the others' trees: its plan maximises the batch's
-tokens per second, (E(w) + E_others) / (max(D, D_others) * t_draft + c(N(w) + N_others)), the others' trees
-taken as they were at the last step. A large batch at a compute-bound verify so gets
-smaller trees, and a lone session keeps the tree that pays for itself alone. For every depth D the plan starts as a
-chain of D tokens and greedily takes whichever single extra child (at any depth) raises E/T
-most, until none does or the token budget is spent; the best of these plans wins. Widths
-therefore grow where the hazard is high (a wider fan there saves the path most often), and the
-depth stops where S(d) is too small for another level to pay for itself; trying every D keeps
-one hard depth from hiding profitable depths behind it.
+and the tree holds N(w) = 1 + w_1 + sum_{d>=2} w_{d-1} w_d tokens. ``climb`` improves a plan by
+hill climbing on whatever value the caller scores plans with (``draft_service.tree_plan``: tokens
+per second in the session's batch): each move takes the best neighbour, one child more or fewer
+at one depth or one depth more or fewer, while it raises the value. Widths so grow where the
+hazard is high (a wider fan there saves the path most often), and the depth stops where S(d) is
+too small for another level to pay for itself. A few moves per re-plan, from the last plan: the
+plan follows the hazard and the costs step by step, and no re-plan searches from scratch.
+
+Costs. ``StepCostModel`` measures a step: draft seconds per depth, and verify seconds as a line
+in the batch's tree tokens, one line per context bucket (verify attention over a long context
+turns compute-bound with far fewer tree tokens than over a short one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from draft_service.tree_budget import DepthPlan
 
@@ -64,6 +64,8 @@ class HazardProfile:
         # A count is its stored value times ``_scale``: a step decays every count by shrinking the scale
         # and adds its own counts divided by it, so it touches only the depths it observed.
         self._scale = 1.0
+        self.steps = 0  # steps observed
+        self.last_passed_ranks: list[int] = []  # the latest step's: a planner pairs them with the tree it proposed
 
     def observe(self, passed_ranks: list[int], stop_width: int) -> None:
         """One verification step.
@@ -72,6 +74,8 @@ class HazardProfile:
         depth the path stopped after all ``stop_width`` children failed (0: the path reached a
         leaf, so the step is censored there).
         """
+        self.steps += 1
+        self.last_passed_ranks = passed_ranks
         self._scale *= self.decay
         if self._scale < RESCALE_BELOW:
             self._fold_scale()
@@ -137,25 +141,59 @@ class HazardProfile:
         return [*out, alive]
 
 
+CONTEXT_BUCKETS = 24  # context buckets [2^(k-1), 2^k) tokens, k = bit length: up to 8M tokens
+
+
+@dataclass
+class VerifyLine:
+    """Running least-squares line c(N) = a + b N of the verify seconds at one context bucket."""
+
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed n, sum N, sum N^2, sum c, sum N c
+
+    def observe(self, tree_tokens: int, seconds: float, decay: float) -> None:
+        self.sums = [s * decay for s in self.sums]
+        for i, value in enumerate((1.0, tree_tokens, tree_tokens**2, seconds, tree_tokens * seconds)):
+            self.sums[i] += value
+
+    @property
+    def measured(self) -> bool:
+        return self.sums[0] >= 1.0
+
+    def seconds(self, tree_tokens: int) -> float:
+        """The fitted cost; a line measured at one N only is flat there (a larger tree looks free until
+        one is measured, so the planner tries it)."""
+        n, sx, sxx, sy, sxy = self.sums
+        spread = n * sxx - sx * sx
+        slope = (n * sxy - sx * sy) / spread if spread > 1e-9 * max(1.0, n * sxx) else 0.0
+        slope = max(slope, 0.0)
+        intercept = max((sy - slope * sx) / n, 1e-9)
+        return intercept + slope * tree_tokens
+
+
 @dataclass
 class StepCostModel:
-    """Running least-squares line c(N) = a + b N for verification, plus draft time per depth.
+    """Verify seconds per (context bucket, batch tree tokens), plus draft time per depth.
 
     Seconds are as measured by whoever feeds it; before any measurement the defaults make a
-    verification of N tokens cost like N/100 extra decode steps and a draft depth 5% of one.
+    verification of N tokens cost like N/100 extra decode steps and a draft depth 5% of one. A
+    verify measurement is filed under the context of the batch proposed just before it
+    (``note_batch``): the verify that follows a proposal verifies that proposal's trees.
     """
 
     decay: float = 0.98
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed n, sum N, sum N^2, sum c, sum N c
+    lines: list[VerifyLine] = field(default_factory=lambda: [VerifyLine() for _ in range(CONTEXT_BUCKETS)])
     draft_seconds_per_depth: float = 0.05  # replaced by the first measurement, then a running average
     default_intercept: float = 1.0
     default_slope: float = 0.01
     draft_measured: bool = False
+    batch_context: int = 0  # mean committed tokens per session of the batch last proposed for
+
+    def note_batch(self, context_tokens: int) -> None:
+        """The mean context per session of the batch whose trees the next verify measures."""
+        self.batch_context = context_tokens
 
     def observe_verify(self, tree_tokens: int, seconds: float) -> None:
-        self.sums = [s * self.decay for s in self.sums]
-        for i, value in enumerate((1.0, tree_tokens, tree_tokens**2, seconds, tree_tokens * seconds)):
-            self.sums[i] += value
+        self.lines[_bucket(self.batch_context)].observe(tree_tokens, seconds, self.decay)
 
     def observe_draft(self, depths: int, seconds: float) -> None:
         if depths <= 0:
@@ -165,15 +203,18 @@ class StepCostModel:
         else:
             self.draft_seconds_per_depth = 0.9 * self.draft_seconds_per_depth + 0.1 * seconds / depths
 
-    def verify_seconds(self, tree_tokens: int) -> float:
-        n, sx, sxx, sy, sxy = self.sums
-        if n < 1.0:
+    def verify_seconds(self, tree_tokens: int, context_tokens: int = 0) -> float:
+        """The line of the context's bucket, else of the nearest measured bucket (the longer on a tie)."""
+        home = _bucket(context_tokens)
+        measured = [k for k, line in enumerate(self.lines) if line.measured]
+        if not measured:
             return self.default_intercept + self.default_slope * tree_tokens
-        spread = n * sxx - sx * sx
-        slope = (n * sxy - sx * sy) / spread if spread > 1e-9 * max(1.0, n * sxx) else 0.0
-        slope = max(slope, 0.0)
-        intercept = max((sy - slope * sx) / n, 1e-9)
-        return intercept + slope * tree_tokens
+        nearest = min(measured, key=lambda k: (abs(k - home), -k))
+        return self.lines[nearest].seconds(tree_tokens)
+
+
+def _bucket(context_tokens: int) -> int:
+    return min(max(context_tokens, 0).bit_length(), CONTEXT_BUCKETS - 1)
 
 
 def tree_size(widths: list[int]) -> int:
@@ -194,9 +235,6 @@ class BatchLoad:
     depth: int = 0  # the deepest of their trees: a batched proposal runs that many head passes anyway
 
 
-PLAN_HYSTERESIS = 0.03  # a new plan must beat the current one by 3% to replace it
-
-
 def expected_tokens(passes: list[list[float]], widths: list[int]) -> float:
     """E(w): the bonus token plus, per depth, the probability that the path passes it."""
     expected, alive = 1.0, 1.0
@@ -206,43 +244,28 @@ def expected_tokens(passes: list[list[float]], widths: list[int]) -> float:
     return expected
 
 
-def plan_tree(
-    profile: HazardProfile,
-    cost: StepCostModel,
-    max_tokens: int,
-    max_depth: int,
-    current: list[int] | None = None,
-    batch: BatchLoad = BatchLoad(),
+CLIMB_MOVES = 3  # hill-climbing moves per re-plan: a plan follows a moving hazard within a few re-plans
+
+
+def climb(
+    value: Callable[[list[int]], float], widths: list[int], max_tokens: int, max_depth: int, moves: int = CLIMB_MOVES
 ) -> list[int]:
-    """Widths per depth maximising expected tokens per second (the module docstring's rule).
-
-    The ``current`` plan is kept unless the new one is clearly better, so estimation noise
-    does not flip the tree shape back and forth between near-equal plans.
-    """
-
-    passes = profile.pass_table(max(max_depth, len(current or [])))
-
-    def value(widths: list[int]) -> float:
-        tokens = batch.tree_tokens + tree_size(widths)
-        seconds = max(len(widths), batch.depth) * cost.draft_seconds_per_depth + cost.verify_seconds(tokens)
-        return (batch.expected_tokens + expected_tokens(passes, widths)) / seconds
-
-    def widen(widths: list[int]) -> list[int]:
-        """Greedily add the one child (at any depth) that raises the value most, until none does."""
-        best = value(widths)
-        while True:
-            options = [widths[:d] + [w + 1] + widths[d + 1 :] for d, w in enumerate(widths) if w < MAX_WIDTH]
-            scored = [(value(o), o) for o in options if tree_size(o) <= max_tokens]
-            if not scored or max(scored)[0] <= best * (1 + 1e-4):
-                return widths
-            best, widths = max(scored)
-
-    # Every depth is tried as a chain then widened: a hard depth can hide a profitable one after it.
-    candidates = [widen([1] * depth) for depth in range(1, max_depth + 1) if depth + 1 <= max_tokens]
-    widths = max(candidates, key=value)
+    """Up to ``moves`` moves from ``widths``, each to the best neighbour (one child more or fewer at one
+    depth, one depth of width 1 more, the last depth fewer) that raises ``value``; each move scores at
+    most 2 * depth + 2 plans. Neighbours stay within ``max_tokens`` nodes and ``max_depth`` depths."""
     best = value(widths)
-    fits = current and len(current) <= max_depth and tree_size(current) <= max_tokens
-    return current if fits and value(current) * (1 + PLAN_HYSTERESIS) >= best else widths
+    for _ in range(moves):
+        options = [widths[:d] + [w + step] + widths[d + 1 :]
+                   for d, w in enumerate(widths) for step in (1, -1) if 1 <= w + step <= MAX_WIDTH]  # fmt: skip
+        if len(widths) < max_depth:
+            options.append([*widths, 1])
+        if len(widths) > 1:
+            options.append(widths[:-1])
+        scored = [(value(o), o) for o in options if tree_size(o) <= max_tokens]
+        if not scored or max(scored)[0] <= best * (1 + 1e-4):
+            break
+        best, widths = max(scored)
+    return widths
 
 
 def widths_to_plan(widths: list[int]) -> list[DepthPlan]:

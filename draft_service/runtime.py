@@ -7,7 +7,6 @@ then grow every requested session's tree together, one head pass per depth for t
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,14 +19,32 @@ from diffspec.tree import DraftTree
 from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats
 from draft_service.drafter import Drafter, DraftSession, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.hazard import BatchLoad, HazardProfile, StepCostModel, expected_tokens, plan_tree, tree_size, widths_to_plan
+from draft_service.hazard import BatchLoad, HazardProfile, StepCostModel, expected_tokens
 from draft_service.options import DraftOptions, validate_options
-from draft_service.tree_budget import MAX_DEPTH, DepthPlan, TreeBudget, TreePolicy
+from draft_service.tree_budget import MAX_DEPTH, TreeBudget, TreePolicy
+from draft_service.tree_plan import (
+    CANDIDATE_GRID,
+    GLOBAL_ACCEPT_DECAY,
+    AcceptanceTracker,
+    Candidate,
+    StepValue,
+    TreePlanner,
+    fixed_candidate,
+)
 from draft_service.working_set import WorkingSetConfig
 
 REPLAN_EVERY = 4  # steps between a session's plans: planning is host time, and a hazard moves slowly
 REQUEST_DECAY = 0.9  # a request's hazard forgets old steps fast: it follows the text
 GLOBAL_DECAY = 0.995  # the global prior moves slowly
+
+
+@dataclass(frozen=True)
+class _Proposed:
+    """A session's last proposal, kept until its verification is observed (``online`` sessions)."""
+
+    tree: DraftTree
+    candidate: Candidate
+    hazard_steps: int  # the hazard profile's steps when it was proposed: the next one is its verification
 
 
 @dataclass
@@ -36,21 +53,13 @@ class _SessionState:
     policy: TreePolicy
     budget: TreeBudget
     hazard: HazardProfile
-    widths: list[int] = field(default_factory=list)  # children per depth of the last proposal
+    candidate: Candidate  # the tree it proposes: a fixed policy's own, or the online planner's choice
+    planner: TreePlanner | None = None  # online sessions only
     last_tree: DraftTree | None = None
+    proposed: _Proposed | None = None  # for the planner: the last proposal, until its step is observed
     expected_tokens: float = 1.0  # what the last plan expected to emit per step
     steps_to_replan: int = 0  # proposals left before the plan is made again
-
-
-def depth_plan(policy: TreePolicy, budget: TreeBudget) -> list[DepthPlan]:
-    """Per-depth expansion for the fixed policies (``online`` plans come from the hazard profile)."""
-    if policy.name == "chain":
-        return [DepthPlan(expand=1, children=1)] * min(budget.depth, budget.total_tokens - 1)
-    if policy.name == "uniform":
-        # every kept node may branch; no more parents than the budget can hold children of
-        expand = math.ceil((budget.total_tokens - 1) / policy.branching)
-        return [DepthPlan(expand=expand, children=policy.branching)] * budget.depth
-    return [DepthPlan(expand=policy.branching, children=policy.branching)] * budget.depth
+    planned_batch: int = 0  # sessions in the batch at the last plan: a batch of another size re-plans at once
 
 
 class DraftRuntime:
@@ -65,6 +74,8 @@ class DraftRuntime:
         self.sessions: dict[str, _SessionState] = {}
         self.global_hazard = HazardProfile(MAX_DEPTH, GLOBAL_DECAY)
         self.step_cost = StepCostModel()  # verify seconds against the batch's tree tokens, draft seconds per depth
+        self.global_accepted = AcceptanceTracker(GLOBAL_ACCEPT_DECAY)  # online: every request's dynamic-tree measurements
+        self.candidate_grid = CANDIDATE_GRID  # the dynamic trees an online session chooses among, beside its own
         self._lock = threading.Lock()
 
     def step(self, batch: DraftBatch) -> DraftBatchResult:
@@ -116,7 +127,9 @@ class DraftRuntime:
         salience = self.working_set if start.options.salience else None
         state = self.drafter.start(start.prompt_ids, features, start.first_token, salience)
         hazard = HazardProfile(MAX_DEPTH, REQUEST_DECAY, prior=self.global_hazard)
-        self.sessions[start.session_id] = _SessionState(state, policy, budget, hazard)
+        planner = TreePlanner.start(budget, self.global_accepted, self.candidate_grid) if policy.name == "online" else None
+        candidate = planner.current if planner is not None else fixed_candidate(policy, budget)
+        self.sessions[start.session_id] = _SessionState(state, policy, budget, hazard, candidate, planner)
         # sessions started together replan in different steps, so no step plans for all of them
         self.sessions[start.session_id].steps_to_replan = len(self.sessions) % REPLAN_EVERY
 
@@ -148,44 +161,52 @@ class DraftRuntime:
             return {}
         sessions = [self.sessions[sid] for sid in session_ids]
         with record_function("draft.plan"):
-            plans = self._plan_batch(sessions)
-        requests = [ProposalRequest(s.drafter_state, plan, s.budget) for s, plan in zip(sessions, plans)]
+            chosen = self._plan_batch(sessions)
+        requests = [ProposalRequest(s.drafter_state, list(c.plan), c.budget) for s, c in zip(sessions, chosen)]
         started = time.perf_counter()
         trees = self.drafter.propose_many(requests)
-        self.step_cost.observe_draft(max(len(plan) for plan in plans), time.perf_counter() - started)
+        self.step_cost.observe_draft(max(c.depth for c in chosen), time.perf_counter() - started)
         for session, tree in zip(sessions, trees):
             session.last_tree = tree
+            if session.planner is not None:
+                session.proposed = _Proposed(tree, session.candidate, session.hazard.steps)
         return dict(zip(session_ids, trees))
 
-    def _plan_batch(self, sessions: list[_SessionState]) -> list[list[DepthPlan]]:
-        """Each session's plan, ``online`` ones as a best response to the rest of the batch's last trees."""
-        sizes = [tree_size(s.widths) if s.widths else 1 for s in sessions]
-        total_size, total_expected = sum(sizes), sum(s.expected_tokens for s in sessions)
-        depths = sorted((len(s.widths) for s in sessions), reverse=True) + [0]
-        plans = []
-        for session, size in zip(sessions, sizes):
-            if session.steps_to_replan <= 0 or not session.widths:
-                deepest_other = depths[1] if len(session.widths) == depths[0] else depths[0]
-                others = BatchLoad(total_size - size, total_expected - session.expected_tokens, deepest_other)
-                self._replan(session, others)
-            session.steps_to_replan -= 1
-            if session.policy.name == "online":
-                plans.append(widths_to_plan(session.widths))
-            else:
-                plans.append(depth_plan(session.policy, session.budget))
-        return plans
+    def _plan_batch(self, sessions: list[_SessionState]) -> list[Candidate]:
+        """Each session's tree, ``online`` ones as a best response to the rest of the batch's current trees.
 
-    def _replan(self, session: _SessionState, others: BatchLoad) -> None:
-        """A new plan (``online``: from the hazard and the batch's cost) and what it expects to emit."""
-        if session.policy.name == "online":
-            session.widths = plan_tree(
-                session.hazard, self.step_cost, session.budget.total_tokens, session.budget.depth,
-                session.widths, others,
-            )  # fmt: skip
+        Re-plans only the sessions due (every ``REPLAN_EVERY`` proposals, or when the batch changed size);
+        the others propose their current candidate as it is.
+        """
+        for session in sessions:
+            self._observe_proposal(session)
+        sizes = [s.candidate.tokens for s in sessions]
+        total_size, total_expected = sum(sizes), sum(s.expected_tokens for s in sessions)
+        depths = sorted((s.candidate.depth for s in sessions), reverse=True) + [0]
+        context = sum(s.drafter_state.num_entries for s in sessions) // len(sessions)
+        self.step_cost.note_batch(context)
+        for session, size in zip(sessions, sizes):
+            if session.steps_to_replan <= 0 or session.planned_batch != len(sessions):
+                deepest_other = depths[1] if session.candidate.depth == depths[0] else depths[0]
+                others = BatchLoad(total_size - size, total_expected - session.expected_tokens, deepest_other)
+                self._replan(session, StepValue(self.step_cost, others, context))
+                session.planned_batch = len(sessions)
+            session.steps_to_replan -= 1
+        return [s.candidate for s in sessions]
+
+    def _observe_proposal(self, session: _SessionState) -> None:
+        """Hand an online session's planner its last tree with the ranks the hazard profile observed for it."""
+        proposed, session.proposed = session.proposed, None
+        if session.planner is not None and proposed is not None and session.hazard.steps == proposed.hazard_steps + 1:
+            session.planner.observe(proposed.tree, proposed.candidate, session.hazard.last_passed_ranks)
+
+    def _replan(self, session: _SessionState, value: StepValue) -> None:
+        """A new choice (``online``: from the measured acceptance and the batch's cost) and what it expects to emit."""
+        if session.planner is not None:
+            session.candidate, session.expected_tokens = session.planner.choose(session.hazard, value)
         else:
-            session.widths = [step.children for step in depth_plan(session.policy, session.budget)]
-        passes = session.hazard.pass_table(max(1, len(session.widths)))
-        session.expected_tokens = expected_tokens(passes, session.widths)
+            passes = session.hazard.pass_table(max(1, session.candidate.depth))
+            session.expected_tokens = expected_tokens(passes, session.candidate.widths)
         session.steps_to_replan = REPLAN_EVERY
 
     def _observe_step(self, session: _SessionState, accepted: list[int]) -> None:
@@ -207,7 +228,7 @@ class DraftRuntime:
         session = self.sessions.pop(session_id)
         state = session.drafter_state
         return DraftStats(
-            hazard=session.hazard.hazard(session.widths),
+            hazard=session.hazard.hazard(session.candidate.widths),
             working_set_tokens=state.context.attended_tokens,
             context_tokens=state.num_entries,
         )

@@ -11,11 +11,12 @@ from draft_service.hazard import (
     BatchLoad,
     HazardProfile,
     StepCostModel,
+    climb,
     expected_tokens,
-    plan_tree,
     tree_size,
     widths_to_plan,
 )
+from draft_service.tree_plan import PLAN_HYSTERESIS, StepValue
 
 
 def simulate_step(rng: random.Random, rank_probs: list[list[float]], widths: list[int]) -> tuple[list[int], int]:
@@ -39,15 +40,31 @@ EASY = [0.9, 0.05, 0.02]  # top-1 almost always right
 HARD = [0.35, 0.2, 0.15, 0.1, 0.08]  # top-1 often wrong, lower ranks rescue the path
 
 
+def shaped_value(profile, cost, load=BatchLoad()):
+    """Tokens per second of a static tree of widths w, as the online planner scores shaped trees."""
+    passes, value = profile.pass_table(8), StepValue(cost, load)
+    return lambda widths: value(expected_tokens(passes, widths), tree_size(widths), len(widths))
+
+
+def settle(profile, cost, load=BatchLoad(), widths=(1,)):
+    """Climb from ``widths`` until no move helps."""
+    return climb(shaped_value(profile, cost, load), list(widths), max_tokens=64, max_depth=8, moves=1000)
+
+
 def run_stream(profile, cost, rank_probs, steps, seed=0, history=None):
+    """A session re-planning every step as the online planner does: a few climbing moves from the last
+    climb, proposed once it beats the proposed plan by the hysteresis."""
     rng = random.Random(seed)
-    widths = None
+    climbed = proposed = [1]
     for _ in range(steps):
-        widths = plan_tree(profile, cost, max_tokens=64, max_depth=8, current=widths)
+        value = shaped_value(profile, cost)
+        climbed = climb(value, climbed, max_tokens=64, max_depth=8)
+        if value(climbed) > value(proposed) * (1 + PLAN_HYSTERESIS):
+            proposed = climbed
         if history is not None:
-            history.append(widths)
-        profile.observe(*simulate_step(rng, rank_probs, widths))
-    return plan_tree(profile, cost, max_tokens=64, max_depth=8, current=widths)
+            history.append(proposed)
+        profile.observe(*simulate_step(rng, rank_probs, proposed))
+    return proposed
 
 
 def test_width_moves_to_the_hard_depth_and_converges():
@@ -111,14 +128,22 @@ def test_a_compute_bound_batch_gets_smaller_trees():
     profile = HazardProfile(max_depth=16, decay=0.97, prior=HazardProfile(16, 0.999))
     run_stream(profile, StepCostModel(), [EASY, HARD, EASY], 300)
     cost = StepCostModel(default_intercept=1.0, default_slope=0.01, draft_seconds_per_depth=0.02)
-    alone = plan_tree(profile, cost, max_tokens=64, max_depth=8)
-    assert plan_tree(profile, cost, max_tokens=64, max_depth=8, batch=BatchLoad()) == alone
+    alone = settle(profile, cost)
     sizes = [tree_size(alone)]
     for others in (1, 3, 7, 15):
         load = BatchLoad(others * tree_size(alone), others * expected_tokens(profile.pass_table(8), alone))
-        sizes.append(tree_size(plan_tree(profile, cost, max_tokens=64, max_depth=8, batch=load)))
+        sizes.append(tree_size(settle(profile, cost, load, alone)))
     assert sizes == sorted(sizes, reverse=True), sizes  # more tokens beside it, never a larger tree
     assert sizes[0] >= 16 and sizes[-1] <= sizes[0] // 4, sizes
+
+
+def test_a_climb_scores_a_bounded_number_of_plans():
+    profile = HazardProfile(max_depth=16, decay=0.97)
+    value = StepValue(StepCostModel(default_slope=0.0, draft_seconds_per_depth=0.0))
+    passes = profile.pass_table(8)
+    widths = climb(lambda w: value(expected_tokens(passes, w), tree_size(w), len(w)), [1] * 8, 64, 8, moves=3)
+    assert widths != [1] * 8  # free verify and drafting: every move widens
+    assert value.evaluations <= 1 + 3 * (2 * 8 + 2)
 
 
 def test_cost_model_fits_a_line():

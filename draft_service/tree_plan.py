@@ -1,0 +1,268 @@
+"""The ``online`` policy: which tree a session proposes, chosen by predicted tokens per second.
+
+Candidates. A session's candidates are
+- *dynamic* trees, EAGLE-2's as ``full`` grows them (every depth expands the ``FULL_TOP_K`` best
+  frontier nodes by cumulative draft log-prob into ``FULL_TOP_K`` children each; the best
+  ``total_tokens`` nodes are kept), one per budget of ``CANDIDATE_GRID`` (the reproduce grid) and
+  the request's own budget: exactly the fixed configurations a tuning pass compares;
+- one *shaped* tree (``hazard.climb``): widths per depth from the hazard, wider where paths stop.
+A candidate is a plan (``DepthPlan`` per depth) and a ``TreeBudget``: the proposal's own facts,
+so choosing one changes no device shape rule.
+
+Prediction. A candidate's tokens per step E (accepted drafts + the bonus):
+- shaped: the rank model's E(w) (``hazard.expected_tokens``);
+- dynamic: 1 + the decayed mean of the drafts it had accepted. Every verified dynamic tree says
+  what each smaller dynamic candidate (total_tokens, depth no larger, threshold no lower) would
+  have accepted in that step: both grow the same frontier up to the smaller depth, so the smaller
+  tree is the best total_tokens - 1 of the verified tree's nodes within its depth and threshold,
+  and it accepts the longest prefix of the accepted path that lies inside it (exact at temperature
+  0 when the depths are equal; with a smaller depth it may miss nodes the verified tree's deeper
+  ones crowded out, so it errs low). One verify so measures every contained candidate on the same
+  text, paired. A candidate not yet measured takes the global mean (every request's sessions feed
+  it), and before that the rank model's E of the uniform static tree of its size and depth.
+
+Cost and choice. A candidate verified beside the batch's other trees (``BatchLoad``) is worth
+    V(c) = (E(c) + E_others) / (max(D(c), D_others) * t_draft + c_verify(N(c) + N_others, context))
+with t_draft the measured draft seconds per depth and c_verify the measured verify line of the
+batch's context bucket (``hazard.StepCostModel``). The session keeps its current candidate unless
+the best one beats it by ``PLAN_HYSTERESIS``. Since every fixed configuration is a candidate, the
+choice's predicted value is at least each fixed configuration's, by construction.
+
+Cadence. The runtime re-plans a session every few steps and when its batch changes size; a
+re-plan scores each dynamic candidate once and climbs the shaped tree a few moves from where it
+was, so it costs a bounded number of evaluations (``StepValue.evaluations``), never a search.
+Between re-plans a session proposes its current candidate unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from diffspec.tree import DraftTree
+from draft_service.hazard import (
+    MAX_WIDTH,
+    PRIOR_WEIGHT,
+    BatchLoad,
+    HazardProfile,
+    StepCostModel,
+    climb,
+    expected_tokens,
+    tree_size,
+    widths_to_plan,
+)
+from draft_service.tree_budget import FULL_TOP_K, DepthPlan, TreeBudget, TreePolicy
+
+CANDIDATE_GRID = tuple(
+    TreeBudget.parse(config) for config in ("16:0.0:4", "32:0.0:6", "48:0.0:8", "64:0.0:8", "96:0.0:10")
+)
+PLAN_HYSTERESIS = 0.03  # a new candidate must beat the current one by 3% to replace it
+SESSION_ACCEPT_DECAY = 0.97  # a request's acceptance means follow its text over ~30 steps
+GLOBAL_ACCEPT_DECAY = 0.995  # the global means, every request's prior, move slowly
+DYNAMIC, SHAPED, FIXED = "dynamic", "shaped", "fixed"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One tree a session may propose: how each depth grows and the budget that trims it."""
+
+    kind: str  # dynamic, shaped, or fixed (chain and uniform<K> sessions)
+    plan: tuple[DepthPlan, ...]  # per depth: frontier nodes expanded, children each
+    budget: TreeBudget  # total_tokens kept by the final rerank, threshold, depth
+
+    @staticmethod
+    def dynamic(budget: TreeBudget) -> Candidate:
+        """EAGLE-2's tree at ``budget``, as the ``full`` policy grows it."""
+        return Candidate(DYNAMIC, (DepthPlan(FULL_TOP_K, FULL_TOP_K),) * budget.depth, budget)
+
+    @staticmethod
+    def shaped(widths: list[int], threshold: float) -> Candidate:
+        """The static tree of ``widths``; its budget keeps every node it grows."""
+        return Candidate(SHAPED, tuple(widths_to_plan(widths)), TreeBudget(tree_size(widths), threshold, len(widths)))
+
+    @property
+    def widths(self) -> list[int]:
+        """Children per expanded node, per depth: what the rank model scores."""
+        return [step.children for step in self.plan]
+
+    @property
+    def depth(self) -> int:
+        return min(len(self.plan), self.budget.depth)
+
+    @property
+    def tokens(self) -> int:
+        """Tree tokens the verify holds (root included): the budget, or fewer when the plan grows fewer."""
+        grown, nodes = 1, 1
+        for d, step in enumerate(self.plan[: self.budget.depth]):
+            nodes = (1 if d == 0 else min(step.expand, nodes)) * step.children
+            grown += nodes
+        return min(self.budget.total_tokens, grown)
+
+
+def fixed_candidate(policy: TreePolicy, budget: TreeBudget) -> Candidate:
+    """What the fixed policies propose: ``chain``, ``uniform<K>``, ``full`` (a dynamic tree)."""
+    if policy.name == "chain":
+        return Candidate(FIXED, (DepthPlan(expand=1, children=1),) * min(budget.depth, budget.total_tokens - 1), budget)
+    if policy.name == "uniform":
+        # every kept node may branch; no more parents than the budget can hold children of
+        expand = math.ceil((budget.total_tokens - 1) / policy.branching)
+        return Candidate(FIXED, (DepthPlan(expand=expand, children=policy.branching),) * budget.depth, budget)
+    return Candidate.dynamic(budget)
+
+
+def uniform_widths(budget: TreeBudget) -> list[int]:
+    """The widest uniform static tree of the budget's depth within its tokens (a chain when none fits)."""
+    if budget.depth + 1 > budget.total_tokens:
+        return [1] * (budget.total_tokens - 1)
+    k = max(w for w in range(1, MAX_WIDTH + 1) if w == 1 or tree_size([w] * budget.depth) <= budget.total_tokens)
+    return [k] * budget.depth
+
+
+def contains(outer: TreeBudget, inner: TreeBudget) -> bool:
+    """Whether the dynamic tree at ``inner`` is the best of the nodes of the one at ``outer``."""
+    return inner.total_tokens <= outer.total_tokens and inner.depth <= outer.depth and inner.threshold >= outer.threshold
+
+
+def counterfactual_accepted(tree: DraftTree, passed_ranks: list[int], budgets: list[TreeBudget]) -> list[int]:
+    """Drafts each dynamic tree of ``budgets`` (each contained in ``tree``'s) would have had accepted.
+
+    ``passed_ranks[d-1]`` is the accepted child's place among its parent's children at depth d. A
+    budget's tree is ``tree``'s best total_tokens - 1 nodes of depth <= its depth and cumulative draft
+    probability >= its threshold, ranked as the device ranks them (cumulative log-prob descending, ties
+    to the earlier node); it accepts the longest prefix of the accepted path inside it.
+    """
+    parents, probs = tree.parents.tolist(), tree.draft_probs.tolist()
+    children: list[list[int]] = [[] for _ in parents]
+    log_prob, depth = [0.0] * len(parents), [0] * len(parents)
+    for node in range(1, len(parents)):
+        parent = parents[node]
+        children[parent].append(node)
+        log_prob[node] = log_prob[parent] + math.log(max(probs[node], 1e-45))
+        depth[node] = depth[parent] + 1
+    path, node = [], 0
+    for rank in passed_ranks:
+        node = children[node][rank]
+        path.append(node)
+    cutoffs = sorted({budget.depth for budget in budgets})
+    ahead = [0] * len(cutoffs)  # nodes ranked so far within each depth cutoff
+    ranks: list[list[int]] = [[] for _ in cutoffs]  # per cutoff: each path node's rank, in path order
+    on_path, left = set(path), len(path)
+    # a path node's log-prob never exceeds its parent's, so the ranking meets the path in path order
+    for node in sorted(range(1, len(parents)), key=log_prob.__getitem__, reverse=True):
+        if not left:
+            break
+        if node in on_path:
+            for c in range(len(cutoffs)):
+                ranks[c].append(ahead[c])
+            left -= 1
+        for c, cutoff in enumerate(cutoffs):
+            ahead[c] += depth[node] <= cutoff
+    accepted = []
+    for budget in budgets:
+        mine = ranks[cutoffs.index(budget.depth)]
+        floor = math.log(budget.threshold) if budget.threshold > 0 else -math.inf
+        count = 0
+        while count < min(len(path), budget.depth) and mine[count] < budget.total_tokens - 1:
+            if log_prob[path[count]] < floor:
+                break
+            count += 1
+        accepted.append(count)
+    return accepted
+
+
+class AcceptanceTracker:
+    """Decayed mean accepted drafts per dynamic budget, smoothed toward ``prior`` (another tracker).
+
+    A budget's counts decay only when it is observed: one measured long ago (the session has grown a
+    smaller tree since) keeps its measurement until it is measured again.
+    """
+
+    def __init__(self, decay: float, prior: AcceptanceTracker | None = None) -> None:
+        self.decay = decay
+        self.prior = prior
+        self.counts: dict[TreeBudget, tuple[float, float]] = {}  # budget -> (decayed steps, decayed accepted drafts)
+
+    def observe(self, accepted: dict[TreeBudget, int]) -> None:
+        for budget, drafts in accepted.items():
+            steps, total = self.counts.get(budget, (0.0, 0.0))
+            self.counts[budget] = (steps * self.decay + 1.0, total * self.decay + drafts)
+        if self.prior is not None:
+            self.prior.observe(accepted)
+
+    def mean(self, budget: TreeBudget, guess: float) -> float:
+        """Accepted drafts per step at ``budget``; ``guess`` stands in where nothing was measured."""
+        prior = self.prior.mean(budget, guess) if self.prior is not None else guess
+        steps, total = self.counts.get(budget, (0.0, 0.0))
+        return (total + PRIOR_WEIGHT * prior) / (steps + PRIOR_WEIGHT)
+
+
+@dataclass
+class StepValue:
+    """Predicted tokens per second of one session's tree verified beside the rest of its batch."""
+
+    cost: StepCostModel
+    load: BatchLoad = BatchLoad()
+    context_tokens: int = 0  # mean committed tokens per session of the batch
+    evaluations: int = 0  # candidates scored: a re-plan's cost
+
+    def __call__(self, expected: float, tokens: int, depth: int) -> float:
+        self.evaluations += 1
+        load, cost = self.load, self.cost
+        draft = max(depth, load.depth) * cost.draft_seconds_per_depth
+        verify = cost.verify_seconds(load.tree_tokens + tokens, self.context_tokens)
+        return (load.expected_tokens + expected) / (draft + verify)
+
+
+@dataclass
+class TreePlanner:
+    """One ``online`` session's candidates, what it measured of them, and the one it proposes now."""
+
+    dynamic: list[Candidate]  # the request's own budget first, then the grid's
+    shaped: Candidate
+    accepted: AcceptanceTracker
+    current: Candidate = field(init=False)  # the candidate proposed until the next re-plan
+    max_tokens: int = field(init=False)
+    max_depth: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.current = self.dynamic[0]  # a request starts from its own budget (a tuned profile's, say)
+        self.max_tokens = max(c.budget.total_tokens for c in self.dynamic)
+        self.max_depth = max(c.budget.depth for c in self.dynamic)
+
+    @staticmethod
+    def start(budget: TreeBudget, prior: AcceptanceTracker, grid: tuple[TreeBudget, ...] = CANDIDATE_GRID) -> TreePlanner:
+        dynamic = [Candidate.dynamic(b) for b in dict.fromkeys([budget, *grid])]
+        shaped = Candidate.shaped(uniform_widths(budget), budget.threshold)
+        return TreePlanner(dynamic, shaped, AcceptanceTracker(SESSION_ACCEPT_DECAY, prior))
+
+    def observe(self, tree: DraftTree, proposed: Candidate, passed_ranks: list[int]) -> None:
+        """One verified step of ``proposed``: a dynamic tree measures every dynamic candidate inside it."""
+        if proposed.kind != DYNAMIC:
+            return
+        inside = [c.budget for c in self.dynamic if contains(proposed.budget, c.budget)]
+        self.accepted.observe(dict(zip(inside, counterfactual_accepted(tree, passed_ranks, inside))))
+
+    def expected(self, candidate: Candidate, passes: list[list[float]]) -> float:
+        """E(c): tokens per step, measured for dynamic trees, from the rank model for shaped ones."""
+        if candidate.kind == DYNAMIC:
+            guess = expected_tokens(passes, uniform_widths(candidate.budget)) - 1.0
+            return 1.0 + self.accepted.mean(candidate.budget, guess)
+        return expected_tokens(passes, candidate.widths)
+
+    def choose(self, hazard: HazardProfile, value: StepValue) -> tuple[Candidate, float]:
+        """The best candidate by predicted tokens per second, unless the current one is within the
+        hysteresis; with the tokens per step it expects."""
+        passes = hazard.pass_table(self.max_depth)
+        widths = climb(
+            lambda w: value(expected_tokens(passes, w), tree_size(w), len(w)),
+            self.shaped.widths, self.max_tokens, self.max_depth,
+        )  # fmt: skip
+        self.shaped = Candidate.shaped(widths, self.shaped.budget.threshold)
+        scored = [(value(self.expected(c, passes), c.tokens, c.depth), c) for c in [*self.dynamic, self.shaped]]
+        best_value, best = max(scored, key=lambda pair: pair[0])  # the first listed wins a tie
+        kept = next((v for v, c in scored if c == self.current), None)
+        if kept is None:
+            kept = value(self.expected(self.current, passes), self.current.tokens, self.current.depth)
+        if best_value > kept * (1 + PLAN_HYSTERESIS):
+            self.current = best
+        return self.current, self.expected(self.current, passes)
