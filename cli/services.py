@@ -70,6 +70,8 @@ def add_gateway(host: ServiceHost, settings: DiffSpecSettings, engine: Loading[S
 
     servicer = gateway_server.GatewayServicer(engine, settings, host.metrics)
     host.add(servicer, gateway_pb2_grpc.add_GatewayServicer_to_server, gateway_server.SERVICE_NAME)
+    if settings.target_address:
+        host.watch("the target", servicer.target_answers, settings.peer_health_seconds)
 
     async def load() -> None:
         loaded = await load_engine(settings)
@@ -99,7 +101,7 @@ async def serve(role: str, settings: DiffSpecSettings) -> None:
     if role in ("all", "gateway") and settings.http_listen:
         from gateway.http_api import HttpServer, create_app
 
-        app = create_app(engine, settings, host.metrics)
+        app = create_app(engine, settings, host.metrics, host.readiness)
         http = HttpServer(app, settings.http_listen, settings.shutdown_grace_seconds)
 
     async def load() -> None:

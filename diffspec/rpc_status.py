@@ -9,6 +9,9 @@ comes back as ``PeerUnavailable``: for the draft, that is what makes the engine 
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 import grpc
 
 from diffspec.errors import (
@@ -50,3 +53,11 @@ def error_for(peer: str, code: grpc.StatusCode | None, details: str | None) -> D
     if kind is not None:
         return kind(details or code.name)
     return PeerUnavailable(f"{peer} unavailable ({code.name if code is not None else 'no status'}): {details}")
+
+
+def internal_error(logger: logging.Logger, where: str, error: BaseException) -> str:
+    """Log ``error`` with its traceback under a fresh request id; what the caller is told instead of its text
+    (which may hold paths, tensor contents or another request's data)."""
+    request_id = uuid.uuid4().hex[:16]
+    logger.error("%s failed (request id %s)", where, request_id, exc_info=error)
+    return f"internal error (request id {request_id}; the server's log has the details)"

@@ -2,21 +2,25 @@
 keepalive and message-size options, Prometheus metrics, typed errors mapped to status codes,
 and a life cycle of load -> serve -> drain on SIGTERM/SIGINT.
 
-Health is NOT_SERVING while the models load and from the moment a drain starts; in between
-it is SERVING. A drain stops accepting calls, gives in-flight streams
-``shutdown_grace_seconds`` to finish, then cancels them, which releases their sessions.
+Health (``Readiness``) is NOT_SERVING while the models load, while a watched dependency does not
+answer (a gateway's remote target), and from the moment a drain starts. A drain keeps the
+listener open, so health answers NOT_SERVING and new calls get UNAVAILABLE, while in-flight calls
+get ``shutdown_grace_seconds`` to finish; then the listener closes and what still runs is
+cancelled, which releases its sessions. A handler's unexpected exception reaches the caller as
+INTERNAL with a request id only; its text and traceback go to the log under that id.
 
 With ``tls_cert``/``tls_key`` the port speaks only TLS (``tls_client_ca`` also asks every client
-for a certificate), and with ``auth_token`` every call but a health check needs that bearer token.
+for a certificate); with ``auth_token`` or ``api_keys_file`` every call but a health check needs a
+known bearer token (``diffspec/auth.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import grpc
@@ -25,11 +29,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from diffspec.auth import HANDLER_FACTORIES, ApiKeys, BearerTokenInterceptor
 from diffspec.errors import DiffSpecError, InvalidRequest, PeerUnavailable
 from diffspec.grpc_options import read_pem, server_options
 from diffspec.health_probe import process_service
 from diffspec.metrics import ServingMetrics
-from diffspec.rpc_status import status_for
+from diffspec.rpc_status import internal_error, status_for
 from diffspec.settings import DiffSpecSettings
 
 log = logging.getLogger(__name__)
@@ -37,13 +42,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Behavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 OWN_METHODS = "/diffspec.v1."
-HEALTH_METHODS = "/grpc.health.v1.Health/"
-_HANDLER_FACTORIES = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
+DRAIN_POLL_S = 0.05
 
 
 class Loading(Generic[T]):
@@ -71,6 +70,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: ServingMetrics) -> None:
         self.metrics = metrics
+        self.draining = False  # set when a drain starts: new calls get UNAVAILABLE, health still answers
+        self.in_flight = 0  # the project's calls running now
 
     async def intercept_service(
         self,
@@ -80,7 +81,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(OWN_METHODS):
             return handler
-        for kind, factory in _HANDLER_FACTORIES.items():
+        for kind, factory in HANDLER_FACTORIES.items():
             behavior = getattr(handler, kind)
             if behavior is not None:
                 # A unary request is parsed inside the guard, so an undecodable one is INVALID_ARGUMENT;
@@ -96,7 +97,10 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     def _guard(self, method: str, behavior: Behavior, parse: Callable[[bytes], Any] | None) -> Behavior:
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             code = grpc.StatusCode.OK
+            self.in_flight += 1
             try:
+                if self.draining:
+                    raise PeerUnavailable("the server is draining; retry on another")
                 return await behavior(parse(request) if parse is not None else request, context)
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN
@@ -112,48 +116,12 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 raise
             except Exception as failure:  # noqa: BLE001 - one request's bug must not take the server down
                 code = grpc.StatusCode.INTERNAL
-                log.exception("%s failed", method)
-                await context.abort(code, f"internal error in {method}: {type(failure).__name__}: {failure}")
+                await context.abort(code, internal_error(log, method, failure))
             finally:
+                self.in_flight -= 1
                 self.metrics.requests.labels(method, code.name).inc()
 
         return guarded
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call but a health check unless it carries ``authorization: Bearer <token>``.
-
-    Health checks stay open so probes and load balancers need no secret; they reveal only SERVING or not.
-    """
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(HEALTH_METHODS) or self._authorized(details):
-            return handler
-        for kind, factory in _HANDLER_FACTORIES.items():
-            if getattr(handler, kind) is not None:
-                return factory(
-                    _refuse,
-                    request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer,
-                )
-        return handler
-
-    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
-        # constant time, so the answer's timing does not spell out the token
-        return hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected)
-
-
-async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
 
 def server_credentials(settings: DiffSpecSettings) -> grpc.ServerCredentials | None:
@@ -167,6 +135,29 @@ def server_credentials(settings: DiffSpecSettings) -> grpc.ServerCredentials | N
     return grpc.ssl_server_credentials(pair, root_certificates=client_ca, require_client_auth=True)
 
 
+@dataclass
+class Readiness:
+    """What gRPC health and the HTTP ``/ready`` report: SERVING once loaded, while every watched dependency
+    answers, until a drain starts."""
+
+    loaded: bool = False
+    draining: bool = False
+    unreachable: set[str] = field(default_factory=set)  # watched dependencies that do not answer now
+
+    def problem(self) -> str:
+        """Why the server is not serving; '' when it is."""
+        if self.draining:
+            return "draining"
+        if not self.loaded:
+            return "loading"
+        if self.unreachable:
+            return f"{', '.join(sorted(self.unreachable))} unreachable"
+        return ""
+
+
+Probe = Callable[[], Awaitable[bool]]
+
+
 class ServiceHost:
     """One server process: its services on ``settings.listen``, plus health, reflection and metrics."""
 
@@ -174,19 +165,27 @@ class ServiceHost:
         self.settings = settings
         self.role = role  # for the startup line: all, target, draft, gateway
         self.metrics = ServingMetrics()
+        self.readiness = Readiness()
+        self.status = StatusInterceptor(self.metrics)
         # the status interceptor is outermost, so refused calls are counted too
-        interceptors: list[grpc.aio.ServerInterceptor] = [StatusInterceptor(self.metrics)]
-        if settings.auth_token:
-            interceptors.append(BearerTokenInterceptor(settings.auth_token))
+        interceptors: list[grpc.aio.ServerInterceptor] = [self.status]
+        keys = ApiKeys.for_role(settings, role)
+        if keys.required:
+            interceptors.append(BearerTokenInterceptor(keys))
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(settings))
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names: list[str] = []
         self.address = settings.listen  # host:port, the port known once bound
+        self._probes: list[tuple[str, Probe, float]] = []
 
     def add(self, servicer: object, add_to_server: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
         add_to_server(servicer, self.server)
         self.service_names.append(service_name)
+
+    def watch(self, dependency: str, answers: Probe, every_s: float) -> None:
+        """Once serving, ask ``answers`` every ``every_s`` seconds; NOT_SERVING while it says False."""
+        self._probes.append((dependency, answers, every_s))
 
     async def run(self, load: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]]) -> None:
         """Start, load (NOT_SERVING meanwhile), serve until SIGTERM/SIGINT, drain, then ``close``."""
@@ -197,21 +196,49 @@ class ServiceHost:
         await self._start()
         loading = asyncio.ensure_future(load())
         stopping = asyncio.ensure_future(stop.wait())
+        watching: list[asyncio.Future[None]] = []
         try:
             await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if loading.done():
                 loading.result()  # a failed load raises here
-                await self._set_status(health_pb2.HealthCheckResponse.SERVING)
-                await self.health.set(process_service(os.getpid()), health_pb2.HealthCheckResponse.SERVING)
+                self.readiness.loaded = True
+                await self._publish()
                 print(f"diffspec {self.role} ready: serving on {self.address}", flush=True)
+                watching = [asyncio.ensure_future(self._watch(*probe)) for probe in self._probes]
                 await stopping
         finally:
-            stopping.cancel()
-            loading.cancel()  # a load still waiting (for a remote target, say) ends with the server
-            await self.health.enter_graceful_shutdown()
-            await self.server.stop(self.settings.shutdown_grace_seconds)
+            for task in (stopping, loading, *watching):
+                task.cancel()  # a load still waiting (for a remote target, say) ends with the server
+            await self._drain()
             if loading.done() and not loading.cancelled() and loading.exception() is None:
                 await close()
+
+    async def _drain(self) -> None:
+        """NOT_SERVING at once, with the listener still open: health answers it and new calls get UNAVAILABLE,
+        so balancers move away; in-flight calls get ``shutdown_grace_seconds`` to end, then are cancelled."""
+        self.readiness.draining = self.status.draining = True
+        await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + self.settings.shutdown_grace_seconds
+        while self.status.in_flight and loop.time() < ends:
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self.server.stop(0)
+
+    async def _watch(self, dependency: str, answers: Probe, every_s: float) -> None:
+        while True:
+            answered = await answers()
+            if answered == (dependency in self.readiness.unreachable):  # it changed
+                self.readiness.unreachable ^= {dependency}
+                log.warning("%s %s", dependency, "answers again" if answered else "does not answer: NOT_SERVING")
+                await self._publish()
+            await asyncio.sleep(every_s)
+
+    async def _publish(self) -> None:
+        """Health of the server, each service and this process (the health probe's --wait-for) from readiness."""
+        serving = not self.readiness.problem()
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names, process_service(os.getpid())):
+            await self.health.set(name, status)
 
     async def _start(self) -> None:
         names = [
@@ -229,7 +256,7 @@ class ServiceHost:
                 port = self.server.add_secure_port(self.settings.listen, credentials)
         except RuntimeError as bad:
             raise InvalidRequest(f"cannot listen on {self.settings.listen}: in use, or not this host's ({bad})") from None
-        await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._publish()
         await self.server.start()
         if self.settings.metrics_port:
             self.metrics.serve_http(host, self.settings.metrics_port)
@@ -237,6 +264,7 @@ class ServiceHost:
         # the one line on stdout: with --listen HOST:0, this is how a caller learns the port
         print(f"diffspec {self.role} listening on {self.address}", flush=True)
 
-    async def _set_status(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        for name in ("", *self.service_names):
-            await self.health.set(name, status)
+
+def model_name(checkpoint: str | os.PathLike[str]) -> str:
+    """A checkpoint's name for callers (Info RPCs, /v1/models): its directory's name, never the host path."""
+    return os.path.basename(os.path.normpath(checkpoint))

@@ -18,7 +18,7 @@ import torch
 from diffspec.errors import InvalidRequest
 from diffspec.feature_rows import RowJoiner
 from diffspec.metrics import ServingMetrics
-from diffspec.serving import Loading
+from diffspec.serving import Loading, model_name
 from diffspec.settings import DiffSpecSettings
 from diffspec.tensor_wire import rows_to_tensor
 from diffspec.v1 import draft_pb2, draft_pb2_grpc
@@ -33,7 +33,7 @@ Context = grpc.aio.ServicerContext
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, draft: Loading[DraftRuntime], settings: DiffSpecSettings, metrics: ServingMetrics) -> None:
         self.draft = draft
-        self.model = str(settings.draft_model)
+        self.model = model_name(settings.draft_model)
         self.metrics = metrics
 
     async def Step(self, requests: Any, context: Context) -> None:

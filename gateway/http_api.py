@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
+import logging
 import socket
 import time
 import uuid
@@ -36,10 +36,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from diffspec.auth import ApiKeys
 from diffspec.errors import DeadlineExceeded, DiffSpecError, InvalidRequest, PeerUnavailable, ResourceExhausted
 from diffspec.metrics import ServingMetrics
 from diffspec.sampling_params import TokenLogprobs
-from diffspec.serving import Loading
+from diffspec.rpc_status import internal_error
+from diffspec.serving import Loading, Readiness, model_name
 from diffspec.settings import DiffSpecSettings
 from gateway import openai_schema as oai
 from gateway.engine import SpeculativeEngine
@@ -50,7 +52,10 @@ from gateway.quota import CLIENT_HEADER, client_id
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
 from gateway.samples import generate_samples
 from gateway.server import MAX_CHARS_PER_TOKEN
+from gateway.tokenizer_pool import TokenizerPool
 from target_service.backend import TargetInfo
+
+log = logging.getLogger(__name__)
 
 # error class -> (HTTP status, OpenAI error type); the first match in order wins
 ERROR_STATUS: list[tuple[type[DiffSpecError], int, str]] = [
@@ -71,23 +76,35 @@ def status_of(error: DiffSpecError) -> tuple[int, str]:
 UNAUTHENTICATED_PATHS = frozenset({"/health", "/ready"})  # probes answer without the token
 
 
-def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, metrics: ServingMetrics) -> FastAPI:
+def create_app(
+    engine: Loading[SpeculativeEngine],
+    settings: DiffSpecSettings,
+    metrics: ServingMetrics,
+    readiness: Readiness | None = None,
+) -> FastAPI:
+    """``readiness``: the process's (``diffspec/serving.py``), so ``/ready`` agrees with gRPC health."""
     app = FastAPI(title="DiffSpec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False  # set by HttpServer.stop: /ready answers 503 from then on
+    app.state.tokenizer_pool = TokenizerPool(settings.tokenize_threads, settings.max_tokenizations)
+    keys = ApiKeys.for_role(settings, "gateway")
 
     @app.middleware("http")
     async def _bearer_token(request: Request, call_next):  # noqa: ANN001, ANN202 - starlette's middleware shape
-        """With ``auth_token`` set, every route but the probes needs it, as on the gRPC port."""
-        if settings.auth_token and request.url.path not in UNAUTHENTICATED_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.auth_token}".encode()):
-                return JSONResponse(oai.error_body("missing or wrong bearer token", "authentication_error", 401), 401)
+        """With a token or API keys set, every route but the probes needs one, as on the gRPC port; an API
+        key's tenant is the caller (``request.state.tenant``)."""
+        request.state.tenant = tenant = keys.tenant_of(request.headers.get("authorization"))
+        if keys.required and tenant is None and request.url.path not in UNAUTHENTICATED_PATHS:
+            return JSONResponse(oai.error_body("missing or wrong bearer token", "authentication_error", 401), 401)
         return await call_next(request)
 
     @app.exception_handler(DiffSpecError)
     async def _diffspec_error(request: Request, error: DiffSpecError) -> JSONResponse:
         status, kind = status_of(error)
         return JSONResponse(oai.error_body(str(error), kind, status), status_code=status)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(oai.error_body(internal_error(log, request.url.path, error), "internal_error", 500), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -104,8 +121,9 @@ def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, m
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        if app.state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+        problem = "draining" if app.state.draining else readiness.problem() if readiness is not None else ""
+        if problem:
+            return JSONResponse({"status": problem}, status_code=503)
         engine.get()  # PeerUnavailable (503) while the models load
         return JSONResponse({"status": "ready"})
 
@@ -116,7 +134,7 @@ def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, m
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         info = await engine.get().target_info()
-        card = {"id": info.model, "object": "model", "created": 0, "owned_by": "diffspec", "max_model_len": info.max_context}
+        card = {"id": model_name(info.model), "object": "model", "created": 0, "owned_by": "diffspec", "max_model_len": info.max_context}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -125,10 +143,17 @@ def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, m
         info = await loaded.target_info()
         client = _caller(http)
         prompt = body.prompt_value()
-        prompt_ids = prompt if isinstance(prompt, list) else await _encode(loaded, info, prompt)
+        if isinstance(prompt, list):
+            prompt_ids = prompt
+        elif not prompt:
+            raise InvalidRequest("the prompt is empty")
+        else:
+            _check_chars(len(prompt), info)
+            with loaded.core.quotas.holding(client):
+                prompt_ids = await app.state.tokenizer_pool.run(encode_prompt, loaded.tokenizer, prompt)
         message = body.generate_message(body.max_tokens)
         request = replace(generation_request(message, prompt_ids, settings, loaded.draft is not None), client=client)
-        return await _respond(loaded, request, body, info.model, chat=False)
+        return await _respond(loaded, request, body, model_name(info.model), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: oai.ChatRequest, http: Request) -> Response:
@@ -138,11 +163,12 @@ def create_app(engine: Loading[SpeculativeEngine], settings: DiffSpecSettings, m
         messages = body.chat_messages()
         chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         _check_chars(chars, info)
-        prompt_ids = await asyncio.to_thread(render_chat, loaded.tokenizer, messages)
+        with loaded.core.quotas.holding(client):
+            prompt_ids = await app.state.tokenizer_pool.run(render_chat, loaded.tokenizer, messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         message = body.generate_message(max_tokens)
         request = replace(generation_request(message, prompt_ids, settings, loaded.draft is not None), client=client)
-        return await _respond(loaded, request, body, info.model, chat=True)
+        return await _respond(loaded, request, body, model_name(info.model), chat=True)
 
     async def _respond(
         loaded: SpeculativeEngine, request: GenerationRequest, body: oai.SamplingFields, model: str, chat: bool
@@ -290,6 +316,8 @@ async def _events(
         except DiffSpecError as failure:  # after the 200: the error goes in the stream, as OpenAI's does
             status, kind = status_of(failure)
             yield _sse(oai.error_body(str(failure), kind, status))
+        except Exception as failure:  # noqa: BLE001 - a bug ends this stream with an id, not its text
+            yield _sse(oai.error_body(internal_error(log, "a streamed completion", failure), "internal_error", 500))
         yield "data: [DONE]\n\n"
 
 
@@ -303,21 +331,16 @@ def _describe(problem: dict[str, Any]) -> str:
 
 
 def _caller(request: Request) -> str:
-    """The client a request comes from (gateway/quota.py): its declared name, else its host."""
-    return client_id(request.headers.get(CLIENT_HEADER), request.client.host if request.client else "")
+    """The client a request comes from (gateway/quota.py): its API key's tenant, else its declared name,
+    else its host."""
+    host = request.client.host if request.client else ""
+    return client_id(request.headers.get(CLIENT_HEADER), host, request.state.tenant or None)
 
 
 def _check_chars(num_chars: int, info: TargetInfo) -> None:
     """A text too long for the context is refused before it costs tokenizer time."""
     if num_chars > MAX_CHARS_PER_TOKEN * info.max_context:
         raise InvalidRequest(f"a text of {num_chars} characters cannot fit the context of {info.max_context} tokens")
-
-
-async def _encode(engine: SpeculativeEngine, info: TargetInfo, text: str) -> list[int]:
-    if not text:
-        raise InvalidRequest("the prompt is empty")
-    _check_chars(len(text), info)
-    return await asyncio.to_thread(encode_prompt, engine.tokenizer, text)
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -365,3 +388,4 @@ class HttpServer:
             self.server.should_exit = True
             await self._task
             self._task = None
+        self.app.state.tokenizer_pool.close()

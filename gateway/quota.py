@@ -1,18 +1,21 @@
 """Per-client quotas: who a request comes from, and how much of the engine one client may hold.
 
-A client is the name it declares in the ``x-diffspec-client`` header (gRPC metadata or HTTP),
-else the host it connects from. The name keys two things: this module's caps (generations
-admitted at once, and their prompt + max_new_tokens summed), so that one client's flood is
-refused while another client's requests still get in; and the target's prefix-cache scope, so
-that pages are shared only between requests of one client. A declared name is only as private
-as it is hard to guess (as vLLM's ``cache_salt``): the shared bearer token proves a caller may
-use the server, not who it is.
+A client is the tenant its API key names when the gateway has ``api_keys_file`` (``diffspec/auth.py``),
+else the name it declares in the ``x-diffspec-client`` header (gRPC metadata or HTTP), else the host
+it connects from. The client keys two things: this module's caps (requests admitted at once, and
+their prompt + max_new_tokens summed), so that one client's flood is refused while another client's
+requests still get in; and the target's prefix-cache scope, so that pages are shared only between
+requests of one client (with API keys: one tenant). A declared name is only as private as it is hard
+to guess (as vLLM's ``cache_salt``): the shared bearer token proves a caller may use the server, not
+who it is; an API key proves who.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from diffspec.errors import InvalidRequest, ResourceExhausted
@@ -21,9 +24,12 @@ CLIENT_HEADER = "x-diffspec-client"
 MAX_CLIENT_NAME_CHARS = 128
 
 
-def client_id(declared: str | None, peer_host: str) -> str:
-    """The quota key and cache scope of a caller: ``name:<declared>`` or ``peer:<host>``; the prefixes
-    keep a declared name from posing as another caller's host."""
+def client_id(declared: str | None, peer_host: str, tenant: str | None = None) -> str:
+    """The quota key and cache scope of a caller: ``tenant:<name>`` when its API key names one (it cannot
+    declare itself anyone else), else ``name:<declared>`` or ``peer:<host>``; the prefixes keep a declared
+    name from posing as a tenant or another caller's host."""
+    if tenant:
+        return f"tenant:{tenant}"
     if declared:
         if len(declared) > MAX_CLIENT_NAME_CHARS or not declared.isprintable():
             raise InvalidRequest(f"{CLIENT_HEADER} must be at most {MAX_CLIENT_NAME_CHARS} printable characters")
@@ -74,6 +80,16 @@ class ClientQuotas:
                 )
             self._requests[client] += 1
             self._tokens[client] += tokens
+
+    @contextmanager
+    def holding(self, client: str) -> Iterator[None]:
+        """One of ``client``'s request slots for work before the engine (tokenizing a prompt, ``Tokenize``):
+        a client at its cap is refused before the work costs anything."""
+        self.admit(client, 0)
+        try:
+            yield
+        finally:
+            self.leave(client, 0)
 
     def leave(self, client: str, tokens: int) -> None:
         with self._lock:

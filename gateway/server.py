@@ -8,20 +8,24 @@ call is cancelled, leaving the engine's stream aborts the request, which frees i
 services.
 
 Prompt text is tokenized before admission to the engine, so it has admission of its own: a text
-longer than ``MAX_CHARS_PER_TOKEN`` per context token is refused unread, and at most
-``max_tokenizations`` run at once, on the ``TokenizerPool``'s own threads (``Tokenize`` too).
+longer than ``MAX_CHARS_PER_TOKEN`` per context token is refused unread, a tokenization holds one
+of its client's request slots (a client at its cap is refused before it costs anything), and at
+most ``max_tokenizations`` run at once, on the ``TokenizerPool``'s own threads; ``Tokenize`` is
+admitted the same way. With ``api_keys_file`` the caller is the tenant its key names.
 """
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 from dataclasses import replace
 
 import grpc
 
-from diffspec.errors import InvalidRequest
+from diffspec.auth import ApiKeys
+from diffspec.errors import InvalidRequest, PeerUnavailable
 from diffspec.metrics import ServingMetrics
-from diffspec.serving import Loading
+from diffspec.serving import Loading, model_name
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.engine import SpeculativeEngine
@@ -43,13 +47,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        self.api_keys = ApiKeys.for_role(settings, "gateway")
         self.tokenizer_pool = TokenizerPool(settings.tokenize_threads, settings.max_tokenizations)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: Context) -> None:
         engine = self.engine.get()
-        client = caller(context)
+        client = self.caller(context)
         text = prompt_text(request)
-        prompt_ids = list(request.token_ids.ids) if text is None else await self._tokenize(engine, text)
+        if text is None:
+            prompt_ids = list(request.token_ids.ids)
+        else:
+            with engine.core.quotas.holding(client):
+                prompt_ids = await self._tokenize(engine, text)
         generation = generation_request(request, prompt_ids, self.settings, engine.draft is not None)
         generation = replace(generation, client=client)
         self.metrics.active_generations.inc()
@@ -63,13 +72,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.metrics.active_generations.dec()
 
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context: Context) -> gateway_pb2.TokenizeResponse:
-        return gateway_pb2.TokenizeResponse(token_ids=await self._tokenize(self.engine.get(), request.text))
+        engine = self.engine.get()
+        with engine.core.quotas.holding(self.caller(context)):
+            return gateway_pb2.TokenizeResponse(token_ids=await self._tokenize(engine, request.text))
 
     async def ModelInfo(self, request: gateway_pb2.ModelInfoRequest, context: Context) -> gateway_pb2.ModelInfoResponse:
         engine = self.engine.get()
         info = await engine.target_info()
         return gateway_pb2.ModelInfoResponse(
-            target_model=info.model,
+            target_model=model_name(info.model),
             vocab_size=info.vocab_size,
             max_context=info.max_context,
             eos_token_ids=info.eos_token_ids,
@@ -89,7 +100,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await self.tokenizer_pool.run(encode_prompt, engine.tokenizer, text)
 
 
-def caller(context: Context) -> str:
-    """The client a call comes from (gateway/quota.py): its declared name, else its host."""
-    declared = dict(context.invocation_metadata() or ()).get(CLIENT_HEADER)
-    return client_id(declared, grpc_peer_host(context.peer()))
+    def caller(self, context: Context) -> str:
+        """The client a call comes from (gateway/quota.py): the tenant of its API key, else its declared name,
+        else its host."""
+        metadata = dict(context.invocation_metadata() or ())
+        tenant = self.api_keys.tenant_of(metadata.get("authorization")) or None
+        return client_id(metadata.get(CLIENT_HEADER), grpc_peer_host(context.peer()), tenant)
+
+    async def target_answers(self) -> bool:
+        """Whether the remote target answers an Info call within ``peer_health_seconds`` (health follows it)."""
+        target = self.engine.get().target
+        try:
+            await asyncio.to_thread(target.info, self.settings.peer_health_seconds)  # type: ignore[call-arg]
+        except PeerUnavailable:
+            return False
+        return True

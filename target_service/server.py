@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import grpc
 
 from diffspec.metrics import ServingMetrics
-from diffspec.serving import Loading
+from diffspec.serving import Loading, model_name
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import target_pb2, target_pb2_grpc
 from diffspec.feature_rows import wire_rows
@@ -49,7 +50,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             await asyncio.shield(asyncio.to_thread(_release_all, runtime, open_sessions))
 
     async def Info(self, request: target_pb2.TargetInfoRequest, context: Context) -> target_pb2.TargetInfoResponse:
-        return info_to_proto(self.target.get().info())
+        info = self.target.get().info()
+        return info_to_proto(replace(info, model=model_name(info.model)))
 
     async def _reply(self, context: Context, result: TargetBatchResult, scope: str) -> None:
         reply, features = result_to_proto(result, scope)
