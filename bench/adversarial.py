@@ -2,7 +2,8 @@
 
 For ``--seconds``, from threads of their own: mutated ``GenerateRequest`` bytes and out-of-range
 fields (``mutate``), a flood of long streams from one client (``flood``), streams cancelled during
-prefill or decode (``cancel``), and streams read one message per half second (``slow``). An
+prefill or decode (``cancel``), streams read one message per half second (``slow``), and texts past
+the context's character bound or long ``Tokenize`` calls (``oversize``). An
 ``innocent`` client runs short generations one after another, first alone (the baseline), then
 under the attack. When the attack stops, the server's gauges must come back: every KV page free,
 no target or draft session, no generation in flight.
@@ -36,9 +37,11 @@ import grpc
 
 from diffspec.grpc_options import call_metadata, open_blocking_channel
 from diffspec.settings import DiffSpecSettings
-from diffspec.v1 import gateway_pb2
+from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
 
 GENERATE = "/diffspec.v1.Gateway/Generate"
+TOKENIZE = "/diffspec.v1.Gateway/Tokenize"
+MAX_CHARS_PER_TOKEN = 16  # gateway/server.py's bound: a longer text per context token is refused unread
 CLIENT_HEADER = "x-diffspec-client"
 BAD_STATUSES = ("INTERNAL", "UNKNOWN")
 SETTLE_TIMEOUT_S = 30.0
@@ -57,6 +60,7 @@ class AttackConfig:
     cancel_threads: int = 2
     mutate_threads: int = 2
     slow_streams: int = 2
+    oversize_threads: int = 1
     call_timeout_s: float = 20.0  # deadline of every attacking call
 
 
@@ -129,6 +133,11 @@ class Attack:
         self.generate = channel.unary_stream(
             GENERATE, request_serializer=lambda raw: raw, response_deserializer=gateway_pb2.GenerateResponse.FromString
         )
+        self.tokenize = channel.unary_unary(
+            TOKENIZE, request_serializer=lambda raw: raw, response_deserializer=gateway_pb2.TokenizeResponse.FromString
+        )
+        info = gateway_pb2_grpc.GatewayStub(channel).ModelInfo(gateway_pb2.ModelInfoRequest(), metadata=metadata)
+        self.max_chars = MAX_CHARS_PER_TOKEN * info.max_context  # the longest text the gateway tokenizes
         self.report = AttackReport()
         self.stop = threading.Event()
         self._lock = threading.Lock()
@@ -142,6 +151,7 @@ class Attack:
             *(self._loop("cancel", self._cancel, i) for i in range(config.cancel_threads)),
             *(self._loop("mutate", self._mutate, i) for i in range(config.mutate_threads)),
             *(self._loop("slow", self._slow, i) for i in range(config.slow_streams)),
+            *(self._loop("oversize", self._oversize, i) for i in range(config.oversize_threads)),
         ]
         for thread in attackers:
             thread.start()
@@ -192,6 +202,23 @@ class Attack:
         """A request with one bad field, or a valid one's bytes with a few flipped."""
         raw = mutated_request(rng)
         self._call("mutate", raw, f"mutate-{rng.randint(0, 3)}", timeout=2.0)
+
+    def _oversize(self, rng: random.Random) -> None:
+        """A text one character past the bound (refused unread), or a long Tokenize within it (admitted on
+        the tokenizer pool, or refused while the pool is full)."""
+        if rng.random() < 0.5:
+            request = gateway_pb2.GenerateRequest(text="x" * (self.max_chars + 1), max_new_tokens=8)
+            self._call("oversize", request.SerializeToString(), "oversize")
+            return
+        raw = gateway_pb2.TokenizeRequest(text="def f(x): return x\n" * (self.max_chars // 40)).SerializeToString()
+        metadata = (*self.metadata, (CLIENT_HEADER, "oversize"))
+        status = "OK"
+        try:
+            self.tokenize(raw, timeout=self.config.call_timeout_s, metadata=metadata)
+        except grpc.RpcError as ended:
+            status = ended.code().name
+        with self._lock:
+            self.report.outcomes.setdefault("oversize", Counter())[status] += 1
 
     def _call(
         self, attacker: str, raw: bytes, client: str, read_at_most: int | None = None, pause_s: float = 0.0,
@@ -286,15 +313,23 @@ def scraped_gauges(addresses: list[str]) -> Callable[[], Gauges]:
     return read
 
 
+@dataclass(frozen=True)
+class Spawned:
+    gateway: str  # host:port of the gRPC gateway
+    metrics: list[str]  # host:port of each process's Prometheus page
+    pids: dict[str, int]  # role -> its server process
+
+
 @contextmanager
-def spawned(deployment: str, log_dir: Path) -> Iterator[tuple[str, list[str]]]:
-    """``diffspec serve all``, or target + draft + gateway: (gateway address, metrics addresses)."""
+def spawned(deployment: str, log_dir: Path, extra_flags: tuple[str, ...] = ()) -> Iterator[Spawned]:
+    """``diffspec serve all``, or target + draft + gateway, each with ``extra_flags`` too."""
     from bench.processes import ServerProcess, free_port
 
     with ExitStack() as stack:
 
         def start(role: str, *flags: str) -> ServerProcess:
-            server = ServerProcess(role, log_dir / f"{role}.log", [*SPAWN_FLAGS, *flags], {}, free_port())
+            flags = (*SPAWN_FLAGS, *extra_flags, *flags)
+            server = ServerProcess(role, log_dir / f"{role}.log", list(flags), {}, free_port())
             stack.callback(server.stop)
             return server
 
@@ -305,7 +340,8 @@ def spawned(deployment: str, log_dir: Path) -> Iterator[tuple[str, list[str]]]:
             servers = [target, draft, start("gateway", "--target", target.address, "--draft", draft.address)]
         for server in servers:
             server.wait_serving(600)
-        yield servers[-1].address, [f"127.0.0.1:{s.metrics_port}" for s in servers]
+        metrics = [f"127.0.0.1:{s.metrics_port}" for s in servers]
+        yield Spawned(servers[-1].address, metrics, {s.role: s.process.pid for s in servers})
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -330,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         if args.spawn:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="adversarial-")))
-            gateway, metrics = stack.enter_context(spawned(args.spawn, log_dir))
+            deployment = stack.enter_context(spawned(args.spawn, log_dir))
+            gateway, metrics = deployment.gateway, deployment.metrics
         else:
             gateway, metrics = args.gateway, args.metrics
         channel = stack.enter_context(open_blocking_channel(gateway, settings))
