@@ -102,6 +102,15 @@ COMMANDS: dict[str, Command] = {
     "diffspec generate --gateway 127.0.0.1:50051 --prompt 'def fibonacci(n):'": Command(
         Kind.DOCKER, "talks to the compose deployment"
     ),
+    # docs/testing.md
+    "python -m pytest -q -p no:cacheprovider tests/diffspec/test_tree.py     # one file": Command(
+        Kind.RUN, expect=" passed"
+    ),
+    "python -m pytest -q -p no:cacheprovider -m 'not slow'                   # all but the long CPU tests": Command(
+        Kind.LONG, "the suite less its slow tests: minutes; .ci/run runs all of it"
+    ),
+    "bash .ci/run                                                            # what CI runs, on a clean clone":
+        Command(Kind.INSTALL, "CI itself: pip installs, then the whole suite under coverage"),
     # docs/gpu.md
     "pip install torch==2.13.0 && pip install -e '.[dev,bench]'": Command(Kind.INSTALL, ".ci/run runs it"),
     "python -m pytest -q -p no:cacheprovider -m gpu": Command(Kind.GPU, "the GPU tests, skipped without one"),

@@ -84,7 +84,7 @@ def input_paths(command: str) -> list[str]:
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
 def test_input_paths_exist(block: Block):
     if not SHARED_DIR.exists() and any("../shared" in c for c in block.commands):
-        pytest.skip(f"{SHARED_DIR} is absent")  # CI fails first in .ci/run: there it is always present
+        pytest.skip(f"{SHARED_DIR} is absent")  # fails instead where ../shared is required (tests/conftest.py)
     for command in block.commands:
         for path in input_paths(command):
             assert (REPO_ROOT / path).exists(), f"{block.name}: {command!r} reads {path}, which does not exist"
@@ -104,7 +104,7 @@ def listen_address(server: str) -> str:
 
 def block_script(block: Block) -> tuple[str, list[str]]:
     """One bash session for the block (ports not yet moved), and the RUN commands it runs, in order."""
-    lines = ["set -e", "trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT"]
+    lines = ["set -e", "trap 'kill $(jobs -p) 2>/dev/null || true; wait' EXIT"]  # a block may start no server
     ran = []
     for command in block.commands:
         entry = COMMANDS[command]
