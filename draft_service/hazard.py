@@ -66,6 +66,8 @@ class HazardProfile:
         self._scale = 1.0
         self.steps = 0  # steps observed
         self.last_passed_ranks: list[int] = []  # the latest step's: a planner pairs them with the tree it proposed
+        self._pass_table: list[list[float]] = []
+        self._pass_table_key: tuple[int, int, int] | None = None  # (steps, the prior's steps, depths) it was made at
 
     def observe(self, passed_ranks: list[int], stop_width: int) -> None:
         """One verification step.
@@ -118,7 +120,11 @@ class HazardProfile:
         A planner scores thousands of candidate widths per step; each reads this table instead of
         walking the counts (and the prior's) again.
         """
-        return [self._passes(depth) for depth in range(1, max_depth + 1)]
+        key = (self.steps, self.prior.steps if self.prior is not None else 0, max_depth)
+        if self._pass_table_key != key:  # the estimates move only when a step is observed
+            self._pass_table = [self._passes(depth) for depth in range(1, max_depth + 1)]
+            self._pass_table_key = key
+        return self._pass_table
 
     def _passes(self, depth: int) -> list[float]:
         """P(pass ``depth`` | w children) for w = 0..MAX_WIDTH; width 0 counts as 1 (the best child is always tried)."""
@@ -204,13 +210,16 @@ class StepCostModel:
             self.draft_seconds_per_depth = 0.9 * self.draft_seconds_per_depth + 0.1 * seconds / depths
 
     def verify_seconds(self, tree_tokens: int, context_tokens: int = 0) -> float:
-        """The line of the context's bucket, else of the nearest measured bucket (the longer on a tie)."""
+        return self.verify_line(context_tokens)(tree_tokens)
+
+    def verify_line(self, context_tokens: int) -> Callable[[int], float]:
+        """Verify seconds against tree tokens at ``context_tokens``: the line of the context's bucket, else of
+        the nearest measured bucket (the longer on a tie), else the defaults."""
         home = _bucket(context_tokens)
         measured = [k for k, line in enumerate(self.lines) if line.measured]
         if not measured:
-            return self.default_intercept + self.default_slope * tree_tokens
-        nearest = min(measured, key=lambda k: (abs(k - home), -k))
-        return self.lines[nearest].seconds(tree_tokens)
+            return lambda tree_tokens: self.default_intercept + self.default_slope * tree_tokens
+        return self.lines[min(measured, key=lambda k: (abs(k - home), -k))].seconds
 
 
 def _bucket(context_tokens: int) -> int:

@@ -24,9 +24,8 @@ from draft_service.options import DraftOptions, validate_options
 from draft_service.tree_budget import MAX_DEPTH, TreeBudget, TreePolicy
 from draft_service.tree_plan import (
     CANDIDATE_GRID,
-    GLOBAL_ACCEPT_DECAY,
-    AcceptanceTracker,
     Candidate,
+    SharedMeasurements,
     StepValue,
     TreePlanner,
     fixed_candidate,
@@ -74,7 +73,7 @@ class DraftRuntime:
         self.sessions: dict[str, _SessionState] = {}
         self.global_hazard = HazardProfile(MAX_DEPTH, GLOBAL_DECAY)
         self.step_cost = StepCostModel()  # verify seconds against the batch's tree tokens, draft seconds per depth
-        self.global_accepted = AcceptanceTracker(GLOBAL_ACCEPT_DECAY)  # online: every request's dynamic-tree measurements
+        self.shared_measurements = SharedMeasurements()  # online: every request's, the prior of each one's own
         self.candidate_grid = CANDIDATE_GRID  # the dynamic trees an online session chooses among, beside its own
         self._lock = threading.Lock()
 
@@ -127,7 +126,7 @@ class DraftRuntime:
         salience = self.working_set if start.options.salience else None
         state = self.drafter.start(start.prompt_ids, features, start.first_token, salience)
         hazard = HazardProfile(MAX_DEPTH, REQUEST_DECAY, prior=self.global_hazard)
-        planner = TreePlanner.start(budget, self.global_accepted, self.candidate_grid) if policy.name == "online" else None
+        planner = TreePlanner.start(budget, self.shared_measurements, self.candidate_grid) if policy.name == "online" else None
         candidate = planner.current if planner is not None else fixed_candidate(policy, budget)
         self.sessions[start.session_id] = _SessionState(state, policy, budget, hazard, candidate, planner)
         # sessions started together replan in different steps, so no step plans for all of them
@@ -166,17 +165,17 @@ class DraftRuntime:
         started = time.perf_counter()
         trees = self.drafter.propose_many(requests)
         self.step_cost.observe_draft(max(c.depth for c in chosen), time.perf_counter() - started)
-        for session, tree in zip(sessions, trees):
+        for session, tree, candidate in zip(sessions, trees, chosen):
             session.last_tree = tree
             if session.planner is not None:
-                session.proposed = _Proposed(tree, session.candidate, session.hazard.steps)
+                session.proposed = _Proposed(tree, candidate, session.hazard.steps)
         return dict(zip(session_ids, trees))
 
     def _plan_batch(self, sessions: list[_SessionState]) -> list[Candidate]:
         """Each session's tree, ``online`` ones as a best response to the rest of the batch's current trees.
 
         Re-plans only the sessions due (every ``REPLAN_EVERY`` proposals, or when the batch changed size);
-        the others propose their current candidate as it is.
+        the others propose their current candidate as it is (an online one, now and then, its probe).
         """
         for session in sessions:
             self._observe_proposal(session)
@@ -192,7 +191,7 @@ class DraftRuntime:
                 self._replan(session, StepValue(self.step_cost, others, context))
                 session.planned_batch = len(sessions)
             session.steps_to_replan -= 1
-        return [s.candidate for s in sessions]
+        return [s.planner.propose() if s.planner is not None else s.candidate for s in sessions]
 
     def _observe_proposal(self, session: _SessionState) -> None:
         """Hand an online session's planner its last tree with the ranks the hazard profile observed for it."""

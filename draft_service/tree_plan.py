@@ -36,8 +36,10 @@ Between re-plans a session proposes its current candidate unchanged.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from diffspec.tree import DraftTree
 from draft_service.hazard import (
@@ -57,8 +59,11 @@ CANDIDATE_GRID = tuple(
     TreeBudget.parse(config) for config in ("16:0.0:4", "32:0.0:6", "48:0.0:8", "64:0.0:8", "96:0.0:10")
 )
 PLAN_HYSTERESIS = 0.03  # a new candidate must beat the current one by 3% to replace it
+START_STEPS = 4  # a session proposes its own budget until it has measured it this many steps
+PROBE_EVERY = 8  # proposals between probes: one step in this many measures every dynamic candidate
 SESSION_ACCEPT_DECAY = 0.97  # a request's acceptance means follow its text over ~30 steps
 GLOBAL_ACCEPT_DECAY = 0.995  # the global means, every request's prior, move slowly
+CALIBRATION_PRIOR_TOKENS = 10.0  # predicted tokens a calibration prior (the global one, or 1) is worth
 DYNAMIC, SHAPED, FIXED = "dynamic", "shaped", "fixed"
 
 
@@ -110,12 +115,13 @@ def fixed_candidate(policy: TreePolicy, budget: TreeBudget) -> Candidate:
     return Candidate.dynamic(budget)
 
 
-def uniform_widths(budget: TreeBudget) -> list[int]:
+@functools.lru_cache(maxsize=1024)
+def uniform_widths(budget: TreeBudget) -> tuple[int, ...]:
     """The widest uniform static tree of the budget's depth within its tokens (a chain when none fits)."""
     if budget.depth + 1 > budget.total_tokens:
-        return [1] * (budget.total_tokens - 1)
+        return (1,) * (budget.total_tokens - 1)
     k = max(w for w in range(1, MAX_WIDTH + 1) if w == 1 or tree_size([w] * budget.depth) <= budget.total_tokens)
-    return [k] * budget.depth
+    return (k,) * budget.depth
 
 
 def contains(outer: TreeBudget, inner: TreeBudget) -> bool:
@@ -133,37 +139,31 @@ def counterfactual_accepted(tree: DraftTree, passed_ranks: list[int], budgets: l
     """
     parents, probs = tree.parents.tolist(), tree.draft_probs.tolist()
     children: list[list[int]] = [[] for _ in parents]
-    log_prob, depth = [0.0] * len(parents), [0] * len(parents)
+    log_prob, depth, log = [0.0] * len(parents), [0] * len(parents), math.log
     for node in range(1, len(parents)):
         parent = parents[node]
         children[parent].append(node)
-        log_prob[node] = log_prob[parent] + math.log(max(probs[node], 1e-45))
+        log_prob[node] = log_prob[parent] + log(probs[node] or 1e-45)
         depth[node] = depth[parent] + 1
     path, node = [], 0
     for rank in passed_ranks:
         node = children[node][rank]
         path.append(node)
-    cutoffs = sorted({budget.depth for budget in budgets})
-    ahead = [0] * len(cutoffs)  # nodes ranked so far within each depth cutoff
-    ranks: list[list[int]] = [[] for _ in cutoffs]  # per cutoff: each path node's rank, in path order
-    on_path, left = set(path), len(path)
-    # a path node's log-prob never exceeds its parent's, so the ranking meets the path in path order
+    # Walk the ranking; at each path node note how many nodes of each depth ranked ahead of it. A path
+    # node's log-prob never exceeds its parent's, so the ranking meets the path in path order.
+    ahead_by_depth, ahead = [0] * (max(depth) + 1), []
     for node in sorted(range(1, len(parents)), key=log_prob.__getitem__, reverse=True):
-        if not left:
+        if len(ahead) == len(path):
             break
-        if node in on_path:
-            for c in range(len(cutoffs)):
-                ranks[c].append(ahead[c])
-            left -= 1
-        for c, cutoff in enumerate(cutoffs):
-            ahead[c] += depth[node] <= cutoff
+        if node == path[len(ahead)]:
+            ahead.append(ahead_by_depth.copy())
+        ahead_by_depth[depth[node]] += 1
     accepted = []
     for budget in budgets:
-        mine = ranks[cutoffs.index(budget.depth)]
         floor = math.log(budget.threshold) if budget.threshold > 0 else -math.inf
         count = 0
-        while count < min(len(path), budget.depth) and mine[count] < budget.total_tokens - 1:
-            if log_prob[path[count]] < floor:
+        while count < min(len(path), budget.depth) and log_prob[path[count]] >= floor:
+            if sum(ahead[count][: budget.depth + 1]) >= budget.total_tokens - 1:
                 break
             count += 1
         accepted.append(count)
@@ -196,6 +196,69 @@ class AcceptanceTracker:
         return (total + PRIOR_WEIGHT * prior) / (steps + PRIOR_WEIGHT)
 
 
+class SessionAcceptance:
+    """A session's accepted drafts per dynamic budget, each measured against ``base`` on the same steps.
+
+    ``base`` is inside every dynamic tree the session proposes, so every dynamic step measures it; a
+    budget measured on fewer steps (one larger than the current tree, measured at probes) is estimated
+    as the base's mean over all steps plus its mean difference from the base on the steps that
+    measured both: a paired difference varies far less than an accepted length does. Each is smoothed
+    toward ``prior`` (the global tracker) worth ``PRIOR_WEIGHT`` steps.
+    """
+
+    def __init__(self, base: TreeBudget, decay: float, prior: AcceptanceTracker) -> None:
+        self.base = base
+        self.decay = decay
+        self.prior = prior
+        self.base_counts = (0.0, 0.0)  # (decayed steps, decayed accepted drafts) of the base
+        self.differences: dict[TreeBudget, tuple[float, float]] = {}  # (decayed steps, decayed accepted - base's)
+
+    def observe(self, accepted: dict[TreeBudget, int]) -> None:
+        """One dynamic step's accepted drafts per budget inside its tree, the base's among them."""
+        base = accepted[self.base]
+        steps, total = self.base_counts
+        self.base_counts = (steps * self.decay + 1.0, total * self.decay + base)
+        for budget, drafts in accepted.items():
+            steps, total = self.differences.get(budget, (0.0, 0.0))
+            self.differences[budget] = (steps * self.decay + 1.0, total * self.decay + drafts - base)
+        self.prior.observe(accepted)
+
+    def mean(self, budget: TreeBudget, guess: Callable[[TreeBudget], float]) -> float:
+        """Accepted drafts per step at ``budget``; ``guess`` stands in for budgets nobody measured."""
+        prior_base = self.prior.mean(self.base, guess(self.base))
+        steps, total = self.base_counts
+        base = (total + PRIOR_WEIGHT * prior_base) / (steps + PRIOR_WEIGHT)
+        steps, total = self.differences.get(budget, (0.0, 0.0))
+        prior_difference = self.prior.mean(budget, guess(budget)) - prior_base
+        return base + (total + PRIOR_WEIGHT * prior_difference) / (steps + PRIOR_WEIGHT)
+
+
+class Calibration:
+    """Decayed ratio of the tokens shaped trees emitted to what the rank model predicted for them.
+
+    The rank model takes the accepted path's node to be expanded at every depth; a shaped tree
+    expands only the best few nodes, and a path that reaches one left unexpanded ends there (a leaf,
+    censored for the hazard estimates). The ratio scales the model's E(w) by what such trees realised.
+    """
+
+    def __init__(self, decay: float, prior: Calibration | None = None) -> None:
+        self.decay = decay
+        self.prior = prior
+        self.realised = 0.0  # decayed tokens emitted per step, summed
+        self.predicted = 0.0  # decayed E(w) of the same steps, summed
+
+    def observe(self, realised: float, predicted: float) -> None:
+        self.realised = self.realised * self.decay + realised
+        self.predicted = self.predicted * self.decay + predicted
+        if self.prior is not None:
+            self.prior.observe(realised, predicted)
+
+    @property
+    def ratio(self) -> float:
+        prior = self.prior.ratio if self.prior is not None else 1.0
+        return (self.realised + CALIBRATION_PRIOR_TOKENS * prior) / (self.predicted + CALIBRATION_PRIOR_TOKENS)
+
+
 @dataclass
 class StepValue:
     """Predicted tokens per second of one session's tree verified beside the rest of its batch."""
@@ -205,12 +268,22 @@ class StepValue:
     context_tokens: int = 0  # mean committed tokens per session of the batch
     evaluations: int = 0  # candidates scored: a re-plan's cost
 
+    def __post_init__(self) -> None:
+        self._verify_seconds = self.cost.verify_line(self.context_tokens)
+
     def __call__(self, expected: float, tokens: int, depth: int) -> float:
         self.evaluations += 1
-        load, cost = self.load, self.cost
-        draft = max(depth, load.depth) * cost.draft_seconds_per_depth
-        verify = cost.verify_seconds(load.tree_tokens + tokens, self.context_tokens)
-        return (load.expected_tokens + expected) / (draft + verify)
+        load = self.load
+        draft = max(depth, load.depth) * self.cost.draft_seconds_per_depth
+        return (load.expected_tokens + expected) / (draft + self._verify_seconds(load.tree_tokens + tokens))
+
+
+@dataclass
+class SharedMeasurements:
+    """What all online sessions of a runtime measure together: the prior of each session's own."""
+
+    accepted: AcceptanceTracker = field(default_factory=lambda: AcceptanceTracker(GLOBAL_ACCEPT_DECAY))
+    calibration: Calibration = field(default_factory=lambda: Calibration(GLOBAL_ACCEPT_DECAY))
 
 
 @dataclass
@@ -218,43 +291,72 @@ class TreePlanner:
     """One ``online`` session's candidates, what it measured of them, and the one it proposes now."""
 
     dynamic: list[Candidate]  # the request's own budget first, then the grid's
-    shaped: Candidate
-    accepted: AcceptanceTracker
+    shaped: Candidate  # the hazard-shaped tree, climbed at every re-plan
+    accepted: SessionAcceptance  # dynamic trees' accepted drafts
+    calibration: Calibration  # shaped trees' realised over predicted tokens
     current: Candidate = field(init=False)  # the candidate proposed until the next re-plan
-    max_tokens: int = field(init=False)
-    max_depth: int = field(init=False)
+    probe: Candidate = field(init=False)  # the dynamic tree containing every dynamic candidate
+    proposals: int = field(init=False, default=0)
+    current_model_tokens: float = field(init=False, default=0.0)  # the rank model's E of ``current`` when chosen
+    observed_steps: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.current = self.dynamic[0]  # a request starts from its own budget (a tuned profile's, say)
-        self.max_tokens = max(c.budget.total_tokens for c in self.dynamic)
-        self.max_depth = max(c.budget.depth for c in self.dynamic)
+        budgets = [c.budget for c in self.dynamic]
+        self.probe = Candidate.dynamic(TreeBudget(
+            max(b.total_tokens for b in budgets), min(b.threshold for b in budgets), max(b.depth for b in budgets)
+        ))  # fmt: skip
+
+    def propose(self) -> Candidate:
+        """The tree to propose this step: the current candidate, and every ``PROBE_EVERY`` steps the probe.
+
+        A session measures only the dynamic candidates inside the tree it proposes; without probes a
+        candidate measured low by chance, larger than the current one, would never be measured again.
+        """
+        self.proposals += 1
+        return self.probe if self.proposals % PROBE_EVERY == 0 else self.current
+
+    @property
+    def max_tokens(self) -> int:
+        return max(c.budget.total_tokens for c in self.dynamic)
+
+    @property
+    def max_depth(self) -> int:
+        return max(c.budget.depth for c in self.dynamic)
 
     @staticmethod
-    def start(budget: TreeBudget, prior: AcceptanceTracker, grid: tuple[TreeBudget, ...] = CANDIDATE_GRID) -> TreePlanner:
+    def start(budget: TreeBudget, shared: SharedMeasurements, grid: tuple[TreeBudget, ...] = CANDIDATE_GRID) -> TreePlanner:
         dynamic = [Candidate.dynamic(b) for b in dict.fromkeys([budget, *grid])]
-        shaped = Candidate.shaped(uniform_widths(budget), budget.threshold)
-        return TreePlanner(dynamic, shaped, AcceptanceTracker(SESSION_ACCEPT_DECAY, prior))
+        shaped = Candidate.shaped(list(uniform_widths(budget)), budget.threshold)
+        budgets = [c.budget for c in dynamic]
+        base = TreeBudget(
+            min(b.total_tokens for b in budgets), max(b.threshold for b in budgets), min(b.depth for b in budgets)
+        )  # fmt: skip
+        accepted = SessionAcceptance(base, SESSION_ACCEPT_DECAY, shared.accepted)
+        return TreePlanner(dynamic, shaped, accepted, Calibration(SESSION_ACCEPT_DECAY, shared.calibration))
 
     def observe(self, tree: DraftTree, proposed: Candidate, passed_ranks: list[int]) -> None:
-        """One verified step of ``proposed``: a dynamic tree measures every dynamic candidate inside it."""
-        if proposed.kind != DYNAMIC:
-            return
-        inside = [c.budget for c in self.dynamic if contains(proposed.budget, c.budget)]
-        self.accepted.observe(dict(zip(inside, counterfactual_accepted(tree, passed_ranks, inside))))
+        """One verified step of ``proposed``: a dynamic tree measures every dynamic candidate inside it, a
+        shaped one the rank model's calibration."""
+        self.observed_steps += 1
+        if proposed.kind == SHAPED and proposed == self.current:
+            self.calibration.observe(1.0 + len(passed_ranks), self.current_model_tokens)
+        elif proposed.kind == DYNAMIC:
+            inside = [self.accepted.base, *(c.budget for c in self.dynamic if contains(proposed.budget, c.budget))]
+            self.accepted.observe(dict(zip(inside, counterfactual_accepted(tree, passed_ranks, inside))))
 
     def expected(self, candidate: Candidate, passes: list[list[float]]) -> float:
-        """E(c): tokens per step, measured for dynamic trees, from the rank model for shaped ones."""
+        """E(c): tokens per step, measured for dynamic trees, the calibrated rank model for shaped ones."""
         if candidate.kind == DYNAMIC:
-            guess = expected_tokens(passes, uniform_widths(candidate.budget)) - 1.0
-            return 1.0 + self.accepted.mean(candidate.budget, guess)
-        return expected_tokens(passes, candidate.widths)
+            return 1.0 + self.accepted.mean(candidate.budget, lambda b: expected_tokens(passes, uniform_widths(b)) - 1.0)
+        return self.calibration.ratio * expected_tokens(passes, candidate.widths)
 
     def choose(self, hazard: HazardProfile, value: StepValue) -> tuple[Candidate, float]:
         """The best candidate by predicted tokens per second, unless the current one is within the
-        hysteresis; with the tokens per step it expects."""
-        passes = hazard.pass_table(self.max_depth)
+        hysteresis or not yet measured ``START_STEPS`` times; with the tokens per step it expects."""
+        passes, ratio = hazard.pass_table(self.max_depth), self.calibration.ratio
         widths = climb(
-            lambda w: value(expected_tokens(passes, w), tree_size(w), len(w)),
+            lambda w: value(ratio * expected_tokens(passes, w), tree_size(w), len(w)),
             self.shaped.widths, self.max_tokens, self.max_depth,
         )  # fmt: skip
         self.shaped = Candidate.shaped(widths, self.shaped.budget.threshold)
@@ -263,6 +365,7 @@ class TreePlanner:
         kept = next((v for v, c in scored if c == self.current), None)
         if kept is None:
             kept = value(self.expected(self.current, passes), self.current.tokens, self.current.depth)
-        if best_value > kept * (1 + PLAN_HYSTERESIS):
+        if best_value > kept * (1 + PLAN_HYSTERESIS) and self.observed_steps >= START_STEPS:
             self.current = best
+        self.current_model_tokens = expected_tokens(passes, self.current.widths)
         return self.current, self.expected(self.current, passes)
