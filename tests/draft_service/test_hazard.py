@@ -182,3 +182,18 @@ def test_decay_by_scale_equals_decaying_every_count(decay):
             prior = 0.25 if rank == 0 else 0.7
             want = (failed[depth - 1][rank] + 3.0 * prior) / (tried[depth - 1][rank] + 3.0)
             assert lazy.fail_rate(depth, rank) == pytest.approx(max(EPS, min(1 - EPS, want)), rel=1e-9, abs=1e-12)
+
+
+def test_verify_cost_is_fitted_per_context_bucket():
+    """Each verify is filed under the context of the batch proposed before it; a context never measured
+    takes the nearest measured bucket's line."""
+    cost = StepCostModel(decay=1.0)
+    for context, slope in ((4096, 0.00002), (65536, 0.0001)):
+        cost.note_batch(context)
+        for n in (16, 32, 64):
+            cost.observe_verify(n, 0.008 + slope * n)
+    assert cost.verify_seconds(64, 4096) == pytest.approx(0.008 + 0.00002 * 64, rel=1e-9)
+    assert cost.verify_seconds(64, 65536) == pytest.approx(0.008 + 0.0001 * 64, rel=1e-9)
+    assert cost.verify_seconds(64, 5000) == cost.verify_seconds(64, 4096)  # the same bucket [4096, 8192)
+    assert cost.verify_seconds(64, 100_000) == cost.verify_seconds(64, 65536)  # nearest measured
+    assert cost.verify_seconds(64, 16384) == cost.verify_seconds(64, 65536)  # equally near: the longer
