@@ -11,6 +11,7 @@ import asyncio
 from cli.request import check_draft_fields
 from diffspec.errors import InvalidRequest
 from diffspec.settings import DiffSpecSettings
+from draft_service.tuned_profile import load_tuned_profile
 
 MAX_PORT = 65535
 
@@ -30,6 +31,8 @@ def run_serve(role: str, settings: DiffSpecSettings) -> int:
         )
     check_listen(settings.listen)
     check_draft_fields(settings.policy, settings.tree_config)
+    if settings.tuning_profile:
+        load_tuned_profile(settings.tuning_profile)
     from cli.services import serve
 
     asyncio.run(serve(role, settings))

@@ -58,6 +58,12 @@ class DiffSpecSettings(BaseSettings):
     policy: str = Field("full", description="Tree policy: auto, chain, uniform<K>, full, online.")
     tree_config: str = Field("64:0.08:8", description="Tree budget total_tokens:threshold:depth.")
     salience: bool = Field(False, description="Draft attends to a salience-selected working set of chunks.")
+    tuning_profile: str = Field(
+        "",
+        description="tuned_profile.json written by python -m bench.reproduce: a request that sets no policy, tree "
+        "config or salience takes those tuned at the context nearest its prompt length (replacing policy, "
+        "tree_config and salience as defaults); checked at start; empty = none.",
+    )
     chunk_size: int = Field(64, ge=1, description="Context tokens per salience chunk.")
     working_set_tokens: int = Field(2048, ge=64, description="Token budget of the draft's working set.")
     salience_recent_tokens: int = Field(256, ge=1, description="Most recent context tokens always in the working set.")

@@ -15,6 +15,7 @@ from diffspec.v1 import gateway_pb2
 from diffspec.wire import logprobs_from_proto, logprobs_to_proto
 from draft_service.options import DraftOptions
 from draft_service.tree_budget import TreeBudget
+from draft_service.tuned_profile import request_defaults
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
 
 MAX_STOP_SEQUENCES = 16
@@ -65,16 +66,17 @@ def generation_request(
         sampling=sampling,
         stop_sequences=stops,
         stop_token_ids=frozenset(message.stop_token_ids),
-        draft=_draft_options(message, defaults, draft_available),
+        draft=_draft_options(message, request_defaults(defaults, len(prompt_ids)), draft_available),
         n=n,
     )
 
 
 def _draft_options(
-    message: gateway_pb2.GenerateRequest, defaults: DiffSpecSettings, draft_available: bool
+    message: gateway_pb2.GenerateRequest, defaults: DraftOptions, draft_available: bool
 ) -> DraftOptions | None:
     """None for Auto; a tree config given with Auto is parsed here, where it would otherwise be dropped (the
-    engine checks the options of every other policy)."""
+    engine checks the options of every other policy). ``defaults``: the server's for this prompt's length
+    (``draft_service.tuned_profile``)."""
     policy = message.policy or (defaults.policy if draft_available else "auto")
     if policy == "auto":
         if message.tree_config:
