@@ -2,7 +2,9 @@
 
 The full draft KV is always kept (chunks may re-enter the working set later); with salience on,
 attention reads only the chunk arena (sinks, recent chunks, best-scoring chunks) plus the
-partial tail chunk, so a draft step costs O(budget) instead of O(context).
+partial tail chunk, so a draft step costs O(budget) instead of O(context). A context whose full
+chunks all fit the arena would select every chunk anyway: it attends to the whole KV directly,
+and its chunks are neither scored nor staged until it outgrows the budget.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class DraftContext:
         before the next ``refresh``."""
         return self.kv.claim(n)
 
+    @property
+    def selects(self) -> bool:
+        """Whether a working set is chosen: salience is on and the full chunks outnumber the arena's slots."""
+        return self.salience is not None and self.kv.length // self.salience.chunk_size > self.salience.max_chunks
+
     def refresh(self, q: torch.Tensor) -> None:
         """Re-score chunks against the latest query [heads, hd] and update the arena if needed."""
         refresh_all([self], q[None])
@@ -70,7 +77,7 @@ class DraftContext:
         """What ``view`` returns, as contiguous pieces in order (the arena, then the partial tail chunk),
         so a batch can copy them without concatenating first."""
         keys, values = self.kv.view()
-        if self.salience is None:
+        if not self.selects:
             return [(keys, values)]
         tail = self.index.num_chunks * self.salience.chunk_size
         return [self.arena.view(), (keys[tail:], values[tail:])]
@@ -98,7 +105,7 @@ def refresh_all(contexts: list[DraftContext], queries: torch.Tensor) -> None:
     """Re-score every salience context against its latest query (``queries`` [B, heads, hd]) and update
     the arenas that need it. The selection runs on the host: all contexts' scores come back in one copy,
     one wait for the GPU per batch instead of one per session."""
-    scored = [(c, c.chunk_scores(q)) for c, q in zip(contexts, queries) if c.salience is not None]
+    scored = [(c, c.chunk_scores(q)) for c, q in zip(contexts, queries) if c.selects]
     if not scored:
         return
     host = torch.cat([scores for _, scores in scored]).cpu()
