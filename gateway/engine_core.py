@@ -34,7 +34,6 @@ from gateway.request import GenerationRequest
 from gateway.running_request import OutputSink, Phase, RunningRequest
 from target_service.backend import (
     PrefillWork,
-    SessionOpen,
     TargetBackend,
     TargetBatch,
     TargetBatchResult,
@@ -289,11 +288,7 @@ class EngineCore:
             if running.phase is Phase.WAITING:
                 if running.request_id not in admitted:
                     continue
-                request = running.request
-                opens.append(
-                    SessionOpen(running.request_id, request.prompt_ids, request.sampling, running.drafting, request.client,
-                                self.feature_layers)
-                )
+                opens.append(running.session_open(self.feature_layers))
                 running.phase, running.target_session = Phase.PREFILLING, True
             if running.phase is Phase.PREFILLING:
                 tokens = min(self.limits.prefill_chunk, budget, running.prompt_tokens - running.prefilled_tokens)

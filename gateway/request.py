@@ -4,8 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from diffspec.feature_rows import Features
 from diffspec.sampling_params import SamplingParams, TokenLogprobs
 from draft_service.options import DraftOptions
+
+
+@dataclass(eq=False)
+class PromptShare:
+    """The prompt work that the n samples of one request share (``gateway/samples.py``); the engine thread
+    alone reads and writes it.
+
+    The first sample whose prompt is prefilled records its target session and its prompt features; a
+    sample opened after that forks the session's prompt pages (copy-on-write) and starts its draft on
+    the same features, so the prompt is computed once for all n."""
+
+    session_id: str = ""  # the target session holding the prompt's pages; "" until one is prefilled
+    features: Features | None = None  # [prompt, 3 * hidden] its prompt's feature rows, when it drafts
+    forks_left: int = 0  # samples that may still fork it; the features are dropped when none is left
 
 
 @dataclass(frozen=True)
@@ -14,10 +29,11 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop_sequences: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()  # a generated id among these ends the request, as EOS does
     draft: DraftOptions | None = None  # None = Auto (target-only decoding)
     n: int = 1  # independent samples of the prompt; the engine runs one request per sample (gateway/samples.py)
     client: str = ""  # who asked (gateway/quota.py): the quota key and the prefix-cache scope; "" = this process
+    stop_token_ids: frozenset[int] = frozenset()  # a generated id among these ends the request, as EOS does
+    prompt_share: PromptShare | None = None  # set on each sample of an n > 1 request
 
 
 @dataclass

@@ -19,7 +19,7 @@ from diffspec.tree_nodes import ProposedTree, TreeNodes
 from draft_service.backend import DraftAccept, DraftStart, DraftStats
 from gateway.detokenizer import IncrementalDetokenizer, Tokenizer
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
-from target_service.backend import PrefillResult, TargetInfo, VerifyResult
+from target_service.backend import PrefillResult, SessionOpen, TargetInfo, VerifyResult
 
 
 class OutputSink(Protocol):
@@ -50,6 +50,8 @@ class RunningRequest:
     drafting: bool = False  # proposals come from the draft; False = Auto (from the start or after a fallback)
     draft_session: bool = False  # the draft holds a session for it
     target_session: bool = False  # the target holds a session for it
+    forked: bool = False  # its target session forks the prompt pages of another sample of its request
+    inherited_features: Features | None = None  # [prompt, 3 * hidden] the forked sample's, until the first prefill
     last_token: int = -1  # last emitted token: the next tree's root
     prefilled_tokens: int = 0  # prompt tokens the target has reported done
     prompt_features: list[Features] = field(default_factory=list)  # per prefill chunk, until the draft starts
@@ -87,10 +89,27 @@ class RunningRequest:
     def prompt_tokens(self) -> int:
         return len(self.request.prompt_ids)
 
+    def session_open(self, feature_layers: tuple[int, ...]) -> SessionOpen:
+        """The target session to open: a fork of the prompt of an earlier sample of the same request once
+        one is prefilled (its pages, and its features for the draft), else one that computes the prompt."""
+        share, request = self.request.prompt_share, self.request
+        if share is not None and share.session_id and (share.features is not None or not self.drafting):
+            self.forked, self.inherited_features = True, share.features if self.drafting else None
+            share.forks_left -= 1
+            if share.forks_left <= 0:
+                share.features = None
+        fork_of = share.session_id if self.forked and share is not None else ""
+        return SessionOpen(self.request_id, request.prompt_ids, request.sampling, self.drafting, request.client,
+                           feature_layers, fork_of)  # fmt: skip
+
     def on_prefill(self, result: PrefillResult) -> None:
         """Stream the progress; once the prompt is done, emit the first token and queue the draft's start."""
         self.prefilled_tokens = result.done_tokens
         if result.features is not None and self.drafting:
+            if self.inherited_features is not None:  # the rows before the first computed one are the fork's
+                start = result.done_tokens - len(result.features)
+                self.prompt_features.append(self.inherited_features[:start])
+                self.inherited_features = None
             self.prompt_features.append(result.features)
         if result.first_token is None:
             self.sink.put(GenerationChunk([], "", prefill_progress=(result.done_tokens, result.total_tokens)))
@@ -99,12 +118,15 @@ class RunningRequest:
         self.stats.prefill_seconds = self.first_token_at - self.submitted_at
         self.phase = Phase.DECODING
         self._emit([result.first_token], result.first_logprobs)
-        if self.drafting and not self.finished:
+        features = concat_rows(self.prompt_features) if self.drafting else None
+        if features is not None and not self.finished:
             assert self.request.draft is not None
-            features = concat_rows(self.prompt_features)
             self.pending_start = DraftStart(
                 self.request_id, self.request.prompt_ids, features, result.first_token, self.request.draft
             )
+        share = self.request.prompt_share
+        if share is not None and not self.forked and share.forks_left > 0:
+            share.session_id, share.features = self.request_id, features
         self.prompt_features = []
 
     def on_verify(self, result: VerifyResult) -> None:
@@ -119,7 +141,7 @@ class RunningRequest:
         self.drafting = False
         self.stats.fell_back_to_auto = True
         self.pending_start = self.pending_accept = self.tree = None
-        self.prompt_features = []
+        self.prompt_features, self.inherited_features = [], None
 
     def next_tree(self) -> ProposedTree:
         """This iteration's proposal if it fits the context left, else one Auto step."""

@@ -3,9 +3,9 @@
 Sample i is the request with ``n = 1`` and ``sampling.for_sample(i)``: sample 0 keeps the request's
 seed, the others get distinct seeds derived from it, so a seeded request repeats; greedy samples
 are all the same. Sample 0 goes first and the others are submitted once its prompt is prefilled:
-the prompt's full KV pages are then in the target's prefix cache, and an Auto sample maps them
-rather than computing them again (a speculative sample computes its prompt again, because the
-draft needs the features of every prompt position). Closing the stream aborts every sample; one
+through their ``PromptShare`` they fork its target session's prompt pages (copy-on-write, each
+computing only the last prompt position for its own first token) and start their drafts on its
+prompt features, so the prompt is computed once. Closing the stream aborts every sample; one
 sample's failure ends the stream with its error.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import AsyncIterator
 
 from gateway.engine import SpeculativeEngine
-from gateway.request import GenerationChunk, GenerationRequest
+from gateway.request import GenerationChunk, GenerationRequest, PromptShare
 
 
 async def generate_samples(
@@ -34,12 +34,13 @@ async def generate_samples(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout if timeout is not None else None
     merged: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
-    prompt_done = asyncio.Event()  # sample 0's prompt pages are committed (or it ended)
+    prompt_done = asyncio.Event()  # sample 0's prompt is prefilled (or it ended)
+    share = PromptShare(forks_left=request.n - 1)
 
     async def run(index: int) -> None:
         if index > 0:
             await prompt_done.wait()
-        sample = replace(request, n=1, sampling=request.sampling.for_sample(index))
+        sample = replace(request, n=1, sampling=request.sampling.for_sample(index), prompt_share=share)
         left = deadline - loop.time() if deadline is not None else None
         try:
             async with aclosing(engine.generate(sample, left)) as chunks:

@@ -31,6 +31,9 @@ class SessionOpen:
     want_features: bool  # send EAGLE-3 features of every prompt position and of every accepted token
     cache_scope: str = ""  # tenant: prompt pages are shared only with sessions of the same scope
     feature_layers: tuple[int, ...] = ()  # target layers the features come from; () = the target's default
+    # a decoding session of the same prompt whose pages of every prompt position but the last are shared, and
+    # whose features of those positions the gateway holds: they are not computed again; "" = none
+    fork_of: str = ""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ Pages are shared (refcount > 1) in two ways:
   maps them instead of recomputing. A freed full page keeps its entry until it is handed out again.
   Chains start from the sequence's cache scope (the tenant), so a prompt only ever hits pages that
   its own scope committed: no page sharing, and so no timing, can tell one tenant another's prompt.
-- fork: a child shares its parent's committed pages, a partial last page included.
+- fork: a child shares its parent's committed pages (or those of a prefix of its committed tokens, as
+  the n samples of one prompt share the prompt's), a partial last page included.
 Only positions >= num_committed are ever written, so full pages never change; a shared partial page is
 copied before its next write (reserve), and commit refuses to write into a page that is still shared.
 """
@@ -60,7 +61,7 @@ class PagedKVPool:
         self._page_keys: dict[int, PrefixKey] = {}  # inverse of _prefix_cache
         self._block_tables: dict[str, list[int]] = {}  # seq_id -> [num_pages_of_seq]
         self._token_ids: dict[str, list[int]] = {}  # seq_id -> committed token ids, [num_committed]
-        self._last_full_page_hash: dict[str, int] = {}  # seq_id -> chain hash of its last full page
+        self._chain_hashes: dict[str, list[int]] = {}  # seq_id -> [scope root, chain hash of each full page]
 
     @property
     def num_free_pages(self) -> int:
@@ -98,14 +99,14 @@ class PagedKVPool:
             raise InvalidRequest("a prompt needs at least one token")
         ps = self.page_size
         cached_pages: list[int] = []
-        last_hash = scope_root(cache_scope)
+        chain = [scope_root(cache_scope)]
         for i in range((len(prompt_ids) - 1) // ps):
-            key = (last_hash, tuple(prompt_ids[i * ps : (i + 1) * ps]))
+            key = (chain[-1], tuple(prompt_ids[i * ps : (i + 1) * ps]))
             page = self._prefix_cache.get(key)
             if page is None:
                 break
             cached_pages.append(page)
-            last_hash = hash(key)
+            chain.append(hash(key))
         num_revived = sum(1 for page in cached_pages if self._refcounts[page] == 0)
         num_new_pages = self.pages_needed(len(prompt_ids)) - len(cached_pages)
         if num_revived + num_new_pages > self.num_free_pages:
@@ -120,7 +121,7 @@ class PagedKVPool:
         num_cached_tokens = len(cached_pages) * ps
         self._block_tables[seq_id] = cached_pages + [self._take_free_page() for _ in range(num_new_pages)]
         self._token_ids[seq_id] = list(prompt_ids[:num_cached_tokens])
-        self._last_full_page_hash[seq_id] = last_hash
+        self._chain_hashes[seq_id] = chain
         return num_cached_tokens
 
     def num_committed(self, seq_id: str) -> int:
@@ -174,26 +175,29 @@ class PagedKVPool:
         if any(self._refcounts[table[i]] > 1 for i in self._pages_written(start, end)):
             raise InvalidRequest("commit into a shared page (forked since the last reserve()); reserve() first")
         committed.extend(token_ids)
-        last_hash = self._last_full_page_hash[seq_id]
+        chain = self._chain_hashes[seq_id]
         for i in range(start // ps, end // ps):
-            key = (last_hash, tuple(committed[i * ps : (i + 1) * ps]))
+            key = (chain[-1], tuple(committed[i * ps : (i + 1) * ps]))
             self._cache_page(key, table[i])
-            last_hash = hash(key)
-        self._last_full_page_hash[seq_id] = last_hash
+            chain.append(hash(key))
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares the parent's committed pages and tokens; whichever writes next copies the
-        shared partial page. Parent pages past its committed tokens stay the parent's alone."""
+    def fork(self, parent_id: str, child_id: str, num_tokens: int | None = None) -> None:
+        """The child shares the pages of the parent's first ``num_tokens`` committed tokens (None = all of
+        them); whichever writes next into a shared partial page copies it first. Parent pages past those
+        tokens stay the parent's alone."""
         table = self._table(parent_id)
         if child_id in self._block_tables:
             raise InvalidRequest(f"sequence {child_id!r} already exists")
         committed = self._token_ids[parent_id]
-        shared = table[: self.pages_needed(len(committed))]
+        num_tokens = len(committed) if num_tokens is None else num_tokens
+        if not 0 <= num_tokens <= len(committed):
+            raise InvalidRequest(f"fork of {num_tokens} tokens from {parent_id!r}, which has {len(committed)} committed")
+        shared = table[: self.pages_needed(num_tokens)]
         for page in shared:
             self._refcounts[page] += 1
         self._block_tables[child_id] = shared
-        self._token_ids[child_id] = list(committed)
-        self._last_full_page_hash[child_id] = self._last_full_page_hash[parent_id]
+        self._token_ids[child_id] = committed[:num_tokens]
+        self._chain_hashes[child_id] = self._chain_hashes[parent_id][: num_tokens // self.page_size + 1]
 
     def release(self, seq_id: str) -> None:
         """Drops the sequence; its pages nobody else holds become free, full ones still revivable."""
@@ -204,7 +208,7 @@ class PagedKVPool:
             if self._refcounts[page] == 0:
                 free = self._free_cached_pages if page in self._page_keys else self._free_pages
                 free[page] = None
-        del self._block_tables[seq_id], self._token_ids[seq_id], self._last_full_page_hash[seq_id]
+        del self._block_tables[seq_id], self._token_ids[seq_id], self._chain_hashes[seq_id]
 
     def _table(self, seq_id: str) -> list[int]:
         table = self._block_tables.get(seq_id)

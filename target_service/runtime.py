@@ -107,16 +107,32 @@ class TargetRuntime:
         layers = opening.feature_layers or self.feature_layers
         if opening.want_features and any(not 0 <= i < self.model.config.num_layers for i in layers):
             raise InvalidRequest(f"feature layers {list(layers)} outside the target's 0..{self.model.config.num_layers - 1}")
-        num_cached = self.pool.allocate(opening.session_id, opening.prompt_ids, opening.cache_scope)
-        # Features are needed for every prompt position, so shared pages only save compute without them.
+        prefilled = self._map_prompt(opening)
         self.sessions[opening.session_id] = TargetSession(
             prompt_ids=list(opening.prompt_ids),
             sampling=opening.sampling,
             generator=None if opening.sampling.greedy else opening.sampling.generator(),
             want_features=opening.want_features,
-            prefilled=0 if opening.want_features else num_cached,
+            prefilled=prefilled,
             feature_layers=layers,
         )
+
+    def _map_prompt(self, opening: SessionOpen) -> int:
+        """Pages for the prompt; returns the prompt positions whose forward need not run.
+
+        A fork shares its parent's pages of every prompt position but the last, whose forward samples the
+        fork's own first token; the features of the shared positions are its parent's, which its gateway
+        holds. Any other session shares the prefix cache's hits, which save compute only when no features
+        are wanted (the draft needs those of every prompt position). A parent already released (it
+        finished first) leaves the fork to the prefix cache."""
+        parent = self.sessions.get(opening.fork_of) if opening.fork_of else None
+        if parent is None:
+            num_cached = self.pool.allocate(opening.session_id, opening.prompt_ids, opening.cache_scope)
+            return 0 if opening.want_features else num_cached
+        if parent.prefilling or parent.prompt_ids != list(opening.prompt_ids):
+            raise InvalidRequest(f"session {opening.fork_of!r} is not a decoding session of the same prompt")
+        self.pool.fork(opening.fork_of, opening.session_id, len(opening.prompt_ids) - 1)
+        return len(opening.prompt_ids) - 1
 
     def _prefill(self, work: list[PrefillWork], failures: Failures) -> dict[str, PrefillResult]:
         """Every session's next prompt chunk in one causal forward; sample the first token of finished prompts."""
@@ -205,12 +221,14 @@ class TargetRuntime:
         return results
 
     def _check_and_reserve(self, step: VerifyStep) -> None:
-        """Validate the tree, then hold pages for its longest path before any compute."""
+        """Validate the tree, then hold pages for its longest path before any compute; a page it shares with a
+        fork is copied now, since the forward reads the block table the reservation leaves."""
         session = self.sessions.get(step.session_id)
         if session is None:
             raise InvalidRequest(f"unknown session {step.session_id!r}")
         self.limits.check_tree(session, self.pool.num_committed(step.session_id), step.tree)
-        self.pool.reserve(step.session_id, int(step.tree.depths().max()) + 1)
+        _, copies = self.pool.reserve(step.session_id, int(step.tree.depths().max()) + 1)
+        self.cache.apply_copies(copies)
 
     def _step_input(self, step: VerifyStep) -> StepInput:
         committed = self.pool.num_committed(step.session_id)

@@ -82,6 +82,21 @@ def test_sampling_with_a_seed_is_reproducible_and_auto_equals_in_process(gateway
         engine.close()
 
 
+def test_speculative_samples_fork_the_prompt_across_processes(gateway_stub, split_deployment):
+    """n = 3 over the split deployment: the forks' prompt features are sample 0's relayed rows, and each
+    sample equals its lone run with its derived seed."""
+    sampling = SamplingParams(temperature=0.9, seed=13)
+    fields = {"text": CODE_PROMPTS[1], "max_new_tokens": 12, "temperature": 0.9, "policy": "full"}
+    generate(gateway_stub, **fields)  # a fresh engine's first trees are planned without a measured verify cost
+    samples: dict[int, list[int]] = {}
+    for response in gateway_stub.Generate(gateway_pb2.GenerateRequest(**fields, seed=13, n=3), timeout=60):
+        samples.setdefault(response.index, []).extend(response.token_ids)
+    for index in range(3):
+        assert samples[index] == generate(gateway_stub, **fields, seed=sampling.for_sample(index).seed)[0], index
+    info = wait_all_released(split_deployment)
+    assert info.num_free_pages == info.num_pages and info.active_sessions == 0
+
+
 def sessions(deployment: SplitDeployment) -> tuple[int, int]:
     """Open sessions at the target and at the draft."""
     return target_info(deployment).active_sessions, draft_info(deployment).active_sessions

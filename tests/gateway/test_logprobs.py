@@ -101,21 +101,3 @@ def test_n_samples_differ_by_seed_repeat_with_it_and_agree_when_greedy(engine, t
     assert greedy[0][1].top_ids == greedy[2][1].top_ids
     assert_all_released(engine)
 
-
-def test_later_samples_map_the_prompt_pages_of_the_first(engine, target, tokenizer):
-    prompt = tokenizer("# a prompt no other test sends\n" + CODE_PROMPTS[1] * 3)["input_ids"]
-    assert len(prompt) > 2 * target.pool.page_size
-    opened: list[int] = []
-    allocate = target.pool.allocate
-
-    def counting_allocate(seq_id, prompt_ids, *args):  # noqa: ANN001, ANN202
-        opened.append(cached := allocate(seq_id, prompt_ids, *args))
-        return cached
-
-    target.pool.allocate = counting_allocate
-    try:
-        run(engine, GenerationRequest(prompt + [7], 4, SamplingParams(temperature=1.0, seed=3), n=3))
-    finally:
-        del target.pool.allocate
-    full_pages = (len(prompt) // target.pool.page_size) * target.pool.page_size
-    assert opened == [0, full_pages, full_pages]  # sample 0 computes the prompt, the others map its pages

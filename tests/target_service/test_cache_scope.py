@@ -43,3 +43,27 @@ def test_scope_and_free_pages_cross_the_wire():
     for free in (0, 17, None):
         reply, _ = result_to_proto(TargetBatchResult(num_free_pages=free), "stream/")
         assert result_from_proto(reply, None, "target").num_free_pages == free
+
+
+def test_a_fork_shares_the_prompt_pages_and_computes_only_its_last_position(runtime):
+    open_and_prefill(runtime, "parent", "")
+    free = runtime.pool.num_free_pages
+    fork = SessionOpen("fork", PROMPT, GREEDY, want_features=True, fork_of="parent")
+    result = runtime.step(TargetBatch(opens=[fork], prefills=[PrefillWork("fork", 1)]))
+    (rows,) = [result.prefills["fork"].features.shape[0]]
+    assert rows == 1 and result.prefills["fork"].done_tokens == len(PROMPT)  # its own first token's forward alone
+    assert runtime.sessions["fork"].pending_token == runtime.sessions["parent"].pending_token  # greedy: the same
+    assert free - runtime.pool.num_free_pages == 1  # the shared partial last page, copied before the write
+    assert runtime.pool.block_table("fork")[:-1] == runtime.pool.block_table("parent")[:-1]
+    other = SessionOpen("other", PROMPT[:-1], GREEDY, want_features=False, fork_of="parent")
+    refused = runtime.step(TargetBatch(opens=[other]))
+    assert "not a decoding session of the same prompt" in str(refused.failures["other"])
+    for sid in ("parent", "fork"):
+        runtime.release(sid)
+    assert runtime.pool.num_free_pages == 64
+
+
+def test_a_fork_names_a_session_of_its_own_stream():
+    batch = TargetBatch(opens=[SessionOpen("f", [1, 2], GREEDY, True, fork_of="p"), SessionOpen("s", [1], GREEDY, True)])
+    decoded, malformed = batch_from_proto(batch_to_proto(batch), "stream/")
+    assert not malformed and [o.fork_of for o in decoded.opens] == ["stream/p", ""]

@@ -195,6 +195,21 @@ def test_fork_shares_only_committed_pages():
     assert [pool.refcount(p) for p in range(3)] == [2, 1, 1]
 
 
+def test_fork_of_a_prefix_shares_its_pages_and_caches_the_child_s_own_pages():
+    pool = PagedKVPool(num_pages=8, page_size=PAGE_SIZE)
+    prefill(pool, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # [0, 1, 2]: the parent decoded past the prompt
+    pool.fork("a", "c", 5)  # positions 0-4: pages 0 and 1
+    assert pool.block_table("c") == [0, 1] and pool.committed_token_ids("c") == [1, 2, 3, 4, 5]
+    assert [pool.refcount(p) for p in range(3)] == [2, 2, 1]
+    assert pool.reserve("c", 3) == ([13, 14, 15], [PageCopy(src_page=1, dst_page=3)])
+    pool.commit("c", [6, 7, 0])  # fills page 3 with the chain after page 0
+    pool.release("a")
+    assert pool.allocate("d", [1, 2, 3, 4, 5, 6, 7, 0, 9]) == 8  # hits page 0, then the child's page 3
+    assert pool.block_table("d")[:2] == [0, 3]
+    with pytest.raises(InvalidRequest, match="fork of 9 tokens"):
+        pool.fork("c", "e", 9)
+
+
 def test_commit_into_page_shared_since_reserve_is_refused():
     pool = PagedKVPool(num_pages=8, page_size=PAGE_SIZE)
     prefill(pool, "a", [1, 2, 3, 4, 5, 6])
@@ -377,10 +392,12 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.expected)
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
+        """The whole parent, or a prefix of it (as n samples share their prompt while sample 0 decodes on)."""
         parent_id = data.draw(st.sampled_from(sorted(self.expected)))
+        num_tokens = data.draw(st.none() | st.integers(0, len(self.expected[parent_id])))
         child_id = self._new_id()
-        self.pool.fork(parent_id, child_id)
-        self.expected[child_id] = list(self.expected[parent_id])
+        self.pool.fork(parent_id, child_id, num_tokens)
+        self.expected[child_id] = self.expected[parent_id][:num_tokens]
         self.scopes[child_id] = self.scopes[parent_id]
 
     @precondition(lambda self: self.expected)
