@@ -23,6 +23,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 
+from diffspec.errors import InvalidRequest
+
 
 class KVPoolCounts(Protocol):
     num_pages: int
@@ -155,7 +157,10 @@ class ServingMetrics:
 
     def serve_http(self, host: str, port: int) -> None:
         """Expose ``/metrics`` on ``host:port`` from a daemon thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as bad:
+            raise InvalidRequest(f"cannot listen on {host}:{port} for metrics: {bad.strerror or bad}") from None
 
     def watch_target(self, target: WatchedTarget) -> None:
         """Read KV pool and session counts from the target at every scrape."""

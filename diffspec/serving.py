@@ -256,10 +256,10 @@ class ServiceHost:
                 port = self.server.add_secure_port(self.settings.listen, credentials)
         except RuntimeError as bad:
             raise InvalidRequest(f"cannot listen on {self.settings.listen}: in use, or not this host's ({bad})") from None
+        if self.settings.metrics_port:  # before the server starts, so a taken port stops a server never started
+            self.metrics.serve_http(host, self.settings.metrics_port)
         await self._publish()
         await self.server.start()
-        if self.settings.metrics_port:
-            self.metrics.serve_http(host, self.settings.metrics_port)
         self.address = f"{host}:{port}"
         # the one line on stdout: with --listen HOST:0, this is how a caller learns the port
         print(f"diffspec {self.role} listening on {self.address}", flush=True)
