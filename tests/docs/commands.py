@@ -40,6 +40,8 @@ COMMANDS: dict[str, Command] = {
     "diffspec generate --policy online --salience on --prompt 'def f(x):' --json      # in process, no server": Command(
         Kind.RUN, expect='"mean_accepted_length"'
     ),
+    "diffspec generate --prompt 'def f(x):' --temperature 0.8 --seed 1 --n 2 --logprobs 1 --stop-token-ids 13 --json":
+        Command(Kind.RUN, expect='"index": 1'),
     "diffspec generate --policy auto --prompt-file diffspec/errors.py --vs-auto         # Auto, then the same again":
         Command(Kind.RUN, expect="x Auto ("),
     "diffspec serve --http-listen 127.0.0.1:8000 &   # gRPC on :50051 and an OpenAI-compatible API on :8000": Command(
