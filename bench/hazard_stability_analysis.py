@@ -36,8 +36,9 @@ from pathlib import Path
 from bench.reproduce.draft_steps import DraftStep
 from draft_service.hazard import HazardProfile
 from draft_service.options import DraftOptions, validate_options
-from draft_service.runtime import GLOBAL_DECAY, REQUEST_DECAY, depth_plan
+from draft_service.runtime import GLOBAL_DECAY, REQUEST_DECAY
 from draft_service.tree_budget import MAX_DEPTH
+from draft_service.tree_plan import fixed_candidate
 
 LABEL = re.compile(r"\[(?P<policy>\S+) (?P<config>\S+)\]$")  # e.g. diffspec[online 64:0.0:8]
 
@@ -82,7 +83,7 @@ def fixed_widths(label: str) -> list[int] | None:
     if match is None or match["policy"] == "online":
         return None
     policy, budget = validate_options(DraftOptions(match["policy"], match["config"]))
-    return [step.children for step in depth_plan(policy, budget)]
+    return fixed_candidate(policy, budget).widths
 
 
 def pooled_hazard(steps: list[DraftStep], depths: int) -> list[float | None]:

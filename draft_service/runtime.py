@@ -21,7 +21,7 @@ from draft_service.drafter import Drafter, DraftSession, Extension, ProposalRequ
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.hazard import BatchLoad, HazardProfile, StepCostModel, expected_tokens
 from draft_service.options import DraftOptions, validate_options
-from draft_service.tree_budget import MAX_DEPTH, TreeBudget, TreePolicy
+from draft_service.tree_budget import MAX_DEPTH
 from draft_service.tree_plan import (
     CANDIDATE_GRID,
     Candidate,
@@ -29,6 +29,7 @@ from draft_service.tree_plan import (
     StepValue,
     TreePlanner,
     fixed_candidate,
+    prober,
 )
 from draft_service.working_set import WorkingSetConfig
 
@@ -49,8 +50,6 @@ class _Proposed:
 @dataclass
 class _SessionState:
     drafter_state: DraftSession
-    policy: TreePolicy
-    budget: TreeBudget
     hazard: HazardProfile
     candidate: Candidate  # the tree it proposes: a fixed policy's own, or the online planner's choice
     planner: TreePlanner | None = None  # online sessions only
@@ -75,6 +74,7 @@ class DraftRuntime:
         self.step_cost = StepCostModel()  # verify seconds against the batch's tree tokens, draft seconds per depth
         self.shared_measurements = SharedMeasurements()  # online: every request's, the prior of each one's own
         self.candidate_grid = CANDIDATE_GRID  # the dynamic trees an online session chooses among, beside its own
+        self.proposals = 0  # batch proposals so far: when an online session probes
         self._lock = threading.Lock()
 
     def step(self, batch: DraftBatch) -> DraftBatchResult:
@@ -126,9 +126,10 @@ class DraftRuntime:
         salience = self.working_set if start.options.salience else None
         state = self.drafter.start(start.prompt_ids, features, start.first_token, salience)
         hazard = HazardProfile(MAX_DEPTH, REQUEST_DECAY, prior=self.global_hazard)
-        planner = TreePlanner.start(budget, self.shared_measurements, self.candidate_grid) if policy.name == "online" else None
+        online = policy.name == "online"
+        planner = TreePlanner.start(budget, self.shared_measurements, self.candidate_grid) if online else None
         candidate = planner.current if planner is not None else fixed_candidate(policy, budget)
-        self.sessions[start.session_id] = _SessionState(state, policy, budget, hazard, candidate, planner)
+        self.sessions[start.session_id] = _SessionState(state, hazard, candidate, planner)
         # sessions started together replan in different steps, so no step plans for all of them
         self.sessions[start.session_id].steps_to_replan = len(self.sessions) % REPLAN_EVERY
 
@@ -175,7 +176,8 @@ class DraftRuntime:
         """Each session's tree, ``online`` ones as a best response to the rest of the batch's current trees.
 
         Re-plans only the sessions due (every ``REPLAN_EVERY`` proposals, or when the batch changed size);
-        the others propose their current candidate as it is (an online one, now and then, its probe).
+        the others propose their current candidate as it is. Now and then one online session proposes its
+        probe instead (``tree_plan.prober``).
         """
         for session in sessions:
             self._observe_proposal(session)
@@ -191,7 +193,15 @@ class DraftRuntime:
                 self._replan(session, StepValue(self.step_cost, others, context))
                 session.planned_batch = len(sessions)
             session.steps_to_replan -= 1
-        return [s.planner.propose() if s.planner is not None else s.candidate for s in sessions]
+        chosen = [s.candidate for s in sessions]
+        online = [i for i, s in enumerate(sessions) if s.planner is not None]
+        probing = prober(self.proposals, len(online))
+        self.proposals += 1
+        if probing is not None:
+            planner = sessions[online[probing]].planner
+            assert planner is not None
+            chosen[online[probing]] = planner.probe
+        return chosen
 
     def _observe_proposal(self, session: _SessionState) -> None:
         """Hand an online session's planner its last tree with the ranks the hazard profile observed for it."""

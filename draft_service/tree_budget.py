@@ -6,8 +6,9 @@
 - ``full``: EAGLE-2's dynamic tree (the EAGLE-3 baseline): each depth expands the
   ``FULL_TOP_K`` frontier nodes with the highest cumulative draft log-probability, each
   into its top ``FULL_TOP_K`` children; at the end the best ``total_tokens`` nodes are kept.
-- ``online``: like ``full``, but the per-depth widths and the depth come from the request's
-  hazard profile (see ``draft_service.hazard``).
+- ``online``: chooses, every few steps, among ``full``'s trees at the candidate grid's budgets and the
+  request's own, and a hazard-shaped tree, by predicted tokens per second (``draft_service.tree_plan``);
+  the request's budget is where it starts.
 
 ``threshold`` prunes nodes whose cumulative draft probability falls below it (0 disables).
 """
@@ -48,6 +49,11 @@ class TreeBudget:
         if not 1 <= budget.depth <= MAX_DEPTH:
             raise InvalidRequest(f"depth must be in [1, {MAX_DEPTH}], got {budget.depth}")
         return budget
+
+    @property
+    def config(self) -> str:
+        """The budget as a ``total_tokens:threshold:depth`` string, e.g. 64:0.0:8."""
+        return f"{self.total_tokens}:{self.threshold}:{self.depth}"
 
 
 @dataclass(frozen=True)

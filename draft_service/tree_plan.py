@@ -10,28 +10,39 @@ A candidate is a plan (``DepthPlan`` per depth) and a ``TreeBudget``: the propos
 so choosing one changes no device shape rule.
 
 Prediction. A candidate's tokens per step E (accepted drafts + the bonus):
-- shaped: the rank model's E(w) (``hazard.expected_tokens``);
-- dynamic: 1 + the decayed mean of the drafts it had accepted. Every verified dynamic tree says
-  what each smaller dynamic candidate (total_tokens, depth no larger, threshold no lower) would
-  have accepted in that step: both grow the same frontier up to the smaller depth, so the smaller
-  tree is the best total_tokens - 1 of the verified tree's nodes within its depth and threshold,
-  and it accepts the longest prefix of the accepted path that lies inside it (exact at temperature
-  0 when the depths are equal; with a smaller depth it may miss nodes the verified tree's deeper
-  ones crowded out, so it errs low). One verify so measures every contained candidate on the same
-  text, paired. A candidate not yet measured takes the global mean (every request's sessions feed
-  it), and before that the rank model's E of the uniform static tree of its size and depth.
+- dynamic: measured. Every verified dynamic tree says what each smaller dynamic candidate
+  (total_tokens, depth no larger, threshold no lower) would have accepted in that step: both grow
+  the same frontier up to the smaller depth, so the smaller tree is the best total_tokens - 1 of the
+  verified tree's nodes within its depth and threshold, and it accepts the longest prefix of the
+  accepted path inside it (exact at temperature 0 at equal depths; at a smaller depth it may miss
+  nodes the verified tree's deeper ones crowded out, so it errs low). A *base* budget lies inside
+  every candidate, so every dynamic step measures it; a candidate's E is the base's decayed mean
+  plus the candidate's mean difference from the base over the steps that measured both (paired on
+  the same text, the difference varies far less than an accepted length). In one batch proposal of
+  every ``PROBE_EVERY`` one online session, in turn, proposes its *probe*, the dynamic tree
+  containing every candidate, so candidates larger than the current trees stay measured (for that
+  session, and through the global estimates for all) at the cost of one large tree per
+  ``PROBE_EVERY`` steps whatever the batch. Each estimate is smoothed toward the
+  global one (all requests' sessions), and where nothing is measured toward the rank model's E of
+  the uniform static tree of the same size and depth.
+- shaped: the rank model's E(w) (``hazard.expected_tokens``) times the ratio shaped trees realised
+  of it (the model takes the path's node to be expanded at every depth, which a static tree's
+  best-w rule does not guarantee).
 
 Cost and choice. A candidate verified beside the batch's other trees (``BatchLoad``) is worth
     V(c) = (E(c) + E_others) / (max(D(c), D_others) * t_draft + c_verify(N(c) + N_others, context))
 with t_draft the measured draft seconds per depth and c_verify the measured verify line of the
 batch's context bucket (``hazard.StepCostModel``). The session keeps its current candidate unless
-the best one beats it by ``PLAN_HYSTERESIS``. Since every fixed configuration is a candidate, the
-choice's predicted value is at least each fixed configuration's, by construction.
+the best one beats it by ``PLAN_HYSTERESIS``, and keeps the request's own budget (where a tuned
+profile starts it) until it has measured it ``START_STEPS`` times. Since every fixed configuration
+is a candidate, the choice's predicted value is at least each fixed configuration's, by construction
+(up to the hysteresis while the current one is kept).
 
 Cadence. The runtime re-plans a session every few steps and when its batch changes size; a
 re-plan scores each dynamic candidate once and climbs the shaped tree a few moves from where it
 was, so it costs a bounded number of evaluations (``StepValue.evaluations``), never a search.
-Between re-plans a session proposes its current candidate unchanged.
+Between re-plans a session proposes its current candidate unchanged (or the probe). Observing a
+step costs one pass over the verified tree's nodes and one sort of them.
 """
 
 from __future__ import annotations
@@ -39,9 +50,8 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from diffspec.tree import DraftTree
 from draft_service.hazard import (
     MAX_WIDTH,
     PRIOR_WEIGHT,
@@ -55,12 +65,15 @@ from draft_service.hazard import (
 )
 from draft_service.tree_budget import FULL_TOP_K, DepthPlan, TreeBudget, TreePolicy
 
+if TYPE_CHECKING:
+    from diffspec.tree import DraftTree  # torch: the tuning presets read the grid without it
+
 CANDIDATE_GRID = tuple(
     TreeBudget.parse(config) for config in ("16:0.0:4", "32:0.0:6", "48:0.0:8", "64:0.0:8", "96:0.0:10")
 )
 PLAN_HYSTERESIS = 0.03  # a new candidate must beat the current one by 3% to replace it
 START_STEPS = 4  # a session proposes its own budget until it has measured it this many steps
-PROBE_EVERY = 8  # proposals between probes: one step in this many measures every dynamic candidate
+PROBE_EVERY = 8  # batch proposals between probes: in one step of this many, one online session probes
 SESSION_ACCEPT_DECAY = 0.97  # a request's acceptance means follow its text over ~30 steps
 GLOBAL_ACCEPT_DECAY = 0.995  # the global means, every request's prior, move slowly
 CALIBRATION_PRIOR_TOKENS = 10.0  # predicted tokens a calibration prior (the global one, or 1) is worth
@@ -116,6 +129,14 @@ def fixed_candidate(policy: TreePolicy, budget: TreeBudget) -> Candidate:
 
 
 @functools.lru_cache(maxsize=1024)
+def prober(proposals: int, online_sessions: int) -> int | None:
+    """Which online session of the batch proposes its probe at the batch's ``proposals``-th proposal
+    (0-based), if any: one session in one proposal of every ``PROBE_EVERY``, the sessions in turn."""
+    if online_sessions == 0 or proposals % PROBE_EVERY != PROBE_EVERY - 1:
+        return None
+    return (proposals // PROBE_EVERY) % online_sessions
+
+
 def uniform_widths(budget: TreeBudget) -> tuple[int, ...]:
     """The widest uniform static tree of the budget's depth within its tokens (a chain when none fits)."""
     if budget.depth + 1 > budget.total_tokens:
@@ -126,7 +147,8 @@ def uniform_widths(budget: TreeBudget) -> tuple[int, ...]:
 
 def contains(outer: TreeBudget, inner: TreeBudget) -> bool:
     """Whether the dynamic tree at ``inner`` is the best of the nodes of the one at ``outer``."""
-    return inner.total_tokens <= outer.total_tokens and inner.depth <= outer.depth and inner.threshold >= outer.threshold
+    smaller = inner.total_tokens <= outer.total_tokens and inner.depth <= outer.depth
+    return smaller and inner.threshold >= outer.threshold
 
 
 def counterfactual_accepted(tree: DraftTree, passed_ranks: list[int], budgets: list[TreeBudget]) -> list[int]:
@@ -286,7 +308,7 @@ class SharedMeasurements:
     calibration: Calibration = field(default_factory=lambda: Calibration(GLOBAL_ACCEPT_DECAY))
 
 
-@dataclass
+@dataclass(eq=False)
 class TreePlanner:
     """One ``online`` session's candidates, what it measured of them, and the one it proposes now."""
 
@@ -296,7 +318,6 @@ class TreePlanner:
     calibration: Calibration  # shaped trees' realised over predicted tokens
     current: Candidate = field(init=False)  # the candidate proposed until the next re-plan
     probe: Candidate = field(init=False)  # the dynamic tree containing every dynamic candidate
-    proposals: int = field(init=False, default=0)
     current_model_tokens: float = field(init=False, default=0.0)  # the rank model's E of ``current`` when chosen
     observed_steps: int = field(init=False, default=0)
 
@@ -307,15 +328,6 @@ class TreePlanner:
             max(b.total_tokens for b in budgets), min(b.threshold for b in budgets), max(b.depth for b in budgets)
         ))  # fmt: skip
 
-    def propose(self) -> Candidate:
-        """The tree to propose this step: the current candidate, and every ``PROBE_EVERY`` steps the probe.
-
-        A session measures only the dynamic candidates inside the tree it proposes; without probes a
-        candidate measured low by chance, larger than the current one, would never be measured again.
-        """
-        self.proposals += 1
-        return self.probe if self.proposals % PROBE_EVERY == 0 else self.current
-
     @property
     def max_tokens(self) -> int:
         return max(c.budget.total_tokens for c in self.dynamic)
@@ -325,7 +337,9 @@ class TreePlanner:
         return max(c.budget.depth for c in self.dynamic)
 
     @staticmethod
-    def start(budget: TreeBudget, shared: SharedMeasurements, grid: tuple[TreeBudget, ...] = CANDIDATE_GRID) -> TreePlanner:
+    def start(
+        budget: TreeBudget, shared: SharedMeasurements, grid: tuple[TreeBudget, ...] = CANDIDATE_GRID
+    ) -> TreePlanner:
         dynamic = [Candidate.dynamic(b) for b in dict.fromkeys([budget, *grid])]
         shaped = Candidate.shaped(list(uniform_widths(budget)), budget.threshold)
         budgets = [c.budget for c in dynamic]
@@ -348,7 +362,11 @@ class TreePlanner:
     def expected(self, candidate: Candidate, passes: list[list[float]]) -> float:
         """E(c): tokens per step, measured for dynamic trees, the calibrated rank model for shaped ones."""
         if candidate.kind == DYNAMIC:
-            return 1.0 + self.accepted.mean(candidate.budget, lambda b: expected_tokens(passes, uniform_widths(b)) - 1.0)
+
+            def guess(budget: TreeBudget) -> float:  # drafts of the uniform static tree of its size and depth
+                return expected_tokens(passes, uniform_widths(budget)) - 1.0
+
+            return 1.0 + self.accepted.mean(candidate.budget, guess)
         return self.calibration.ratio * expected_tokens(passes, candidate.widths)
 
     def choose(self, hazard: HazardProfile, value: StepValue) -> tuple[Candidate, float]:

@@ -1,5 +1,6 @@
 """What a run leaves in its folder: results.json (everything, raw runs included), results.md (the
-tables), one plot per dataset, and reproduce.log (written while it ran)."""
+tables), tuned_profile.json (the tuning pass's winners, for ``DIFFSPEC_TUNING_PROFILE``), one plot per
+dataset, and reproduce.log (written while it ran)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from bench.reproduce.draft_steps import DraftStep
 from bench.reproduce.plots import plot_summaries
 from bench.reproduce.presets import ProtocolConfig
 from bench.reproduce.report import markdown, to_dicts
+from bench.reproduce.tuning import write_tuned_profile
 from diffspec.settings import DiffSpecSettings
 
 if TYPE_CHECKING:
@@ -66,8 +68,12 @@ def write_outputs(
         "warmup_draft_steps": [w.to_dict() for w in result.warmup_draft_steps],
     }
     (result.out_dir / "results.json").write_text(json.dumps(document, indent=1))
+    provenance = {key: document[key] for key in ("command", "started", "device", "commit")}
+    provenance.update(base_model=str(settings.base_model), draft_model=str(settings.draft_model))
+    profile = write_tuned_profile(result.out_dir, result.scores, provenance)
     table = markdown(result.summaries, result.scores, header)
     (result.out_dir / "results.md").write_text(table)
     plots = plot_summaries(result.summaries, result.out_dir)
-    log.info("wrote %s: results.json, results.md, %s, reproduce.log", result.out_dir, ", ".join(p.name for p in plots))
+    written = [p.name for p in (*plots, *([profile] if profile else []))]
+    log.info("wrote %s: results.json, results.md, %s, reproduce.log", result.out_dir, ", ".join(written))
     print(table, flush=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from bench.reproduce.arms import AUTO, BASELINE_TREE_CONFIG, EAGLE3, EAGLE3_SALIENCE
 from diffspec.settings import SHARED_DIR
+from draft_service.tree_plan import CANDIDATE_GRID
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ SMOKE = ProtocolConfig(
 
 FULL = replace(
     SMOKE, preset="full", context_targets=(4096, 16384, 32768, 65536, 131072),
-    candidate_configs=("16:0.0:4", "32:0.0:6", "48:0.0:8", "64:0.0:8", "96:0.0:10"), policies=("online", "full"),
+    candidate_configs=tuple(budget.config for budget in CANDIDATE_GRID), policies=("online", "full"),
     tune_max_new_tokens=64, eval_max_new_tokens=256, prompts=8, tune_prompts=2,
 )
 

@@ -16,7 +16,9 @@ from bench.reproduce.presets import FULL, SMOKE
 from bench.reproduce.prompts import Dataset, cut_to_context, load_datasets, prompts_at
 from bench.reproduce.protocol import model_settings
 from bench.reproduce.runs import RunRecord
-from bench.reproduce.tuning import score_candidates
+from bench.reproduce.tuning import CandidateScore, score_candidates, tuned_profile, write_tuned_profile
+from draft_service.options import DraftOptions
+from draft_service.tuned_profile import load_tuned_profile
 from gateway.request import GenerationStats
 
 
@@ -93,6 +95,30 @@ def test_tuning_chooses_the_fastest_decode_not_the_highest_tau():
     assert [s.decode_tokens_per_s for s in scores] == [32.0, 64.0, 40.0, 16.0]
     assert [s.tau for s in scores] == [3.0, 6.0, 8.5, 8.5]
     assert (scores[1].policy, scores[1].tree_config) == ("online", "64:0.0:8")
+
+
+def _score(dataset: str, context: int, policy: str, config: str, tokens_per_s: float, chosen: bool) -> CandidateScore:
+    return CandidateScore(dataset, context, f"diffspec[{policy} {config}]", policy, config, True, 2, 3.0, tokens_per_s,
+                          chosen)
+
+
+def test_the_tuned_profile_keeps_each_case_winner_and_pools_datasets_per_context(tmp_path):
+    scores = [
+        _score("code", 4096, "online", "32:0.0:6", 100.0, False),
+        _score("code", 4096, "online", "64:0.0:8", 110.0, True),
+        _score("prose", 4096, "online", "32:0.0:6", 60.0, True),
+        _score("prose", 4096, "online", "64:0.0:8", 50.0, False),
+        _score("code", 65536, "full", "16:0.0:4", 40.0, True), _score("code", 65536, "full", "32:0.0:6", 30.0, False),
+    ]
+    profile = tuned_profile(scores, {"command": "python -m bench.reproduce --preset full"})
+    assert {name: [(e["context"], e["tree_config"]) for e in rows] for name, rows in profile["datasets"].items()} == {
+        "code": [(4096, "64:0.0:8"), (65536, "16:0.0:4")], "prose": [(4096, "32:0.0:6")]}
+    # at 4K: 32:0.0:6 is 100/110 and 60/60 of each dataset's best (geometric mean .953), 64:0.0:8 1 and 50/60 (.913)
+    assert [(e["context"], e["policy"], e["tree_config"]) for e in profile["default"]] == [
+        (4096, "online", "32:0.0:6"), (65536, "full", "16:0.0:4")]
+    loaded = load_tuned_profile(write_tuned_profile(tmp_path, scores, {}))
+    assert loaded.options_for(3000) == DraftOptions("online", "32:0.0:6", True)
+    assert loaded.options_for(70000) == DraftOptions("full", "16:0.0:4", True)
 
 
 def test_draft_steps_come_only_from_a_recording_engine():

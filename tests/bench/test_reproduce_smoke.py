@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import pytest
 
+from draft_service.options import DraftOptions
+from draft_service.tuned_profile import load_tuned_profile
+
 ARMS = ["auto", "eagle3", "eagle3+salience", "diffspec", "transformers"]
 
 
 def test_writes_every_file(smoke_run):
     exit_code, out_dir, _ = smoke_run
     assert exit_code == 0
-    assert {p.name for p in out_dir.iterdir()} == {"results.json", "results.md", "reproduce.log", "repo_code.png"}
+    assert {p.name for p in out_dir.iterdir()} == {"results.json", "results.md", "reproduce.log", "repo_code.png",
+                                                 "tuned_profile.json"}
     log = (out_dir / "reproduce.log").read_text()
     assert "tuned repo_code @ 1024" in log and "EXACTNESS FAILED" not in log
+
+
+def test_the_tuned_profile_serves_the_chosen_candidate(smoke_run):
+    _, out_dir, result = smoke_run
+    chosen = next(s for s in result["tuning"] if s["chosen"])
+    profile = load_tuned_profile(out_dir / "tuned_profile.json")
+    assert profile.options_for(1024) == DraftOptions(chosen["policy"], chosen["tree_config"], salience=True)
 
 
 def test_every_arm_is_summarised_and_tabled(smoke_run):

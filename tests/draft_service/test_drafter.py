@@ -26,7 +26,7 @@ from tests.draft_service.reference_proposal import reference_tree
 CONTEXT_LENGTHS = (5, 37, 150, 300)  # one batch, four contexts
 SALIENCE = WorkingSetConfig(chunk_size=16, budget_tokens=96, sink_chunks=1, recent_chunks=2)  # a strict subset at 300
 
-# policy shape -> (plan, budget): what runtime.depth_plan and hazard.widths_to_plan give for each policy
+# policy shape -> (plan, budget): what tree_plan.fixed_candidate and hazard.widths_to_plan give for each policy
 POLICIES = {
     "chain": ([DepthPlan(1, 1)] * 6, TreeBudget(64, 0.0, 6)),
     "uniform2": ([DepthPlan(7, 2)] * 3, TreeBudget(15, 0.0, 3)),

@@ -23,6 +23,7 @@ from draft_service.tree_plan import (
     StepValue,
     TreePlanner,
     counterfactual_accepted,
+    prober,
 )
 from tests.draft_service.synthetic_trees import World, grow, verify
 
@@ -151,12 +152,19 @@ def test_a_plan_scores_a_bounded_number_of_candidates():
     assert value.evaluations <= dynamic + 1 + 1 + (1 + CLIMB_MOVES * (2 * planner.max_depth + 2))
 
 
-def test_every_few_proposals_probe_every_dynamic_candidate():
-    planner = TreePlanner.start(B("24:0.0:5"), SharedMeasurements())
-    proposals = [planner.propose() for _ in range(2 * PROBE_EVERY)]
-    probes = [i for i, c in enumerate(proposals, start=1) if c != planner.current]
-    assert probes == [PROBE_EVERY, 2 * PROBE_EVERY]
-    assert proposals[PROBE_EVERY - 1].budget == B("96:0.0:10")  # it contains every candidate
+@pytest.mark.parametrize(
+    ("online_sessions", "probers"),
+    [(0, [None] * 24), (1, [0 if i % 8 == 7 else None for i in range(24)]),
+     (3, [{7: 0, 15: 1, 23: 2}.get(i) for i in range(24)])],
+)
+def test_one_session_probes_in_one_proposal_of_every_few(online_sessions, probers):
+    assert PROBE_EVERY == 8
+    assert [prober(i, online_sessions) for i in range(24)] == probers
+
+
+def test_the_probe_contains_every_candidate():
+    planner = TreePlanner.start(B("24:0.05:11"), SharedMeasurements())
+    assert planner.probe == Candidate.dynamic(B("96:0.0:11"))
 
 
 def simulate(cost: StepCostModel, start: str, sessions: int, steps: int, seed: int) -> list[Candidate]:
@@ -169,7 +177,8 @@ def simulate(cost: StepCostModel, start: str, sessions: int, steps: int, seed: i
         for step in range(steps):
             if step % 4 == 0:
                 planner.choose(hazard, StepValue(cost))
-            world, proposed = World(random.Random(rng.random())), planner.propose()
+            world = World(random.Random(rng.random()))
+            proposed = planner.probe if prober(step, 1) is not None else planner.current
             tree, paths = grow(world, list(proposed.plan), proposed.budget)
             ranks, stop_width = verify(world, tree, paths)
             hazard.observe(ranks, stop_width)

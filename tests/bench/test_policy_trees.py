@@ -1,0 +1,44 @@
+"""bench.policy_trees: the trees a policy picked per context, from recorded draft steps (a made-up run with
+exact figures, and the CPU smoke run)."""
+
+from __future__ import annotations
+
+import json
+
+from bench import policy_trees
+from bench.reproduce.draft_steps import DraftStep
+
+
+def _run(label: str, context: int, steps: list[DraftStep]) -> dict:
+    return {"dataset": "d", "context": context, "label": label, "draft_steps": [s.to_list() for s in steps]}
+
+
+def test_shapes_and_means_per_context(tmp_path):
+    document = {"command": "x", "runs": [
+        _run("diffspec[online 64:0.0:8]", 4096, [DraftStep(3, 8, 64, [0, 0, 1], 2), DraftStep(8, 8, 64, [0] * 8, 0)]),
+        _run("diffspec[online 64:0.0:8]", 4096, [DraftStep(0, 4, 16, [], 10)]),
+        _run("diffspec[online 64:0.0:8]", 65536, [DraftStep(1, 4, 16, [0], 3), DraftStep(2, 4, 16, [0, 0], 1)]),
+        _run("eagle3[full 64:0.0:8]", 4096, [DraftStep(5, 8, 64, [0] * 5, 3)]),  # another policy: not drawn
+        _run("auto", 4096, []),
+    ]}
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(document))
+    rows = policy_trees.analyse(results, tmp_path / "out")
+    assert [(r.context, r.runs, r.steps, r.mean_tokens, r.mean_depth, r.tau, r.shapes) for r in rows] == [
+        (4096, 2, 3, 48.0, 6.67, 4.667, [(8, 64, 2), (4, 16, 1)]),
+        (65536, 1, 2, 16.0, 4.0, 2.5, [(4, 16, 2)]),
+    ]
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} == {"policy_trees.png", "policy_trees.json", "policy_trees.md"}
+    assert "| d | 4096 | 2 | 3 | 48.0 | 6.7 | 4.67 | 8x64: 67%, 4x16: 33% |" in (out / "policy_trees.md").read_text()
+
+
+def test_draws_the_smoke_runs_online_trees(smoke_run, tmp_path):
+    _, out_dir, result = smoke_run
+    rows = policy_trees.analyse(out_dir / "results.json", tmp_path)
+    online = [r for r in result["runs"] if "[online " in r["label"]]
+    steps = [DraftStep.from_list(row) for r in online for row in r["draft_steps"]]
+    assert len(rows) == 1 and rows[0].context == 1024 and rows[0].runs == len(online)
+    assert rows[0].steps == len(steps) == sum(n for _, _, n in rows[0].shapes) > 0
+    assert rows[0].mean_tokens == round(sum(s.tree_tokens for s in steps) / len(steps), 2)
+    assert (tmp_path / "policy_trees.png").stat().st_size > 10_000
