@@ -108,7 +108,8 @@ class RunningRequest:
         if result.features is not None and self.drafting:
             if self.inherited_features is not None:  # the rows before the first computed one are the fork's
                 start = result.done_tokens - len(result.features)
-                self.prompt_features.append(self.inherited_features[:start])
+                if start:  # a recomputed prompt (the fork's parent was gone) needs none of them
+                    self.prompt_features.append(self.inherited_features[:start])
                 self.inherited_features = None
             self.prompt_features.append(result.features)
         if result.first_token is None:
