@@ -44,6 +44,7 @@ MAX_WIDTH = 10
 PRIOR_TOP1_FAIL = 0.25  # before any data: P(the best child is rejected); optimistic, so unseen depths get explored
 PRIOR_NEXT_FAIL = 0.7  # before any data: P(the next sibling is rejected too)
 PRIOR_WEIGHT = 3.0  # pseudo-observations a prior is worth
+DEFAULT_FAIL_RATES = [PRIOR_TOP1_FAIL] + [PRIOR_NEXT_FAIL] * (MAX_WIDTH - 1)
 RESCALE_BELOW = 1e-200  # the decay scale folded into the counts before it underflows
 
 
@@ -99,16 +100,20 @@ class HazardProfile:
 
     def fail_rate(self, depth: int, rank: int) -> float:
         """f_r(d): P(sibling ``rank`` is rejected | all better siblings were), depth 1-based."""
-        if self.prior is not None:
-            prior = self.prior.fail_rate(depth, rank)
-        else:
-            prior = PRIOR_TOP1_FAIL if rank == 0 else PRIOR_NEXT_FAIL
-        if depth > self.max_depth or rank >= MAX_WIDTH:
+        if rank >= MAX_WIDTH:
+            return self.prior.fail_rate(depth, rank) if self.prior is not None else PRIOR_NEXT_FAIL
+        return self.fail_rates(depth)[rank]
+
+    def fail_rates(self, depth: int) -> list[float]:
+        """f_r(d) for r = 0..MAX_WIDTH - 1 (one pass over the depth's counts and the prior's)."""
+        prior = self.prior.fail_rates(depth) if self.prior is not None else DEFAULT_FAIL_RATES
+        if depth > self.max_depth:
             return prior
-        counts = self.depths[depth - 1]
-        failed, tried = counts.failed[rank] * self._scale, counts.tried[rank] * self._scale
-        estimate = (failed + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
-        return max(EPS, min(1.0 - EPS, estimate))
+        counts, scale = self.depths[depth - 1], self._scale
+        return [
+            max(EPS, min(1.0 - EPS, (failed * scale + PRIOR_WEIGHT * p) / (tried * scale + PRIOR_WEIGHT)))
+            for failed, tried, p in zip(counts.failed, counts.tried, prior)
+        ]
 
     def pass_probability(self, depth: int, width: int) -> float:
         """P(the path passes ``depth`` | it reached it with ``width`` children proposed)."""
@@ -129,8 +134,8 @@ class HazardProfile:
     def _passes(self, depth: int) -> list[float]:
         """P(pass ``depth`` | w children) for w = 0..MAX_WIDTH; width 0 counts as 1 (the best child is always tried)."""
         all_fail, row = 1.0, []
-        for rank in range(MAX_WIDTH):
-            all_fail *= self.fail_rate(depth, rank)
+        for fail in self.fail_rates(depth):
+            all_fail *= fail
             row.append(1.0 - all_fail)
         return [row[0], *row]
 

@@ -34,6 +34,7 @@ from draft_service.tree_plan import (
 from draft_service.working_set import WorkingSetConfig
 
 REPLAN_EVERY = 4  # steps between a session's plans: planning is host time, and a hazard moves slowly
+OBSERVED_PER_STEP = 4  # online sessions whose verified tree a step hands their planner (host time per step)
 REQUEST_DECAY = 0.9  # a request's hazard forgets old steps fast: it follows the text
 GLOBAL_DECAY = 0.995  # the global prior moves slowly
 
@@ -57,7 +58,6 @@ class _SessionState:
     proposed: _Proposed | None = None  # for the planner: the last proposal, until its step is observed
     expected_tokens: float = 1.0  # what the last plan expected to emit per step
     steps_to_replan: int = 0  # proposals left before the plan is made again
-    planned_batch: int = 0  # sessions in the batch at the last plan: a batch of another size re-plans at once
 
 
 class DraftRuntime:
@@ -166,17 +166,18 @@ class DraftRuntime:
         started = time.perf_counter()
         trees = self.drafter.propose_many(requests)
         self.step_cost.observe_draft(max(c.depth for c in chosen), time.perf_counter() - started)
-        for session, tree, candidate in zip(sessions, trees, chosen):
+        for i in self._observed(sessions, chosen):
+            sessions[i].proposed = _Proposed(trees[i], chosen[i], sessions[i].hazard.steps)
+        for session, tree in zip(sessions, trees):
             session.last_tree = tree
-            if session.planner is not None:
-                session.proposed = _Proposed(tree, candidate, session.hazard.steps)
         return dict(zip(session_ids, trees))
 
     def _plan_batch(self, sessions: list[_SessionState]) -> list[Candidate]:
         """Each session's tree, ``online`` ones as a best response to the rest of the batch's current trees.
 
-        Re-plans only the sessions due (every ``REPLAN_EVERY`` proposals, or when the batch changed size);
-        the others propose their current candidate as it is. Now and then one online session proposes its
+        Re-plans only the sessions due, each every ``REPLAN_EVERY`` proposals (sessions started together are
+        staggered, so a step re-plans about a quarter of the batch, and a change of the batch reaches every
+        plan within ``REPLAN_EVERY`` steps); the others propose their current candidate as it is. Now and then one online session proposes its
         probe instead (``tree_plan.prober``).
         """
         for session in sessions:
@@ -187,11 +188,10 @@ class DraftRuntime:
         context = sum(s.drafter_state.num_entries for s in sessions) // len(sessions)
         self.step_cost.note_batch(context)
         for session, size in zip(sessions, sizes):
-            if session.steps_to_replan <= 0 or session.planned_batch != len(sessions):
+            if session.steps_to_replan <= 0:
                 deepest_other = depths[1] if session.candidate.depth == depths[0] else depths[0]
                 others = BatchLoad(total_size - size, total_expected - session.expected_tokens, deepest_other)
                 self._replan(session, StepValue(self.step_cost, others, context))
-                session.planned_batch = len(sessions)
             session.steps_to_replan -= 1
         chosen = [s.candidate for s in sessions]
         online = [i for i, s in enumerate(sessions) if s.planner is not None]
@@ -202,6 +202,14 @@ class DraftRuntime:
             assert planner is not None
             chosen[online[probing]] = planner.probe
         return chosen
+
+    def _observed(self, sessions: list[_SessionState], chosen: list[Candidate]) -> list[int]:
+        """The online sessions whose trees their planners will learn from: ``OBSERVED_PER_STEP`` of them in
+        turn (a large batch's host time stays bounded), and a probe always."""
+        online = [i for i, s in enumerate(sessions) if s.planner is not None]
+        stride = max(1, -(-len(online) // OBSERVED_PER_STEP))
+        turn = set(online[self.proposals % stride :: stride])
+        return [i for i in online if i in turn or chosen[i] is not sessions[i].candidate]  # the latter: a probe
 
     def _observe_proposal(self, session: _SessionState) -> None:
         """Hand an online session's planner its last tree with the ranks the hazard profile observed for it."""

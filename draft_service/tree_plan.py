@@ -38,11 +38,13 @@ profile starts it) until it has measured it ``START_STEPS`` times. Since every f
 is a candidate, the choice's predicted value is at least each fixed configuration's, by construction
 (up to the hysteresis while the current one is kept).
 
-Cadence. The runtime re-plans a session every few steps and when its batch changes size; a
+Cadence. The runtime re-plans a session every few steps (the batch's sessions in turn); a
 re-plan scores each dynamic candidate once and climbs the shaped tree a few moves from where it
 was, so it costs a bounded number of evaluations (``StepValue.evaluations``), never a search.
-Between re-plans a session proposes its current candidate unchanged (or the probe). Observing a
-step costs one pass over the verified tree's nodes and one sort of them.
+Between re-plans a session proposes its current candidate unchanged (or the probe). Learning from
+a verified tree costs one pass over its nodes and one sort of them; the runtime hands a step's trees
+to a few sessions' planners in turn (``runtime.OBSERVED_PER_STEP``), so a large batch's host time
+stays bounded.
 """
 
 from __future__ import annotations
@@ -98,16 +100,16 @@ class Candidate:
         """The static tree of ``widths``; its budget keeps every node it grows."""
         return Candidate(SHAPED, tuple(widths_to_plan(widths)), TreeBudget(tree_size(widths), threshold, len(widths)))
 
-    @property
+    @functools.cached_property
     def widths(self) -> list[int]:
         """Children per expanded node, per depth: what the rank model scores."""
         return [step.children for step in self.plan]
 
-    @property
+    @functools.cached_property
     def depth(self) -> int:
         return min(len(self.plan), self.budget.depth)
 
-    @property
+    @functools.cached_property
     def tokens(self) -> int:
         """Tree tokens the verify holds (root included): the budget, or fewer when the plan grows fewer."""
         grown, nodes = 1, 1
@@ -128,7 +130,6 @@ def fixed_candidate(policy: TreePolicy, budget: TreeBudget) -> Candidate:
     return Candidate.dynamic(budget)
 
 
-@functools.lru_cache(maxsize=1024)
 def prober(proposals: int, online_sessions: int) -> int | None:
     """Which online session of the batch proposes its probe at the batch's ``proposals``-th proposal
     (0-based), if any: one session in one proposal of every ``PROBE_EVERY``, the sessions in turn."""
@@ -137,6 +138,7 @@ def prober(proposals: int, online_sessions: int) -> int | None:
     return (proposals // PROBE_EVERY) % online_sessions
 
 
+@functools.lru_cache(maxsize=1024)
 def uniform_widths(budget: TreeBudget) -> tuple[int, ...]:
     """The widest uniform static tree of the budget's depth within its tokens (a chain when none fits)."""
     if budget.depth + 1 > budget.total_tokens:
@@ -154,31 +156,34 @@ def contains(outer: TreeBudget, inner: TreeBudget) -> bool:
 def counterfactual_accepted(tree: DraftTree, passed_ranks: list[int], budgets: list[TreeBudget]) -> list[int]:
     """Drafts each dynamic tree of ``budgets`` (each contained in ``tree``'s) would have had accepted.
 
+    ``tree`` is listed as the proposal lists it: a node's children are consecutive nodes, best first.
+
     ``passed_ranks[d-1]`` is the accepted child's place among its parent's children at depth d. A
     budget's tree is ``tree``'s best total_tokens - 1 nodes of depth <= its depth and cumulative draft
     probability >= its threshold, ranked as the device ranks them (cumulative log-prob descending, ties
     to the earlier node); it accepts the longest prefix of the accepted path inside it.
     """
-    parents, probs = tree.parents.tolist(), tree.draft_probs.tolist()
-    children: list[list[int]] = [[] for _ in parents]
-    log_prob, depth, log = [0.0] * len(parents), [0] * len(parents), math.log
+    parents = tree.parents.tolist()
+    own = [math.log(p) if p > 0 else -1e30 for p in tree.draft_probs.tolist()]
+    log_prob, depth = [0.0] * len(parents), [0] * len(parents)
     for node in range(1, len(parents)):
         parent = parents[node]
-        children[parent].append(node)
-        log_prob[node] = log_prob[parent] + log(probs[node] or 1e-45)
+        log_prob[node] = log_prob[parent] + own[node]
         depth[node] = depth[parent] + 1
     path, node = [], 0
-    for rank in passed_ranks:
-        node = children[node][rank]
+    for rank in passed_ranks:  # a node's children are consecutive nodes, best first
+        node = parents.index(node, node + 1) + rank
         path.append(node)
     # Walk the ranking; at each path node note how many nodes of each depth ranked ahead of it. A path
     # node's log-prob never exceeds its parent's, so the ranking meets the path in path order.
     ahead_by_depth, ahead = [0] * (max(depth) + 1), []
-    for node in sorted(range(1, len(parents)), key=log_prob.__getitem__, reverse=True):
-        if len(ahead) == len(path):
-            break
-        if node == path[len(ahead)]:
+    next_on_path = path[0] if path else -1
+    for node in sorted(range(1, len(parents)), key=log_prob.__getitem__, reverse=True) if path else ():
+        if node == next_on_path:
             ahead.append(ahead_by_depth.copy())
+            if len(ahead) == len(path):
+                break
+            next_on_path = path[len(ahead)]
         ahead_by_depth[depth[node]] += 1
     accepted = []
     for budget in budgets:
