@@ -102,12 +102,15 @@ async def serve(role: str, settings: DiffSpecSettings) -> None:
         from gateway.http_api import HttpServer, create_app
 
         app = create_app(engine, settings, host.metrics, host.readiness)
-        http = HttpServer(app, settings.http_listen, settings.shutdown_grace_seconds)
+        http = HttpServer(
+            app, settings.http_listen, settings.shutdown_grace_seconds, settings.tls_cert, settings.tls_key,
+            settings.tls_client_ca,
+        )  # fmt: skip
 
     async def load() -> None:
         if http is not None:  # up while the models load: /health answers, /ready says 503
             address = await http.start()
-            print(f"diffspec {role} OpenAI-compatible HTTP API on http://{address}/v1", flush=True)
+            print(f"diffspec {role} OpenAI-compatible HTTP API on {http.scheme}://{address}/v1", flush=True)
         await load_models()
 
     async def close() -> None:

@@ -1,7 +1,9 @@
 """``python -m diffspec.health_probe HOST:PORT [SERVICE] [--wait-for PID]``: exit 0 iff the server's
 gRPC health is SERVING.
 
-The container health check of every DiffSpec image (no grpc_health_probe binary to ship). With
+The container health check of every DiffSpec image (no grpc_health_probe binary to ship); it
+speaks TLS when ``DIFFSPEC_TLS_CA`` is set, with ``DIFFSPEC_TLS_CERT``/``DIFFSPEC_TLS_KEY`` as its
+client certificate for a server that asks for one (mutual TLS), as the images set them. With
 ``--wait-for PID`` it waits for the server that process ``PID`` started, and fails as soon as
 that process exits: a server answers SERVING for its own process's health name too, so a probe
 never mistakes another server on the same port for the one it waits for.
@@ -18,6 +20,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from diffspec.grpc_options import open_blocking_channel
+from diffspec.settings import DiffSpecSettings
+
 TIMEOUT_S = 3.0
 POLL_S = 0.5
 
@@ -28,8 +33,9 @@ def process_service(pid: int) -> str:
 
 
 def check(address: str, service: str = "") -> tuple[bool, str]:
-    """(SERVING or not, what the server said or why it could not be asked)."""
-    with grpc.insecure_channel(address) as channel:
+    """(SERVING or not, what the server said or why it could not be asked). The channel is the settings'
+    (``DIFFSPEC_TLS_CA`` and the others from the environment), so a container's probe speaks its server's TLS."""
+    with open_blocking_channel(address, DiffSpecSettings()) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S

@@ -268,3 +268,26 @@ class ServiceHost:
 def model_name(checkpoint: str | os.PathLike[str]) -> str:
     """A checkpoint's name for callers (Info RPCs, /v1/models): its directory's name, never the host path."""
     return os.path.basename(os.path.normpath(checkpoint))
+
+
+class StepWorker:
+    """Runs one ``Step`` stream's work on worker threads, one call at a time, and its final release only after
+    the call in flight has ended. A thread cannot be cancelled: a stream cancelled while a step opens
+    sessions would otherwise release before that step ran, and the sessions it opens would leak."""
+
+    def __init__(self) -> None:
+        self._running: asyncio.Future[Any] | None = None
+
+    async def run(self, work: Callable[..., T], *args: Any) -> T:
+        self._running = asyncio.ensure_future(asyncio.to_thread(work, *args))
+        return await asyncio.shield(self._running)
+
+    async def finally_run(self, work: Callable[..., Any], *args: Any) -> None:
+        """``work(*args)`` once the call in flight (if any) has ended, whatever cancels the caller meanwhile."""
+
+        async def after_running() -> None:
+            if self._running is not None:
+                await asyncio.wait([self._running])
+            await asyncio.to_thread(work, *args)
+
+        await asyncio.shield(after_running())

@@ -7,8 +7,8 @@ late reply stays owed; until it comes, steps still send the draft their releases
 accepts, in order, but no proposal, so a draft that resumes catches up cheaply and is asked to
 propose again at the next step after. Trees in late replies are dropped; their failures are not.
 
-A draft that cannot be reached, whose stream breaks, or that stays behind for ``step_timeout``
-raises ``PeerUnavailable``: the engine turns its requests to Auto for good. The stream is dropped,
+A draft that cannot be reached, whose stream breaks, that sends nothing for ``step_timeout`` while
+replies are owed, or that falls ``MAX_STEPS_BEHIND`` steps behind raises ``PeerUnavailable``: the engine turns its requests to Auto for good. The stream is dropped,
 which releases every draft session on it; later requests open a fresh one, so a restarted draft
 is picked up again. ``wire`` counts the bytes of each step.
 """
@@ -32,6 +32,7 @@ from draft_service.messages import batch_to_proto, result_from_proto
 log = logging.getLogger(__name__)
 
 PEER = "draft service"
+MAX_STEPS_BEHIND = 512  # owed replies before a draft that answers, but too slowly to catch up, is dropped
 
 
 class RemoteDraft:
@@ -44,7 +45,7 @@ class RemoteDraft:
         proposal_timeout: float | None = None,
     ) -> None:
         """``metadata``: sent with the step stream (the bearer token); ``proposal_timeout``: seconds a step
-        waits for its trees (None = ``step_timeout``); ``step_timeout``: seconds the draft may stay behind."""
+        waits for its trees (None = ``step_timeout``); ``step_timeout``: seconds the draft may stay silent."""
         self.channel = channel
         self.max_message_bytes = max_message_bytes
         self.step_timeout = step_timeout
@@ -52,7 +53,8 @@ class RemoteDraft:
         self.wire = WireTraffic()  # prefill = a step that starts sessions (their prompts' features go with it)
         self.late_steps = 0  # steps whose proposals did not come in time (they ran Auto)
         self._owed = 0  # replies of steps sent and not yet read
-        self._behind_since = 0.0  # time.monotonic() when a step last gave up on its reply
+        self._silent_since = 0.0  # time.monotonic() since which owed replies have not come (the late step's send,
+        # then each reply read)
         stub = draft_pb2_grpc.DraftStub(channel)
         self._info = partial(stub.Info, draft_pb2.DraftInfoRequest(), metadata=metadata)
         self._stream: StepStream[draft_pb2.DraftStepRequest, draft_pb2.DraftStepReply] = StepStream(
@@ -83,7 +85,7 @@ class RemoteDraft:
         if reply is None:
             self._fall_behind()
             return DraftBatchResult(failures=late_failures)
-        self._owed -= 1
+        self._heard()
         self.wire.count(bool(batch.starts), sent, reply.ByteSize())
         result = result_from_proto(reply, PEER)
         result.failures.update(late_failures)
@@ -113,22 +115,28 @@ class RemoteDraft:
             self.wire.count(bool(batch.starts), sent, 0)
         return sent
 
+    def _heard(self) -> None:
+        self._owed -= 1
+        self._silent_since = time.monotonic()
+
     def _fall_behind(self) -> None:
-        self._behind_since = time.monotonic()
+        self._silent_since = time.monotonic() - self.proposal_timeout  # when the late step went out
         self.late_steps += 1
         log.warning("the draft's proposals did not come within %.2f s: this step runs Auto", self.proposal_timeout)
 
     def _catch_up(self) -> dict[str, DiffSpecError]:
         """Read the replies that have come in since a step gave up on them; the failures they carry.
-        Raises PeerUnavailable (dropping the stream) once the draft has been behind for ``step_timeout``."""
+        Raises PeerUnavailable (dropping the stream) once the draft owing replies has sent none for
+        ``step_timeout``, or owes more than ``MAX_STEPS_BEHIND``."""
         failures: dict[str, DiffSpecError] = {}
         while self._owed:
             reply = self._stream.poll(0)
             if reply is None:
-                if time.monotonic() - self._behind_since > self.step_timeout:
+                silent_s = time.monotonic() - self._silent_since
+                if silent_s > self.step_timeout or self._owed > MAX_STEPS_BEHIND:
                     self._stream.close()
-                    raise PeerUnavailable(f"{PEER} has not answered for {self.step_timeout:.0f} s")
+                    raise PeerUnavailable(f"{PEER} is {self._owed} steps behind, silent for {silent_s:.1f} s")
                 break
-            self._owed -= 1
+            self._heard()
             failures.update(result_from_proto(reply, PEER).failures)
         return failures

@@ -2,13 +2,13 @@
 
 As on the target, a stream's session ids live in a scope of its own and the ``finally``
 releases every draft session still open on it (draft KV, arena slots) however the stream
-ends. A step's features follow it in row chunks, each checked against the head's width and
+ends, once the step in flight has ended (``StepWorker``: a start still running would leak
+otherwise). A step's features follow it in row chunks, each checked against the head's width and
 against the rows the step's starts and accepts need.
 """
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 from diffspec.errors import InvalidRequest
 from diffspec.feature_rows import RowJoiner
 from diffspec.metrics import ServingMetrics
-from diffspec.serving import Loading, model_name
+from diffspec.serving import Loading, StepWorker, model_name
 from diffspec.settings import DiffSpecSettings
 from diffspec.tensor_wire import rows_to_tensor
 from diffspec.v1 import draft_pb2, draft_pb2_grpc
@@ -40,6 +40,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         runtime = self.draft.get()
         scope = uuid.uuid4().hex + "/"
         open_sessions: set[str] = set()
+        worker = StepWorker()
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
                 if message.WhichOneof("kind") != "step":
@@ -47,11 +48,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 batch = batch_from_proto(message.step, await self._features(context, message.step, runtime), scope)
                 open_sessions.update(s.session_id for s in batch.starts)
                 with self.metrics.time_call("step"):
-                    result = await asyncio.to_thread(runtime.step, batch)
+                    result = await worker.run(runtime.step, batch)
                 open_sessions.difference_update(batch.releases, result.failures)
                 await context.write(result_to_proto(result, scope))
         finally:
-            await asyncio.shield(asyncio.to_thread(runtime.step, DraftBatch(releases=sorted(open_sessions))))
+            await worker.finally_run(runtime.step, DraftBatch(releases=sorted(open_sessions)))
 
     async def Info(self, request: draft_pb2.DraftInfoRequest, context: Context) -> draft_pb2.DraftInfoResponse:
         runtime = self.draft.get()

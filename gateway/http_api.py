@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import time
 import uuid
 from contextlib import aclosing
@@ -351,17 +352,28 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    """uvicorn serving ``app`` on ``listen`` (host:port; port 0 picks one) in the running event loop."""
+    """uvicorn serving ``app`` on ``listen`` (host:port; port 0 picks one) in the running event loop; HTTPS
+    with ``certfile``/``keyfile``, asking every client for a certificate of ``client_ca`` when that is set
+    (the gRPC port's ``tls_cert``, ``tls_key`` and ``tls_client_ca``)."""
 
-    def __init__(self, app: FastAPI, listen: str, grace_seconds: float) -> None:
+    def __init__(
+        self, app: FastAPI, listen: str, grace_seconds: float, certfile: str = "", keyfile: str = "", client_ca: str = ""
+    ) -> None:
         self.app = app
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidRequest(f"http_listen must be host:port, got {listen!r}")
         self.host, self.port = host.strip("[]"), int(port)
+        self.scheme = "https" if certfile else "http"
+        tls: dict[str, Any] = {}
+        if certfile:
+            tls = {"ssl_certfile": certfile, "ssl_keyfile": keyfile}
+        if client_ca:
+            tls.update(ssl_ca_certs=client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(
-            app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=grace_seconds
-        )
+            app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=grace_seconds,
+            **tls,
+        )  # fmt: skip
         self.server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
 

@@ -38,6 +38,8 @@ from gateway.tokenizer_pool import TokenizerPool
 # A token is rarely longer than this many characters; longer texts are refused before they are tokenized,
 # so a huge text cannot cost seconds of tokenizer time and gigabytes of memory before its length check.
 MAX_CHARS_PER_TOKEN = 16
+# Info does not wait for the target's steps, so a target busy with a long prefill still answers in far less
+TARGET_PROBE_TIMEOUT_S = 2.0
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 Context = grpc.aio.ServicerContext
 
@@ -108,10 +110,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return client_id(metadata.get(CLIENT_HEADER), grpc_peer_host(context.peer()), tenant)
 
     async def target_answers(self) -> bool:
-        """Whether the remote target answers an Info call within ``peer_health_seconds`` (health follows it)."""
+        """Whether the remote target answers an Info call within ``TARGET_PROBE_TIMEOUT_S`` (health follows it)."""
         target = self.engine.get().target
         try:
-            await asyncio.to_thread(target.info, self.settings.peer_health_seconds)  # type: ignore[call-arg]
+            await asyncio.to_thread(target.info, TARGET_PROBE_TIMEOUT_S)  # type: ignore[call-arg]
         except PeerUnavailable:
             return False
         return True

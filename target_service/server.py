@@ -2,12 +2,12 @@
 
 A stream's session ids are put in a scope of its own, so a stream can only touch the KV pages
 of sessions it opened; whichever way the stream ends (half-close, cancel, disconnect, error),
-the ``finally`` releases every session still open on it, so every page returns.
+the ``finally`` releases every session still open on it, once the step in flight has ended (``StepWorker``),
+so every page returns.
 """
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from dataclasses import replace
 from typing import Any
@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from diffspec.metrics import ServingMetrics
-from diffspec.serving import Loading, model_name
+from diffspec.serving import Loading, StepWorker, model_name
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import target_pb2, target_pb2_grpc
 from diffspec.feature_rows import wire_rows
@@ -37,17 +37,18 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         runtime = self.target.get()
         scope = uuid.uuid4().hex + "/"
         open_sessions: set[str] = set()
+        worker = StepWorker()
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
                 batch, malformed = batch_from_proto(message, scope)
                 open_sessions.update(o.session_id for o in batch.opens)
                 with self.metrics.time_call("step"):
-                    result = await asyncio.to_thread(runtime.step, batch)
+                    result = await worker.run(runtime.step, batch)
                 open_sessions.difference_update(batch.releases, result.failures)
                 result.failures.update({scope + sid: failure for sid, failure in malformed.items()})
                 await self._reply(context, result, scope)
         finally:
-            await asyncio.shield(asyncio.to_thread(_release_all, runtime, open_sessions))
+            await worker.finally_run(_release_all, runtime, open_sessions)
 
     async def Info(self, request: target_pb2.TargetInfoRequest, context: Context) -> target_pb2.TargetInfoResponse:
         info = self.target.get().info()

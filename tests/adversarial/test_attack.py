@@ -7,56 +7,24 @@ no target or draft session is left.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from bench.adversarial import Attack, AttackConfig, Gauges
-from diffspec.metrics import ServingMetrics
-from diffspec.serving import Loading, StatusInterceptor
 from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
-from diffspec.v1 import gateway_pb2_grpc
 from draft_service.inprocess import load_draft_runtime
 from gateway.engine import SpeculativeEngine
 from gateway.engine_core import EngineLimits
 from gateway.quota import QuotaLimits
-from gateway.server import GatewayServicer
 from target_service.runtime import TargetRuntime
+from tests.adversarial.harness import InProcessGateway
 
 QUICK = AttackConfig(
     seconds=2.0, innocent_tokens=8, innocent_baseline=2, flood_streams=4, flood_tokens=64, cancel_threads=2,
     mutate_threads=1, slow_streams=1, call_timeout_s=10.0,
 )  # fmt: skip
-
-
-class InProcessGateway:
-    """The gRPC gateway servicer on a loopback port, its event loop on a thread of its own."""
-
-    def __init__(self, engine: SpeculativeEngine, settings: DiffSpecSettings) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.address = asyncio.run_coroutine_threadsafe(self._start(engine, settings), self.loop).result(30)
-
-    async def _start(self, engine: SpeculativeEngine, settings: DiffSpecSettings) -> str:
-        metrics = ServingMetrics()
-        self.server = grpc.aio.server(interceptors=[StatusInterceptor(metrics)])
-        loaded: Loading[SpeculativeEngine] = Loading("engine")
-        loaded.set(engine)
-        self.servicer = GatewayServicer(loaded, settings, metrics)
-        gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-        return f"127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
-        self.servicer.tokenizer_pool.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

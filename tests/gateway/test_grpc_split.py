@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from diffspec.health_probe import is_serving
 from diffspec.sampling import SamplingParams
 from diffspec.settings import REPO_ROOT
-from diffspec.v1 import gateway_pb2, target_pb2, target_pb2_grpc
+from diffspec.v1 import gateway_pb2
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest, GenerationStats
 from tests.conftest import short_prompts
@@ -207,16 +207,3 @@ def test_model_info_health_and_reflection(gateway_stub, split_deployment):
         assert is_serving(server.address, expected[server.role])
         assert services_of(server.address) == {expected[server.role], *BASE_SERVICES}
     assert not is_serving(f"127.0.0.1:{free_port()}")
-
-
-def test_serve_all_exposes_only_the_gateway(embedded_server):
-    """The in-process target and draft are not reachable on the client port."""
-    assert services_of(embedded_server.address) == {"diffspec.v1.Gateway", *BASE_SERVICES}
-    with grpc.insecure_channel(embedded_server.address) as channel:
-        with pytest.raises(grpc.RpcError) as refused:
-            target_pb2_grpc.TargetStub(channel).Info(target_pb2.TargetInfoRequest(), timeout=5)
-        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        step = channel.stream_stream("/diffspec.v1.Draft/Step")
-        with pytest.raises(grpc.RpcError) as refused:
-            list(step(iter([b""]), timeout=5))
-        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
