@@ -5,10 +5,12 @@ Each iteration, on the engine's own thread:
   2. makes one draft call: release finished sessions, start sessions whose prompt is done, accept
      what the last verification committed, propose a tree for every speculative session;
   3. makes one target call: release, open sessions for the queued requests the KV pool can hold to
-     their end (``gateway/admission.py``, fair across clients), the next prompt chunk of each
-     prefilling request under the iteration's token budget (trees first, so a 64K prompt never
-     stalls the streams already decoding), and one verification of every decoding request,
-     speculative (its tree) and Auto (a root-only tree) alike;
+     their end (``gateway/admission.py``, fair across clients), one verification of every decoding
+     request, speculative (its tree) and Auto (a root-only tree) alike, and the next prompt chunk of
+     each prefilling request under the iteration's token budget (trees first, so a 64K prompt never
+     stalls the streams already decoding). A finished prompt's first token (and last features) come
+     with the next target call, which collects it: the GPU computes the prompt while the next draft
+     call does its host work;
   4. hands each request's tokens to its output sink.
 Front ends (gRPC, HTTP, the CLI) only submit requests and read their sinks. A session failure
 fails that request alone; a draft failure turns the affected requests to Auto, which the target
@@ -276,6 +278,7 @@ class EngineCore:
 
     def _target_batch(self) -> TargetBatch:
         releases, self._target_releases = self._target_releases, []
+        collects = [r.request_id for r in self._requests.values() if r.awaiting_first_token]
         verifies = [
             VerifyStep(r.request_id, r.next_tree()) for r in self._requests.values() if r.phase is Phase.DECODING
         ]
@@ -292,9 +295,11 @@ class EngineCore:
                 running.phase, running.target_session = Phase.PREFILLING, True
             if running.phase is Phase.PREFILLING:
                 tokens = min(self.limits.prefill_chunk, budget, running.prompt_tokens - running.prefilled_tokens)
+                if tokens <= 0:
+                    continue  # computed: collected for its first token
                 prefills.append(PrefillWork(running.request_id, tokens))
                 budget -= tokens
-        return TargetBatch(releases, opens, prefills, verifies)
+        return TargetBatch(releases, opens, prefills, verifies, first_tokens_next_step=True, collects=collects)
 
     def _admitted_now(self) -> set[str]:
         """The queued requests whose worst-case KV pages fit now (gateway/admission.py)."""

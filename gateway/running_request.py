@@ -89,6 +89,11 @@ class RunningRequest:
     def prompt_tokens(self) -> int:
         return len(self.request.prompt_ids)
 
+    @property
+    def awaiting_first_token(self) -> bool:
+        """The whole prompt went to the target, which reports its first token in a later step."""
+        return self.phase is Phase.PREFILLING and self.prefilled_tokens == self.prompt_tokens
+
     def session_open(self, feature_layers: tuple[int, ...]) -> SessionOpen:
         """The target session to open: a fork of the prompt of an earlier sample of the same request once
         one is prefilled (its pages, and its features for the draft), else one that computes the prompt."""

@@ -54,6 +54,10 @@ class TargetBatch:
     opens: list[SessionOpen] = field(default_factory=list)
     prefills: list[PrefillWork] = field(default_factory=list)
     verifies: list[VerifyStep] = field(default_factory=list)
+    # a prompt finished in this step is reported, with its first token, by a later step that collects it:
+    # its forward then runs behind the caller's next host work instead of being waited for
+    first_tokens_next_step: bool = False
+    collects: list[str] = field(default_factory=list)  # sessions whose deferred finished prompt to report
 
     @property
     def tree_tokens(self) -> int:
@@ -61,15 +65,17 @@ class TargetBatch:
         return sum(step.tree.num_nodes for step in self.verifies)
 
     def __bool__(self) -> bool:
-        return bool(self.releases or self.opens or self.prefills or self.verifies)
+        return bool(self.releases or self.opens or self.prefills or self.verifies or self.collects)
 
 
 @dataclass(frozen=True)
 class PrefillResult:
     done_tokens: int  # prompt tokens whose KV is in the pages after this step
     total_tokens: int  # prompt length
-    first_token: int | None  # sampled from the last prompt position; set once the prompt is done
-    features: Features | None  # [rows computed this step, 3 * hidden], only when features were asked for
+    # sampled from the last prompt position; set once the prompt is done (with ``first_tokens_next_step``,
+    # by the step that collects it, which also carries the last chunk's features)
+    first_token: int | None
+    features: Features | None  # [rows computed, 3 * hidden], only when features were asked for
     first_logprobs: TokenLogprobs | None = None  # of first_token, when the sampling asks for logprobs
 
 

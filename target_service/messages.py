@@ -51,6 +51,8 @@ def batch_to_proto(batch: TargetBatch) -> target_pb2.TargetStep:
         ],
         prefills=[target_pb2.PrefillWork(session_id=p.session_id, num_tokens=p.num_tokens) for p in batch.prefills],
         verifies=[target_pb2.VerifyWork(session_id=v.session_id, tree=v.tree.to_nodes().to_proto()) for v in batch.verifies],
+        first_tokens_next_step=batch.first_tokens_next_step,
+        collects=batch.collects,
     )
 
 
@@ -73,7 +75,8 @@ def batch_from_proto(message: target_pb2.TargetStep, scope: str) -> tuple[Target
             failures[v.session_id] = bad
     prefills = [PrefillWork(scope + p.session_id, p.num_tokens) for p in message.prefills if p.session_id not in failures]
     releases = [scope + s for s in message.releases]
-    return TargetBatch(releases, opens, prefills, verifies), failures
+    collects = [scope + s for s in message.collects]
+    return TargetBatch(releases, opens, prefills, verifies, message.first_tokens_next_step, collects), failures
 
 
 def result_to_proto(result: TargetBatchResult, scope: str) -> tuple[target_pb2.TargetStepReply, Features | None]:

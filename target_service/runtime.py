@@ -1,16 +1,25 @@
 """The target runtime: model weights, the paged KV pool, and one ``step`` per engine iteration.
 
 A step frees released sessions, opens new ones (pages for the whole prompt, shared prefix
-pages reused), runs every prefilling session's next prompt chunk in one forward, then every
-decoding session's tree in one verify forward (from a CUDA graph bucket on a GPU). The new
-tokens' KV stays in a scratch buffer until acceptance decides which rows to commit, so rejected
-tree nodes never touch the pages; all sessions' accepted rows go in with one KV-commit launch.
+pages reused), reports the finished prompts it is asked to collect, runs every decoding
+session's tree in one verify forward (from a CUDA graph bucket on a GPU), then every prefilling
+session's next prompt chunk in one forward. The new tokens' KV stays in a scratch buffer until
+acceptance decides which rows to commit, so rejected tree nodes never touch the pages; all
+sessions' accepted rows go in with one KV-commit launch.
+
+First tokens a step late. Reading a first token back waits for the whole prompt forward. A batch
+with ``first_tokens_next_step`` instead leaves that forward queued and returns: the caller's next
+host work (the draft's proposal, in the engine loop) runs while the GPU computes the prompt, and
+the step that collects the session reports the finished prompt with its first token, by then a
+read of a finished result.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
@@ -42,6 +51,14 @@ from target_service.step_graphs import StepGraphs, StepInput, StepOutputs
 Failures = dict[str, DiffSpecError]
 
 
+@dataclass(frozen=True)
+class _FirstTokenDue:
+    """A finished prompt: its result waits for the first token, sampled when the session is collected."""
+
+    logits: torch.Tensor  # [1, vocab] float32 at the last prompt position, computed on the device
+    result: PrefillResult  # the finished chunk's progress and features; first token unset
+
+
 class TargetRuntime:
     """Thread-safe: one lock serialises steps (several gateways may share one target)."""
 
@@ -67,6 +84,7 @@ class TargetRuntime:
             else None
         )
         self.sessions: dict[str, TargetSession] = {}
+        self._first_tokens_due: dict[str, _FirstTokenDue] = {}  # finished prompts not yet reported
         self._lock = threading.Lock()
 
     @property
@@ -76,17 +94,25 @@ class TargetRuntime:
     # -- the engine's call ----------------------------------------------------------------------
 
     def step(self, batch: TargetBatch) -> TargetBatchResult:
-        """Release, open, prefill, verify; a session whose work fails is reported and released."""
+        """Release, open, collect, verify, prefill; a session whose work fails is reported and released.
+
+        A prompt finished by this step is reported now, or with ``first_tokens_next_step`` by the later step
+        that collects it (the module docstring).
+        """
         failures: Failures = {}
         with self._lock:
             for session_id in batch.releases:
                 self._release(session_id)
             for opening in batch.opens:
                 self._guard(opening.session_id, failures, self._open, opening)
-            with record_function("target.prefill"):
-                prefills = self._prefill([w for w in batch.prefills if w.session_id not in failures], failures)
+            prefills = self._sample_first_tokens(batch.collects, failures)
             with record_function("target.verify"):
                 verifies = self._verify([v for v in batch.verifies if v.session_id not in failures], failures)
+            with record_function("target.prefill"):
+                prefills |= self._prefill([w for w in batch.prefills if w.session_id not in failures], failures)
+            if not batch.first_tokens_next_step:
+                finished = [w.session_id for w in batch.prefills if w.session_id in self._first_tokens_due]
+                prefills |= self._sample_first_tokens(finished, failures)
             for session_id in failures:
                 self._release(session_id)
             free = self.pool.num_free_pages
@@ -139,7 +165,7 @@ class TargetRuntime:
         chunks: list[tuple[str, int, int]] = []  # (session, first position, end position)
         for item in work:
             session = self.sessions.get(item.session_id)
-            if session is None or not session.prefilling or item.num_tokens < 1:
+            if session is None or session.prefilled >= len(session.prompt_ids) or item.num_tokens < 1:
                 failures[item.session_id] = InvalidRequest(f"no prompt left to prefill in {item.session_id!r}")
                 continue
             start = session.prefilled
@@ -166,32 +192,47 @@ class TargetRuntime:
         for sid, start, end in chunks:
             session = self.sessions[sid]
             rows, row = range(row, row + end - start), row + end - start
-            first, first_logprobs = None, None
-            if end == len(session.prompt_ids):
-                self._guard(sid, failures, self._first_token, session, out.hidden[rows[-1]])
-                if sid in failures:
-                    continue  # released with the step's other failures; nothing of it is committed
-                first = session.pending_token
-                if session.sampling.logprobs is not None:
-                    logits = self.model.logits(out.hidden[rows[-1] : rows[-1] + 1])
-                    first_logprobs = token_logprobs(logits, [first], session.sampling)
             skip = max(0, self.pool.num_committed(sid) - start)  # rows already in shared prefix pages
             commits.append(Commit(sid, list(rows[skip:]), session.prompt_ids[start + skip : end]))
             session.prefilled = end
             features = out.features_of(slice(rows.start, rows.stop), session.feature_layers) if session.want_features else None
-            results[sid] = PrefillResult(end, len(session.prompt_ids), first, features, first_logprobs)
+            result = PrefillResult(end, len(session.prompt_ids), None, features)
+            if end == len(session.prompt_ids):  # progress now; the features with the first token
+                logits = self.model.logits(out.hidden[rows[-1] : rows[-1] + 1])
+                self._first_tokens_due[sid] = _FirstTokenDue(logits, result)
+                result = PrefillResult(end, len(session.prompt_ids), None, None)
+            results[sid] = result
         self._commit(out, commits)
         return results
 
-    def _first_token(self, session: TargetSession, hidden: torch.Tensor) -> None:
-        """Sample the token after the prompt; a distribution that is not one fails this session alone."""
-        logits = self.model.logits(hidden)
+    def _sample_first_tokens(self, session_ids: list[str], failures: Failures) -> dict[str, PrefillResult]:
+        """The results of these sessions' finished prompts, each with its first token sampled now."""
+        results = {}
+        for sid in session_ids:
+            if sid in failures:
+                continue
+            due = self._first_tokens_due.pop(sid, None)
+            if due is None:
+                failures[sid] = InvalidRequest(f"session {sid!r} has no finished prompt to report")
+                continue
+            session = self.sessions[sid]
+            self._guard(sid, failures, self._first_token, session, due.logits)
+            if sid in failures:
+                continue
+            first = session.pending_token
+            logprobs = None if session.sampling.logprobs is None else token_logprobs(due.logits, [first], session.sampling)
+            results[sid] = dataclasses.replace(due.result, first_token=first, first_logprobs=logprobs)
+        return results
+
+    def _first_token(self, session: TargetSession, logits: torch.Tensor) -> None:
+        """Sample the token after the prompt from its logits [1, vocab]; a distribution that is not one fails
+        this session alone."""
         if session.sampling.greedy:
             session.pending_token = int(logits.argmax())
             return
         assert session.generator is not None
         try:
-            session.pending_token = sample(target_probs(logits, session.sampling), session.generator)
+            session.pending_token = sample(target_probs(logits[0], session.sampling), session.generator)
         except (RuntimeError, ValueError) as failure:
             raise InvalidRequest(f"sampling failed for this request: {failure}") from None
 
@@ -353,5 +394,6 @@ class TargetRuntime:
 
     def _release(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
+        self._first_tokens_due.pop(session_id, None)
         if self.pool.has_sequence(session_id):
             self.pool.release(session_id)

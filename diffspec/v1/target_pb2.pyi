@@ -57,16 +57,20 @@ class VerifyWork(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_tensor_pb2.DraftTree, _Mapping]] = ...) -> None: ...
 
 class TargetStep(_message.Message):
-    __slots__ = ("releases", "opens", "prefills", "verifies")
+    __slots__ = ("releases", "opens", "prefills", "verifies", "first_tokens_next_step", "collects")
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     OPENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLS_FIELD_NUMBER: _ClassVar[int]
     VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    COLLECTS_FIELD_NUMBER: _ClassVar[int]
     releases: _containers.RepeatedScalarFieldContainer[str]
     opens: _containers.RepeatedCompositeFieldContainer[SessionOpen]
     prefills: _containers.RepeatedCompositeFieldContainer[PrefillWork]
     verifies: _containers.RepeatedCompositeFieldContainer[VerifyWork]
-    def __init__(self, releases: _Optional[_Iterable[str]] = ..., opens: _Optional[_Iterable[_Union[SessionOpen, _Mapping]]] = ..., prefills: _Optional[_Iterable[_Union[PrefillWork, _Mapping]]] = ..., verifies: _Optional[_Iterable[_Union[VerifyWork, _Mapping]]] = ...) -> None: ...
+    first_tokens_next_step: bool
+    collects: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, releases: _Optional[_Iterable[str]] = ..., opens: _Optional[_Iterable[_Union[SessionOpen, _Mapping]]] = ..., prefills: _Optional[_Iterable[_Union[PrefillWork, _Mapping]]] = ..., verifies: _Optional[_Iterable[_Union[VerifyWork, _Mapping]]] = ..., first_tokens_next_step: _Optional[bool] = ..., collects: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
     __slots__ = ("session_id", "done_tokens", "total_tokens", "first_token", "feature_rows", "first_logprobs")

@@ -222,3 +222,36 @@ def test_a_failing_acceptance_leaves_the_other_sessions_their_commits(runtime, m
     assert runtime.committed_length("ok") == len(prompt) + 2 and not runtime.pool.has_sequence("nan")
     runtime.release("ok")
     assert runtime.info().num_free_pages == runtime.info().num_pages
+
+
+def test_first_tokens_next_step_reports_the_finished_prompt_when_collected(runtime):
+    """With ``first_tokens_next_step`` a finished prompt reports its progress at once and its first token and
+    last features in the step that collects it: the same as a step that samples at once."""
+    prompt = torch.randint(3, 8192, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    at_once = runtime.prefill("at-once", prompt, GREEDY, want_features=True)
+    opened = TargetBatch(opens=[SessionOpen("later", prompt, GREEDY, want_features=True)], first_tokens_next_step=True)
+    runtime.step(opened)
+    progress = runtime.step(TargetBatch(prefills=[PrefillWork("later", 100)], first_tokens_next_step=True)).prefills
+    assert progress["later"].done_tokens == len(prompt) and progress["later"].first_token is None
+    assert progress["later"].features is None and runtime.sessions["later"].prefilling
+    collected = runtime.step(TargetBatch(collects=["later"])).prefills["later"]
+    assert collected.first_token == at_once.first_token and collected.done_tokens == len(prompt)
+    assert torch.equal(collected.features, at_once.features)
+    assert runtime.decode("later").bonus_token == runtime.decode("at-once").bonus_token
+    for sid in ("at-once", "later"):
+        runtime.release(sid)
+
+
+def test_a_collect_without_a_finished_prompt_fails_that_session_alone(runtime):
+    prompt = [0, 5, 6, 7, 8, 9]
+    opens = [SessionOpen(sid, prompt, GREEDY, want_features=False) for sid in ("done", "running")]
+    runtime.step(TargetBatch(opens=opens, prefills=[PrefillWork("done", 6)], first_tokens_next_step=True))
+    result = runtime.step(TargetBatch(collects=["done", "running"]))
+    assert list(result.prefills) == ["done"] and list(result.failures) == ["running"]
+    assert "no finished prompt" in str(result.failures["running"]) and "running" not in runtime.sessions
+    runtime.step(TargetBatch(prefills=[PrefillWork("gone", 1)], opens=[SessionOpen("gone", prompt, GREEDY, False)],
+                             first_tokens_next_step=True))  # fmt: skip
+    runtime.release("gone")  # a released session's finished prompt goes with it
+    assert list(runtime.step(TargetBatch(collects=["gone"])).failures) == ["gone"]
+    runtime.release("done")
+    assert runtime.info().num_free_pages == runtime.info().num_pages
