@@ -94,6 +94,7 @@ def test_a_draft_behind_for_the_step_timeout_is_dropped(held_draft):
 MAX_NEW = 400
 
 
+@pytest.mark.slow
 def test_a_sigstopped_draft_turns_steps_to_auto_at_once_and_is_used_again_after(bounded_deployment, auto_reference):
     deployment = bounded_deployment.trio
     try:

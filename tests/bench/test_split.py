@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.split import AUTO, SPECULATIVE, main
 from diffspec.settings import REPO_ROOT
 
 
+@pytest.mark.slow
 def test_split_bench_runs_both_modes_with_equal_outputs_and_counts_the_wire(code_prompts: Path, tmp_path: Path) -> None:
     out = tmp_path / "split.json"
     argv = [

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from diffspec.settings import REPO_ROOT
 
 PROMPT = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):"
@@ -20,6 +22,7 @@ def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_generate_in_process_json_contract():
     outputs = {}
     for policy in ("auto", "full"):
@@ -57,6 +60,7 @@ def test_the_prompt_file_and_stop_sequences():
     assert missing.returncode == 2 and "cannot read --prompt-file" in missing.stderr
 
 
+@pytest.mark.slow
 def test_samples_logprobs_and_stop_token_ids_in_json():
     """--n: one last line per sample, tagged with its index, sample 0 equal to the lone run with the seed;
     --logprobs: one entry per token; --stop-token-ids: the output ends before the first listed id."""

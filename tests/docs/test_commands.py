@@ -122,7 +122,14 @@ def block_script(block: Block) -> tuple[str, list[str]]:
     return "\n".join(lines) + "\n", ran
 
 
-@pytest.mark.parametrize("block", RUN_BLOCKS, ids=lambda b: b.name)
+def starts_a_server(block: Block) -> bool:
+    return any(COMMANDS[c].kind is Kind.SERVER for c in block.commands if c in COMMANDS)
+
+
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, marks=[pytest.mark.slow] if starts_a_server(b) else []) for b in RUN_BLOCKS],
+    ids=lambda b: b.name,
+)  # a block that starts servers takes tens of seconds
 def test_block_runs_as_written(block: Block, tmp_path: Path):
     script, ran = block_script(block)
     moved = {port: free_port() for port in set(PORTS.findall(script)) | {DEFAULT_LISTEN_PORT}}

@@ -43,6 +43,7 @@ def stream_then(stub: gateway_pb2_grpc.GatewayStub, text: str, after_chunks: int
     return ids, outcome
 
 
+@pytest.mark.slow
 def test_a_killed_draft_turns_streams_to_auto_and_a_restarted_one_is_used_again(deployment, auto_reference):
     text = CODE_PROMPTS[0]
     with grpc.insecure_channel(deployment.gateway.address) as channel:
@@ -67,6 +68,7 @@ def test_a_killed_draft_turns_streams_to_auto_and_a_restarted_one_is_used_again(
     assert draft_info(deployment).active_sessions == 0
 
 
+@pytest.mark.slow
 def test_target_killed_mid_stream_ends_unavailable_after_a_right_prefix(deployment, auto_reference):
     text = CODE_PROMPTS[1]
     with grpc.insecure_channel(deployment.gateway.address) as channel:
@@ -87,6 +89,7 @@ def step_streams_ended(server: ServerProcess, service: str) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 def test_one_step_stream_carries_a_gateways_sessions_and_a_killed_gateway_frees_them(draft_head_dir, tmp_path):
     """Four generations at once are four sessions at the target and at the draft, all on one Step
     stream each: when the gateway dies, that one stream ends and frees all of them."""

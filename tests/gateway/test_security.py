@@ -203,6 +203,7 @@ def test_tokenize_refuses_a_text_too_long_for_the_context_unread():
     servicer.tokenizer_pool.close()
 
 
+@pytest.mark.slow
 def test_tokenizer_pool_admits_at_most_its_limit_and_frees_a_slot_only_when_the_work_ends():
     pool = TokenizerPool(num_threads=1, max_in_flight=2)
     release = threading.Event()

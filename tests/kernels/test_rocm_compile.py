@@ -206,6 +206,7 @@ def compilations(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
             run.communicate()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target_name", list(TARGETS))
 def test_every_kernel_compiles_and_fits(target_name: str, compilations: dict[str, subprocess.Popen]):
     stdout, stderr = compilations[target_name].communicate(timeout=600)

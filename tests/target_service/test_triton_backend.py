@@ -56,6 +56,7 @@ def test_triton_backend_bf16_logits_match_reference(tiny_target_dir):
     assert (logits["triton"].argmax(-1) == logits["torch"].argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.slow
 def test_speculative_with_triton_equals_auto(tiny_target_dir):
     """With the default CUDA graphs: trees of every size the drafter makes, padded into buckets."""
     settings = DiffSpecSettings(
