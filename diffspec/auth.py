@@ -112,7 +112,3 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-
-def metadata_tenant(keys: ApiKeys, metadata: Any) -> str | None:
-    """The tenant of a call's metadata (pairs), or None (no key, or the shared token)."""
-    return keys.tenant_of(dict(metadata or ()).get("authorization")) or None

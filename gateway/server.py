@@ -101,7 +101,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
         return await self.tokenizer_pool.run(encode_prompt, engine.tokenizer, text)
 
-
     def caller(self, context: Context) -> str:
         """The client a call comes from (gateway/quota.py): the tenant of its API key, else its declared name,
         else its host."""
