@@ -9,6 +9,7 @@ import random
 import time
 
 import grpc
+import pytest
 
 from diffspec.serving import StepWorker
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -19,6 +20,7 @@ ITERATIONS = 100
 SEED = 14
 
 
+@pytest.mark.slow
 def test_cancels_around_the_draft_start_leak_nothing(split_deployment):
     rng = random.Random(SEED)
     with grpc.insecure_channel(split_deployment.gateway.address) as channel:

@@ -43,6 +43,7 @@ def ready(address: str) -> tuple[int, str]:
         return refused.code, json.loads(refused.read())["status"]
 
 
+@pytest.mark.slow
 def test_a_hung_target_makes_the_gateway_not_serving_and_ends_its_streams_unavailable(bounded_deployment):
     gateway, target, http = bounded_deployment.trio.gateway, bounded_deployment.trio.target, bounded_deployment.http
     try:
@@ -68,6 +69,7 @@ def test_a_hung_target_makes_the_gateway_not_serving_and_ends_its_streams_unavai
         target.process.send_signal(signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_a_draining_server_answers_not_serving_until_its_streams_end(draft_head_dir, tmp_path: Path):
     flags = ["--shutdown-grace-seconds", "4", "--http-listen", "127.0.0.1:0"]
     server = ServerProcess("all", tmp_path, *flags, env={"DIFFSPEC_DRAFT_MODEL": str(draft_head_dir)})
