@@ -87,7 +87,7 @@ class Drafter:
         device, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
         counts = [len(e.next_tokens) for e in extensions]
         features = upload(torch.cat([e.features for e in extensions]), device).to(dtype)
-        tokens = upload(torch.tensor([t for e in extensions for t in e.next_tokens]), device)
+        tokens = upload(torch.tensor([t for e in extensions for t in e.next_tokens], dtype=torch.int64), device)
         positions = upload(
             torch.cat([torch.arange(e.session.num_entries, e.session.num_entries + n) for e, n in zip(extensions, counts)]),
             device,
@@ -100,7 +100,7 @@ class Drafter:
             q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, positions[start:stop], self.fused)
             keys.append(k)
             values.append(v)
-            last = upload(torch.tensor([end - 1 - start for end in ends if start < end <= stop]), device)
+            last = upload(torch.tensor([end - 1 - start for end in ends if start < end <= stop], dtype=torch.int64), device)
             queries.append(q[last])
             hiddens.append(hidden[last])
         keys_all, values_all = torch.cat(keys), torch.cat(values)

@@ -47,7 +47,7 @@ class PagedKVCache:
         """Copy-on-write: duplicate shared pages before a sequence writes into its private copy."""
         if not copies:
             return
-        src = upload(torch.tensor([c.src_page for c in copies]), self.k_pages.device)
-        dst = upload(torch.tensor([c.dst_page for c in copies]), self.k_pages.device)
+        src = upload(torch.tensor([c.src_page for c in copies], dtype=torch.int64), self.k_pages.device)
+        dst = upload(torch.tensor([c.dst_page for c in copies], dtype=torch.int64), self.k_pages.device)
         self.k_pages[:, dst] = self.k_pages[:, src]
         self.v_pages[:, dst] = self.v_pages[:, src]

@@ -12,6 +12,8 @@ import warnings
 import pytest
 import torch
 
+import draft_service.drafter
+
 from diffspec.settings import BUNDLED_DRAFT, BUNDLED_TARGET
 from diffspec.tree import DraftTree
 from draft_service.drafter import Drafter, DraftSession, Extension, ProposalRequest
@@ -297,3 +299,20 @@ def test_one_extension_pass_for_a_batch_equals_one_per_session(drafter, salience
         torch.testing.assert_close(got.last_output, want.last_output, rtol=1e-5, atol=1e-5)
         got_keys, want_keys = got.context.view()[0], want.context.view()[0]
         torch.testing.assert_close(got_keys, want_keys)
+
+
+def test_a_prompt_longer_than_an_extension_chunk_starts_like_its_parts(drafter, monkeypatch):
+    """A prompt spans several projection chunks, some holding no session's last entry: it starts with the
+    same KV and last output as the same prompt fed in one-chunk pieces."""
+    monkeypatch.setattr(draft_service.drafter, "EXTEND_CHUNK", 16)
+    c = drafter.head.config
+    generator = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, c.vocab_size, (61,), generator=generator).tolist()
+    features = torch.randn(60, 3 * c.target_hidden_size, generator=generator)
+    whole = drafter.start(prompt[:-1], features, prompt[-1])
+    pieces = drafter.start(prompt[:10], features[:10], prompt[10])
+    for start in range(10, 60, 10):
+        drafter.extend(pieces, features[start : start + 10], prompt[start + 1 : start + 11])
+    assert (whole.num_entries, whole.root_token) == (pieces.num_entries, pieces.root_token) == (60, prompt[-1])
+    torch.testing.assert_close(whole.context.view()[0], pieces.context.view()[0])
+    torch.testing.assert_close(whole.last_output, pieces.last_output, rtol=1e-5, atol=1e-5)
