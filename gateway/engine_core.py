@@ -289,7 +289,7 @@ class EngineCore:
             if budget <= 0:
                 break
             if running.phase is Phase.WAITING:
-                if running.request_id not in admitted:
+                if running.request_id not in admitted or running.waits_for_prompt:
                     continue
                 opens.append(running.session_open(self.feature_layers))
                 running.phase, running.target_session = Phase.PREFILLING, True

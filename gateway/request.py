@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from diffspec.feature_rows import Features
 from diffspec.sampling_params import SamplingParams, TokenLogprobs
 from draft_service.options import DraftOptions
+
+if TYPE_CHECKING:
+    from gateway.running_request import RunningRequest
 
 
 @dataclass(eq=False)
@@ -14,10 +18,12 @@ class PromptShare:
     """The prompt work that the n samples of one request share (``gateway/samples.py``); the engine thread
     alone reads and writes it.
 
-    The first sample whose prompt is prefilled records its target session and its prompt features; a
-    sample opened after that forks the session's prompt pages (copy-on-write) and starts its draft on
-    the same features, so the prompt is computed once for all n."""
+    The first sample to open computes the prompt (the source); the others wait unopened while it
+    prefills. Once its prompt is done it records its target session and prompt features, and each
+    other sample forks that session's prompt pages (copy-on-write) and starts its draft on the same
+    features, so the prompt is computed once for all n."""
 
+    source: RunningRequest | None = None  # the sample computing the prompt, once one has opened
     session_id: str = ""  # the target session holding the prompt's pages; "" until one is prefilled
     features: Features | None = None  # [prompt, 3 * hidden] its prompt's feature rows, when it drafts
     forks_left: int = 0  # samples that may still fork it; the features are dropped when none is left

@@ -94,11 +94,21 @@ class RunningRequest:
         """The whole prompt went to the target, which reports its first token in a later step."""
         return self.phase is Phase.PREFILLING and self.prefilled_tokens == self.prompt_tokens
 
+    @property
+    def waits_for_prompt(self) -> bool:
+        """A sample of an n > 1 request that stays unopened while another sample prefills their prompt."""
+        share = self.request.prompt_share
+        if share is None or share.source is None or share.source is self:
+            return False
+        return share.source.phase in (Phase.WAITING, Phase.PREFILLING)
+
     def session_open(self, feature_layers: tuple[int, ...]) -> SessionOpen:
         """The target session to open: a fork of the prompt of an earlier sample of the same request once
         one is prefilled (its pages, and its features for the draft), else one that computes the prompt."""
         share, request = self.request.prompt_share, self.request
-        if share is not None and share.session_id and (share.features is not None or not self.drafting):
+        if share is not None and share.source is None:
+            share.source = self
+        elif share is not None and share.session_id and (share.features is not None or not self.drafting):
             self.forked, self.inherited_features = True, share.features if self.drafting else None
             share.forks_left -= 1
             if share.forks_left <= 0:

@@ -2,11 +2,11 @@
 
 Sample i is the request with ``n = 1`` and ``sampling.for_sample(i)``: sample 0 keeps the request's
 seed, the others get distinct seeds derived from it, so a seeded request repeats; greedy samples
-are all the same. Sample 0 goes first and the others are submitted once its prompt is prefilled:
-through their ``PromptShare`` they fork its target session's prompt pages (copy-on-write, each
-computing only the last prompt position for its own first token) and start their drafts on its
-prompt features, so the prompt is computed once. Closing the stream aborts every sample; one
-sample's failure ends the stream with its error.
+are all the same. All n are submitted at once and share a ``PromptShare``: the first to open
+computes the prompt while the others wait unopened; then they fork its target session's prompt
+pages (copy-on-write, each computing only the last prompt position for its own first token) and
+start their drafts on its prompt features, so the prompt is computed once. Closing the stream
+aborts every sample; one sample's failure ends the stream with its error.
 """
 
 from __future__ import annotations
@@ -31,27 +31,17 @@ async def generate_samples(
             async for chunk in chunks:
                 yield chunk
         return
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout if timeout is not None else None
     merged: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
-    prompt_done = asyncio.Event()  # sample 0's prompt is prefilled (or it ended)
     share = PromptShare(forks_left=request.n - 1)
 
     async def run(index: int) -> None:
-        if index > 0:
-            await prompt_done.wait()
         sample = replace(request, n=1, sampling=request.sampling.for_sample(index), prompt_share=share)
-        left = deadline - loop.time() if deadline is not None else None
         try:
-            async with aclosing(engine.generate(sample, left)) as chunks:
+            async with aclosing(engine.generate(sample, timeout)) as chunks:
                 async for chunk in chunks:
-                    if chunk.token_ids or chunk.stats is not None:
-                        prompt_done.set()
                     merged.put_nowait(replace(chunk, index=index))
         except Exception as failure:  # noqa: BLE001 - handed to the reader, which raises it
             merged.put_nowait(failure)
-        finally:
-            prompt_done.set()
 
     tasks = [asyncio.create_task(run(index)) for index in range(request.n)]
     try:
