@@ -5,6 +5,8 @@ failed call back into the typed error (``error_for``), so the gateway's engine s
 exceptions from a remote draft or target as from an in-process one. Any status that says
 the peer could not do the work (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, INTERNAL, ...)
 comes back as ``PeerUnavailable``: for the draft, that is what makes the engine finish with Auto.
+An unexpected exception is never sent as text: ``internal_error`` logs it under a request id and
+returns the message that names only that id.
 """
 
 from __future__ import annotations
