@@ -128,7 +128,8 @@ class RunningRequest:
                 self.inherited_features = None
             self.prompt_features.append(result.features)
         if result.first_token is None:
-            self.sink.put(GenerationChunk([], "", prefill_progress=(result.done_tokens, result.total_tokens)))
+            if result.done_tokens < result.total_tokens:  # a finished prompt's first token says so itself
+                self.sink.put(GenerationChunk([], "", prefill_progress=(result.done_tokens, result.total_tokens)))
             return
         self.first_token_at = time.perf_counter()
         self.stats.prefill_seconds = self.first_token_at - self.submitted_at
