@@ -1,4 +1,4 @@
-"""``bench.soak`` against ``diffspec serve all`` for 40 s (CI's soak): mixed valid and invalid requests from
+"""``bench.soak`` against ``diffspec serve all`` for 60 s (CI's soak): mixed valid and invalid requests from
 several threads, then every page free, no session left, memory flat over the second half."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 from bench.adversarial import AttackConfig, scraped_gauges, spawned
 from bench.soak import plot, soak
 
-SOAK = AttackConfig(seconds=40.0, innocent_tokens=16, innocent_baseline=3, flood_streams=6, flood_tokens=128)
+SOAK = AttackConfig(seconds=60.0, innocent_tokens=16, innocent_baseline=3, flood_streams=6, flood_tokens=128)
 RSS_DRIFT_MB = 150  # over the second half; the first fills the allocator's pools
 
 
 @pytest.mark.slow
-def test_a_40_second_soak_ends_with_the_pool_full_and_no_session(tmp_path):
+def test_a_60_second_soak_ends_with_the_pool_full_and_no_session(tmp_path):
     with spawned("all", tmp_path) as deployment, grpc.insecure_channel(deployment.gateway) as channel:
         summary = soak(channel, (), SOAK, scraped_gauges(deployment.metrics), deployment.pids, sample_every_s=1.0)
     assert summary["findings"] == [], json.dumps({k: v for k, v in summary.items() if k != "timeline"})
@@ -25,7 +25,7 @@ def test_a_40_second_soak_ends_with_the_pool_full_and_no_session(tmp_path):
     assert outcomes["innocent"] == {"OK": summary["innocent_alone"]["requests"] + summary["innocent_attacked"]["requests"]}
     assert outcomes["mutate"]["INVALID_ARGUMENT"] > 0 and outcomes["oversize"]["INVALID_ARGUMENT"] > 0
     assert outcomes["flood"]["RESOURCE_EXHAUSTED"] > 0 and outcomes["cancel"]["CANCELLED"] > 0
-    assert len(summary["timeline"]) >= 30
+    assert len(summary["timeline"]) >= 45
     assert abs(summary["rss_mb"]["drift_second_half"]) < RSS_DRIFT_MB, summary["rss_mb"]
     plot(summary, tmp_path / "soak.png")
     assert (tmp_path / "soak.png").stat().st_size > 10_000
