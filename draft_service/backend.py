@@ -47,6 +47,9 @@ class DraftAccept:
     session_id: str
     emitted_tokens: list[int]  # accepted drafts then the bonus token
     features: Features  # [len(emitted_tokens), 3 * target_hidden]: root + accepted positions
+    # the tokens verify the draft's last tree for this session; False after an Auto step taken in its stead
+    # (its proposal late, or too deep for the context left): the hazard profile then learns nothing
+    verified_draft_tree: bool = True
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,12 @@ def batch_to_proto(batch: DraftBatch) -> tuple[draft_pb2.DraftStep, WireRows | N
                                  options=options_to_proto(s.options))  # fmt: skip
             for s in batch.starts
         ],
-        accepts=[draft_pb2.DraftAccept(session_id=a.session_id, emitted_tokens=a.emitted_tokens) for a in batch.accepts],
+        accepts=[
+            draft_pb2.DraftAccept(
+                session_id=a.session_id, emitted_tokens=a.emitted_tokens, verified_draft_tree=a.verified_draft_tree
+            )
+            for a in batch.accepts
+        ],
         proposes=batch.proposes,
     )
     if batch.verify_cost is not None:
@@ -63,7 +68,10 @@ def batch_from_proto(step: draft_pb2.DraftStep, features: Features, scope: str) 
                    options_from_proto(s.options))  # fmt: skip
         for s in step.starts
     ]
-    accepts = [DraftAccept(scope + a.session_id, list(a.emitted_tokens), take(len(a.emitted_tokens))) for a in step.accepts]
+    accepts = [
+        DraftAccept(scope + a.session_id, list(a.emitted_tokens), take(len(a.emitted_tokens)), a.verified_draft_tree)
+        for a in step.accepts
+    ]
     cost = VerifyCost(step.verify_tree_tokens, step.verify_seconds) if step.verify_tree_tokens > 0 else None
     return DraftBatch(
         releases=[scope + s for s in step.releases],

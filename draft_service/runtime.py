@@ -144,8 +144,9 @@ class DraftRuntime:
                 f"expected ({len(emitted)}, {expected})"
             )
         self._check_token_ids(emitted)
-        if session.last_tree is not None:
+        if session.last_tree is not None and accept.verified_draft_tree:
             self._observe_step(session, emitted[:-1])
+        session.last_tree = None  # an Auto step in its stead verified nothing of it
         return Extension(session.drafter_state, features, emitted)
 
     def _extend_all(self, extensions: list[tuple[str, Extension]], failures: dict[str, DiffSpecError]) -> None:

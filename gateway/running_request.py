@@ -58,6 +58,7 @@ class RunningRequest:
     pending_start: DraftStart | None = None
     pending_accept: DraftAccept | None = None
     tree: ProposedTree | None = None  # this iteration's proposal
+    verifying_draft_tree: bool = False  # the tree in verification is the draft's proposal, not an Auto step
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
 
@@ -151,7 +152,9 @@ class RunningRequest:
         self._emit(result.emitted_tokens, result.logprobs)
         if self.drafting and self.draft_session and not self.finished:
             assert result.features is not None
-            self.pending_accept = DraftAccept(self.request_id, result.emitted_tokens, result.features)
+            self.pending_accept = DraftAccept(
+                self.request_id, result.emitted_tokens, result.features, self.verifying_draft_tree
+            )
 
     def fall_back_to_auto(self) -> None:
         """The draft is gone for this request; the target alone goes on (the tokens do not change)."""
@@ -164,7 +167,9 @@ class RunningRequest:
         """This iteration's proposal if it fits the context left, else one Auto step."""
         tree, self.tree = self.tree, None
         context_left = self.info.max_context - self.prompt_tokens - self.stats.new_tokens
-        if tree is not None and tree.max_depth + 1 < context_left:
+        self.verifying_draft_tree = tree is not None and tree.max_depth + 1 < context_left
+        if self.verifying_draft_tree:
+            assert tree is not None
             return tree
         return TreeNodes.root_only(self.last_token)
 

@@ -30,12 +30,14 @@ class DraftStart(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ...) -> None: ...
 
 class DraftAccept(_message.Message):
-    __slots__ = ("session_id", "emitted_tokens")
+    __slots__ = ("session_id", "emitted_tokens", "verified_draft_tree")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_DRAFT_TREE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     emitted_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., emitted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    verified_draft_tree: bool
+    def __init__(self, session_id: _Optional[str] = ..., emitted_tokens: _Optional[_Iterable[int]] = ..., verified_draft_tree: _Optional[bool] = ...) -> None: ...
 
 class DraftStep(_message.Message):
     __slots__ = ("releases", "starts", "accepts", "proposes", "verify_tree_tokens", "verify_seconds", "feature_rows")

@@ -1,0 +1,28 @@
+"""What the draft runtime learns from an accept: the hazard profile observes a step only when the target
+verified the draft's own last tree, not an Auto step taken in its stead (its proposal late)."""
+
+from __future__ import annotations
+
+import torch
+
+from draft_service.backend import DraftAccept, DraftBatch, DraftStart
+from draft_service.options import DraftOptions
+from draft_service.runtime import DraftRuntime
+from tests.draft_service.test_drafter import load_head
+
+
+def test_an_accept_of_an_auto_step_leaves_the_hazard_profile_unchanged():
+    runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
+    c = runtime.head.config
+    generator = torch.Generator().manual_seed(1)
+    features = lambda rows: torch.randn(rows, 3 * c.target_hidden_size, generator=generator)  # noqa: E731
+    prompt = torch.randint(0, c.vocab_size, (30,), generator=generator).tolist()
+    start = DraftStart("s", prompt, features(len(prompt)), 1, DraftOptions("full", "16:0.0:4"))
+    tree = runtime.step(DraftBatch(starts=[start], proposes=["s"])).trees["s"]
+    hazard = runtime.sessions["s"].hazard
+    skipped = DraftAccept("s", [7], features(1), verified_draft_tree=False)  # the tree came late: Auto ran
+    tree = runtime.step(DraftBatch(accepts=[skipped], proposes=["s"])).trees["s"]
+    assert hazard.steps == 0 and runtime.sessions["s"].drafter_state.num_entries == len(prompt) + 1
+    verified = DraftAccept("s", [int(tree.tokens[1]), 2], features(2))  # the first child accepted, then a bonus
+    runtime.step(DraftBatch(accepts=[verified], proposes=["s"]))
+    assert hazard.steps == 1 and hazard.last_passed_ranks == [0]
