@@ -342,6 +342,29 @@ class TargetRuntime:
         """Auto: one forward of the pending token, one new token."""
         return self.verify(session_id, DraftTree.root_only(self.pending_token(session_id)))
 
+    def verify_logits(self, steps: list[VerifyStep]) -> list[torch.Tensor]:
+        """For the exactness replay only (``bench/reproduce/replay.py``): the logits that one verify forward
+        of these trees computes, per step ``[nodes, vocab]`` float32, through the path a step takes (the
+        graph bucket of this batch and tree size, else the eager forward), with nothing accepted or
+        committed. A tree's root may be any token: the replay feeds a recorded generation's tokens, not the
+        token this session sampled."""
+        with self._lock:
+            inputs = []
+            for step in steps:
+                session = self.sessions.get(step.session_id)
+                if session is None or session.prefilling:
+                    raise InvalidRequest(f"session {step.session_id!r} has no finished prompt")
+                tree = DraftTree.of(step.tree)
+                rooted = dataclasses.replace(session, pending_token=int(tree.tokens[0]))
+                self.limits.check_tree(rooted, self.pool.num_committed(step.session_id), tree)
+                _, copies = self.pool.reserve(step.session_id, int(tree.depths().max()) + 1)
+                self.cache.apply_copies(copies)
+                inputs.append(self._step_input(VerifyStep(step.session_id, tree)))
+            ran = self.step_graphs.run(inputs) if self.step_graphs is not None else None
+            if ran is None:
+                ran = self._forward_eager(inputs, ())
+            return [ran.logits[o : o + i.tree.num_nodes].clone() for o, i in zip(ran.row_offsets, inputs)]
+
     def release(self, session_id: str) -> None:
         """Free every page of the session; releasing an unknown session is a no-op."""
         with self._lock:

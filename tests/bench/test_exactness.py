@@ -1,10 +1,10 @@
-"""Exactness verdicts: where generations part, and when a divergence is a near-tie."""
+"""Where two generations part (the near-tie rule itself: tests/bench/test_exactness_rule.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.reproduce.exactness import ENDED, Divergence, TieEvidence, classify, first_divergence
+from bench.reproduce.exactness import ENDED, Divergence, first_divergence
 
 
 @pytest.mark.parametrize(
@@ -20,23 +20,3 @@ from bench.reproduce.exactness import ENDED, Divergence, TieEvidence, classify, 
 def test_first_divergence(auto, arm, expected):
     assert first_divergence(auto, arm) == expected
 
-
-AT = Divergence(position=3, auto_token=10, arm_token=20)
-
-
-@pytest.mark.parametrize(
-    ("divergence", "evidence", "verdict", "reason"),
-    [
-        (AT, TieEvidence(10, 20, fp32_margin=0.01, spread=0.05), "near-tie", "below the decode/verify spread"),
-        (AT, TieEvidence(10, 20, fp32_margin=0.05, spread=0.05), "mismatch", "is not below"),
-        (AT, TieEvidence(10, 20, fp32_margin=2.0, spread=0.05), "mismatch", "is not below"),
-        (AT, TieEvidence(20, 10, fp32_margin=0.01, spread=0.05), "mismatch", "does not pick Auto's token"),
-        (AT, TieEvidence(10, 30, fp32_margin=0.01, spread=0.05), "mismatch", "not the fp32 runner-up"),
-        (Divergence(3, 10, ENDED), TieEvidence(10, 20, 0.01, 0.05), "mismatch", "ended"),
-    ],
-)
-def test_classify(divergence, evidence, verdict, reason):
-    result = classify(divergence, evidence)
-    assert result.verdict == verdict
-    assert reason in result.reason
-    assert result.divergence == divergence and result.evidence == evidence

@@ -1,0 +1,142 @@
+"""The near-tie rule (bench/reproduce/exactness.py) and its evidence from the serving runtime and the fp32
+run (bench/reproduce/replay.py), on the CPU with the bundled tiny pair."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bench.reproduce.exactness import ENDED, Divergence, TieEvidence, classify
+from bench.reproduce.replay import Fp32Rerun, ServingPath, TargetReplay, logit_spread, serving_paths
+from diffspec.sampling_params import SamplingParams
+from diffspec.settings import BUNDLED_TARGET, DiffSpecSettings
+from diffspec.tree import DraftTree
+from draft_service.options import DraftOptions
+from gateway.assembly import load_tokenizer
+from target_service.backend import VerifyStep
+from target_service.llama import LlamaModel
+from target_service.runtime import TargetRuntime
+
+AUTO, ARM, THIRD = 10, 20, 30
+AT = Divergence(position=3, auto_token=AUTO, arm_token=ARM)
+
+
+@pytest.mark.parametrize(
+    ("divergence", "evidence", "fp32_run_diverges", "verdict", "reason"),
+    [
+        # fp32 picks Auto's token, or the arm's: either side may be the one bf16 moved
+        (AT, TieEvidence(AUTO, ARM, fp32_margin=0.01, spread=0.05), False, "near-tie", "the fp32 run does not diverge"),
+        (AT, TieEvidence(ARM, AUTO, fp32_margin=0.01, spread=0.05), False, "near-tie", "the fp32 run does not diverge"),
+        # the margin at, just above and far above the spread
+        (AT, TieEvidence(AUTO, ARM, fp32_margin=0.05, spread=0.05), False, "mismatch", "is not below the serving spread"),
+        (AT, TieEvidence(ARM, AUTO, fp32_margin=0.0625, spread=0.0625), False, "mismatch", "is not below"),
+        (AT, TieEvidence(AUTO, ARM, fp32_margin=0.06, spread=0.05), False, "mismatch", "is not below"),
+        (AT, TieEvidence(ARM, AUTO, fp32_margin=2.0, spread=0.05), False, "mismatch", "is not below"),
+        (AT, TieEvidence(AUTO, ARM, fp32_margin=0.0, spread=0.0), False, "mismatch", "is not below"),
+        # a third token among the fp32 top-2
+        (AT, TieEvidence(AUTO, THIRD, fp32_margin=0.01, spread=0.05), False, "mismatch", "are not Auto's token and the arm's"),
+        (AT, TieEvidence(THIRD, ARM, fp32_margin=0.01, spread=0.05), False, "mismatch", "are not Auto's token and the arm's"),
+        (AT, TieEvidence(THIRD, AUTO, fp32_margin=0.01, spread=0.05), False, "mismatch", "are not Auto's token and the arm's"),
+        # the fp32 run diverges too, or was not run
+        (AT, TieEvidence(AUTO, ARM, fp32_margin=0.01, spread=0.05), True, "mismatch", "the fp32 run diverges too"),
+        (AT, TieEvidence(ARM, AUTO, fp32_margin=0.01, spread=0.05), None, "mismatch", "the fp32 run was not checked"),
+        # an ended generation is never a tie
+        (Divergence(3, AUTO, ENDED), TieEvidence(AUTO, ARM, 0.01, 0.05), False, "mismatch", "ended"),
+        (Divergence(3, ENDED, ARM), TieEvidence(AUTO, ARM, 0.01, 0.05), False, "mismatch", "ended"),
+    ],
+)
+def test_classify(divergence, evidence, fp32_run_diverges, verdict, reason):
+    result = classify(divergence, evidence, fp32_run_diverges)
+    assert result.verdict == verdict
+    assert reason in result.reason
+    assert (result.divergence, result.evidence, result.fp32_run_diverges) == (divergence, evidence, fp32_run_diverges)
+
+
+def test_serving_paths_cover_decode_verify_batches_trees_and_depths():
+    assert serving_paths(16, (1, 2, 4), (1, 8, 16, 32)) == [
+        ServingPath(1, 1, 0),  # Auto's decode
+        ServingPath(1, 16, 0), ServingPath(2, 16, 0), ServingPath(4, 16, 0),  # the verify, alone and in batches
+        ServingPath(1, 8, 0),  # a smaller tree bucket
+        ServingPath(1, 16, 1), ServingPath(1, 16, 7),  # the position deeper in a chain
+    ]  # fmt: skip
+    assert serving_paths(1, (1,), (1,)) == [ServingPath(1, 1, 0), ServingPath(1, 2, 0), ServingPath(1, 2, 1)]
+
+
+VERIFY_TOKENS = 8
+SMALL_BUCKETS = dict(graph_batch_sizes="1,2", graph_tree_sizes="1,4", num_pages=256)
+
+
+FOLLOWING = [5, 6, 7]  # tokens after the replayed position: they fill the verified chains
+
+
+@pytest.fixture(scope="module")
+def replay_and_prompt() -> tuple[TargetReplay, list[int]]:
+    settings = DiffSpecSettings(**SMALL_BUCKETS)
+    prompt = load_tokenizer(settings)("import os\nimport sys\n\n\ndef main(argv):")["input_ids"]
+    return TargetReplay(BUNDLED_TARGET, torch.float32, torch.device("cpu"), settings), prompt
+
+
+@pytest.fixture(scope="module")
+def unperturbed(replay_and_prompt) -> dict[ServingPath, torch.Tensor]:
+    replay, prompt = replay_and_prompt
+    return replay.serving_logits(prompt, FOLLOWING, VERIFY_TOKENS)
+
+
+def test_serving_paths_agree_in_fp32_on_the_cpu(unperturbed):
+    assert set(unperturbed) == set(serving_paths(VERIFY_TOKENS, (1, 2), (1, 4)))
+    spread = logit_spread(unperturbed)
+    assert math.isfinite(spread) and 0 <= spread < 1e-4  # float noise of different GEMM shapes, no more
+    assert len({int(row.argmax()) for row in unperturbed.values()}) == 1
+
+
+@pytest.mark.parametrize(
+    ("rows", "delta"),
+    [
+        (1, 0.25),  # every verify against Auto's 1-row decode
+        (VERIFY_TOKENS, 0.5),  # only the verify batched with a filler session (8 + 1 rows)
+    ],
+)
+def test_serving_spread_is_the_largest_difference_between_paths(replay_and_prompt, unperturbed, monkeypatch, rows, delta):
+    """Every logit of a forward over more than ``rows`` rows moved by ``delta``: the paths it serves round
+    differently from the others by exactly that much, and the spread says so."""
+    replay, prompt = replay_and_prompt
+    logits = LlamaModel.logits
+
+    def perturbed(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+        out = logits(model, hidden)
+        return out + delta if hidden.shape[0] > rows else out
+
+    monkeypatch.setattr(LlamaModel, "logits", perturbed)
+    noise = logit_spread(unperturbed)
+    assert replay.serving_spread(prompt, FOLLOWING, VERIFY_TOKENS) == pytest.approx(delta, abs=2 * noise + 1e-6)
+
+
+def test_fp32_run_of_the_same_prompts_does_not_diverge(replay_and_prompt):
+    """The rule's second clause on the CPU, where the engine runs in fp32 anyway: Auto and a drafting arm,
+    one prompt at a time and both prompts at once, generate the same tokens."""
+    _, prompt = replay_and_prompt
+    rerun = Fp32Rerun(DiffSpecSettings(num_pages=256))
+    try:
+        prompts = [prompt, prompt[:-3]]
+        options = DraftOptions("full", "16:0.0:4")
+        assert rerun.diverges(prompts, options, 6) == [False, False]
+        assert rerun.diverges(prompts, options, 6, concurrent=True) == [False, False]
+    finally:
+        rerun.close()
+
+
+def test_verify_logits_match_the_step_and_commit_nothing(replay_and_prompt):
+    """The runtime's replay hook: the logits a verify computes, with no token accepted or KV committed."""
+    _, prompt = replay_and_prompt
+    runtime = TargetRuntime(DiffSpecSettings(num_pages=64))
+    first = runtime.prefill("s", prompt, SamplingParams(), want_features=False).first_token
+    committed = runtime.committed_length("s")
+    chain = DraftTree.chain([first, 5, 6])
+    rows = runtime.verify_logits([VerifyStep("s", chain)])[0]
+    forced = runtime.verify_logits([VerifyStep("s", DraftTree.root_only(7))])[0]  # any root, not only `first`
+    assert rows.shape == (3, runtime.model.config.vocab_size) and forced.shape[0] == 1
+    assert (runtime.committed_length("s"), runtime.pending_token("s")) == (committed, first)
+    assert runtime.decode("s").bonus_token == int(rows[0].argmax())
+    assert runtime.committed_length("s") == committed + 1
