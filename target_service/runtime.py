@@ -115,6 +115,7 @@ class TargetRuntime:
                 prefills |= self._sample_first_tokens(finished, failures)
             for session_id in failures:
                 self._release(session_id)
+                prefills.pop(session_id, None)  # a prompt whose first token failed reported its progress first
             free = self.pool.num_free_pages
         return TargetBatchResult(prefills, verifies, failures, free)
 
