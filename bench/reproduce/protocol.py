@@ -37,7 +37,7 @@ from bench.reproduce.presets import ProtocolConfig, default_out_dir
 from bench.reproduce.profiling import nvtx_range, profiled
 from bench.reproduce.prompts import Dataset, load_datasets, prompts_at
 from bench.reproduce.reference import REFERENCE, TransformersReference
-from bench.reproduce.replay import TargetReplay
+from bench.reproduce.replay import Fp32Rerun, TargetReplay
 from bench.reproduce.report import ArmSummary, summarise
 from bench.reproduce.runs import Engine, RunRecord, generate_run
 from bench.reproduce.tuning import CandidateScore, score_candidates
@@ -102,7 +102,7 @@ def run_protocol(
         contexts = [c for c in config.context_targets if c <= longest]
         settings = settings.model_copy(update={"num_pages": pages_for(settings, max(contexts, default=0), config)})
         engine = engine_factory(settings)
-        result = asyncio.run(_Protocol(config, engine, settings.base_model, out_dir).run(datasets, contexts))
+        result = asyncio.run(_Protocol(config, engine, settings, out_dir).run(datasets, contexts))
         write_outputs(result, config, settings, argv, started)
         return result
     finally:
@@ -128,9 +128,10 @@ def pages_for(settings: DiffSpecSettings, context: int, config: ProtocolConfig) 
 
 
 class _Protocol:
-    def __init__(self, config: ProtocolConfig, engine: Engine, base_model: Path, out_dir: Path) -> None:
+    def __init__(self, config: ProtocolConfig, engine: Engine, settings: DiffSpecSettings, out_dir: Path) -> None:
         self.config = config
-        self.base_model = base_model  # replayed with transformers at a divergence
+        self.settings = settings  # the engine's: the exactness replays and the fp32 rerun build from them
+        self.base_model = settings.base_model
         self.engine = engine
         self.out_dir = out_dir
         self.sampling = SamplingParams(temperature=config.temperature, seed=config.seed)
@@ -261,20 +262,24 @@ class _Protocol:
         kernels round differently from the engine's at every position, not only where a tree is verified."""
         evaluated = [r for r in self.runs if r.phase == "eval"]
         auto = {(r.dataset, r.context, r.prompt): r for r in evaluated if r.arm == arm_names.AUTO}
-        replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device())
+        replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device(), self.settings)
+        rerun = Fp32Rerun(self.settings)
         for run in (r for r in evaluated if r.arm != arm_names.AUTO):
             key = (run.dataset, run.context, run.prompt)
-            run.exactness = self._verdict(replay, run, auto[key], self.prompt_ids[key])
+            run.exactness = self._verdict(replay, rerun, run, auto[key], self.prompt_ids[key])
             if run.exactness.verdict == "mismatch":
                 assert run.exactness.divergence is not None
                 report = log.warning if run.arm == REFERENCE else log.error
                 report("%s: %s ctx=%d prompt=%d %s diverges from Auto at token %d: %s",
                        "REFERENCE DIFFERS" if run.arm == REFERENCE else "EXACTNESS FAILED", run.dataset,
                        run.context, run.prompt, run.label, run.exactness.divergence.position, run.exactness.reason)
+        rerun.close()
         return int(any(r.exactness is not None and r.exactness.verdict == "mismatch" and r.arm != REFERENCE
                        for r in evaluated))
 
-    def _verdict(self, replay: TargetReplay, run: RunRecord, auto: RunRecord, prompt_ids: list[int]) -> ExactnessResult:
+    def _verdict(
+        self, replay: TargetReplay, rerun: Fp32Rerun, run: RunRecord, auto: RunRecord, prompt_ids: list[int]
+    ) -> ExactnessResult:
         if self.config.temperature > 0:
             return ExactnessResult("unchecked", "sampled (temperature > 0): no token-level check")
         divergence = first_divergence(auto.token_ids, run.token_ids)
@@ -286,7 +291,11 @@ class _Protocol:
         tree_config = arm.draft.tree_config if arm is not None and arm.draft else self.config.baseline_config
         verify_tokens = int(tree_config.split(":")[0])  # the budget's total_tokens: its largest verify
         evidence = replay.evidence(prompt_ids + shared, following, verify_tokens)
-        return classify(divergence, evidence)
+        tie = {evidence.fp32_top1, evidence.fp32_top2} == {divergence.auto_token, divergence.arm_token}
+        if not (tie and evidence.fp32_margin < evidence.spread and arm is not None and arm.draft is not None):
+            return classify(divergence, evidence)  # a mismatch whatever the fp32 run: it is not made
+        fp32_diverges = rerun.diverges([prompt_ids], arm.draft, self.config.eval_max_new_tokens)[0]
+        return classify(divergence, evidence, fp32_diverges)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
