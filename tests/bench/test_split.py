@@ -12,7 +12,10 @@ from diffspec.settings import REPO_ROOT
 
 
 @pytest.mark.slow
-def test_split_bench_runs_both_modes_with_equal_outputs_and_counts_the_wire(code_prompts: Path, tmp_path: Path) -> None:
+def test_split_bench_runs_both_modes_with_equal_outputs_and_counts_the_wire(
+    code_prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DIFFSPEC_DRAFT_TIMEOUT_SECONDS", "60")  # on a busy machine a slow draft is not a late one
     out = tmp_path / "split.json"
     argv = [
         "--base-model", str(REPO_ROOT / "models/tiny-code"),

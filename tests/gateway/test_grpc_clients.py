@@ -25,7 +25,7 @@ from target_service.grpc_client import RemoteTarget
 from tests.conftest import short_prompts
 from tests.gateway.servers import draft_info, free_port, target_info, wait_until
 
-SETTINGS = DiffSpecSettings(max_message_bytes=65536)
+SETTINGS = DiffSpecSettings(max_message_bytes=65536, draft_timeout_seconds=60)  # a busy machine's slow reply is no late draft
 GREEDY = SamplingParams()
 
 
