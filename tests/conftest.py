@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from diffspec.settings import BUNDLED_TARGET, SHARED_DIR, DiffSpecSettings
+from diffspec.settings import BUNDLED_TARGET, REPO_ROOT, SHARED_DIR, DiffSpecSettings
 
 SHORT_PROMPTS = SHARED_DIR / "data" / "shortctx_eval.jsonl"
 
@@ -140,6 +140,15 @@ def write_random_llama(
         raw["rope_scaling"] = llama3
         (out_dir / "config.json").write_text(json.dumps(raw, indent=2))
     return out_dir
+
+
+SOURCE_PROMPT_FILES = ("diffspec/acceptance.py", "target_service/kv_pool.py", "draft_service/hazard.py")
+
+
+def source_prompts(limit: int) -> list[str]:
+    """Code prompts from this repository's own source: real Python present in every clone, so the
+    losslessness tests never depend on ../shared."""
+    return [(REPO_ROOT / path).read_text() for path in SOURCE_PROMPT_FILES[:limit]]
 
 
 def short_prompts(limit: int) -> list[str]:

@@ -21,7 +21,7 @@ from draft_service.working_set import WorkingSetConfig
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest
 from target_service.runtime import TargetRuntime
-from tests.conftest import short_prompts
+from tests.conftest import source_prompts
 from tests.gateway.conftest import CODE_PROMPTS, assert_all_released, collect, collect_async
 
 VARIANTS = [
@@ -70,7 +70,7 @@ def auto(random_head_engine) -> Callable[[list[int], int], tuple[list[int], str]
 
 
 def prompts(tokenizer) -> list[list[int]]:
-    texts = CODE_PROMPTS[:2] + [t[-600:] for t in short_prompts(1)]
+    texts = CODE_PROMPTS[:2] + [t[-600:] for t in source_prompts(1)]
     return [tokenizer(t)["input_ids"] for t in texts]
 
 

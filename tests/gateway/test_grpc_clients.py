@@ -22,7 +22,7 @@ from draft_service.backend import DraftAccept, DraftBatch, DraftOptions, DraftSt
 from draft_service.grpc_client import RemoteDraft
 from target_service.backend import PrefillWork, SessionOpen, TargetBatch, VerifyStep
 from target_service.grpc_client import RemoteTarget
-from tests.conftest import short_prompts
+from tests.conftest import source_prompts
 from tests.gateway.servers import draft_info, free_port, target_info, wait_until
 
 SETTINGS = DiffSpecSettings(max_message_bytes=65536, draft_timeout_seconds=60)  # a busy machine's slow reply is no late draft
@@ -41,7 +41,7 @@ def decode(session_id: str, root: int) -> TargetBatch:
 
 def test_remote_target_steps_equal_the_runtime_in_process(split_deployment, reference_target, tokenizer):
     # ~500 prompt rows of 3 KB: the features come back in ~25 chunks of 64 KiB
-    prompt = tokenizer(short_prompts(1)[0][-2000:])["input_ids"]
+    prompt = tokenizer(source_prompts(1)[0][-2000:])["input_ids"]
     remote = RemoteTarget.connect(split_deployment.target.address, SETTINGS)
     try:
         prefilled = remote.step(open_and_prefill("a", prompt, want_features=True))
@@ -64,7 +64,7 @@ def test_remote_target_steps_equal_the_runtime_in_process(split_deployment, refe
 def test_a_gateway_that_relays_to_a_remote_draft_keeps_the_features_as_bytes(split_deployment, tokenizer):
     """With a remote draft the rows stay the bytes that arrived (no torch needed to pass them on); with the
     draft in process they are decoded; both are the same rows."""
-    prompt = tokenizer(short_prompts(1)[0][-500:])["input_ids"]
+    prompt = tokenizer(source_prompts(1)[0][-500:])["input_ids"]
     relay_settings = SETTINGS.model_copy(update={"draft_address": split_deployment.draft.address})
     features = {}
     for name, settings in (("relayed", relay_settings), ("decoded", SETTINGS)):

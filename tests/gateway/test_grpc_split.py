@@ -19,7 +19,7 @@ from diffspec.settings import REPO_ROOT
 from diffspec.v1 import gateway_pb2
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest, GenerationStats
-from tests.conftest import short_prompts
+from tests.conftest import source_prompts
 from tests.gateway.conftest import CODE_PROMPTS, generate
 from tests.gateway.servers import SplitDeployment, draft_info, free_port, target_info, wait_all_released, wait_until
 
@@ -30,7 +30,7 @@ LONG = 2000  # ~15 s of generation: a cancel lands mid-stream, and only a propag
 @pytest.mark.parametrize("policy", ["auto", "chain", "full"])
 def test_generate_equals_in_process_auto(gateway_stub, auto_reference, policy):
     # the long prompt's features (~1K rows of 3 KB) cross the wire in ~60 chunks of 64 KiB
-    for text in [*CODE_PROMPTS, short_prompts(1)[0][-3000:]]:
+    for text in [*CODE_PROMPTS, source_prompts(1)[0][-3000:]]:
         ids, out_text, stats = generate(
             gateway_stub, text=text, max_new_tokens=MAX_NEW, policy=policy, tree_config="24:0.0:5"
         )

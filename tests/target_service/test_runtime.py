@@ -15,7 +15,7 @@ from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata
 from target_service.backend import PrefillWork, SessionOpen, TargetBatch, VerifyStep
 from target_service.runtime import TargetRuntime
-from tests.conftest import short_prompts
+from tests.conftest import source_prompts
 
 GREEDY = SamplingParams()
 
@@ -39,7 +39,7 @@ def _auto(runtime: TargetRuntime, sid: str, prompt: list[int], n: int) -> list[i
 
 def test_auto_greedy_equals_transformers_generate(runtime, hf_model, tiny_target_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
-    for i, text in enumerate(short_prompts(3)):
+    for i, text in enumerate(source_prompts(3)):
         prompt = tokenizer(text)["input_ids"][-700:]
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, min_new_tokens=64)
