@@ -146,7 +146,7 @@ class DraftRuntime:
         self._check_token_ids(emitted)
         if session.last_tree is not None and accept.verified_draft_tree:
             self._observe_step(session, emitted[:-1])
-        session.last_tree = None  # an Auto step in its stead verified nothing of it
+        session.last_tree = None  # observed, or an Auto step in its stead verified nothing of it
         return Extension(session.drafter_state, features, emitted)
 
     def _extend_all(self, extensions: list[tuple[str, Extension]], failures: dict[str, DiffSpecError]) -> None:
@@ -240,7 +240,6 @@ class DraftRuntime:
             ranks.append(match[0])
             node = children[node][match[0]]
         session.hazard.observe(ranks, stop_width=len(children[node]))
-        session.last_tree = None
 
     def _release(self, session_id: str) -> DraftStats:
         session = self.sessions.pop(session_id)
