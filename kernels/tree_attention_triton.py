@@ -65,12 +65,15 @@ def plan_tree_attention(
     max_context_len: int,  # block-table capacity in tokens, not the live lengths
     head_dim: int,
     num_sms: int,
+    element_size: int = 2,  # bytes per q/k/v element: 4 (fp32, the exactness replays) halves the tiles
 ) -> TreeAttentionPlan:
     rows = max_q_len * group
     # Past 128 rows, one 256-row tile over 16 warps reads the KV once instead of once per 128-row
     # tile; it fills an SM's registers, so one program per SM. Measured on an H200 at L = 64K,
     # Llama-3.1-8B shape, T = 64 (bench/kernels.py --sweep): 221 us against 263 us for two 128-row tiles.
-    wide = rows > 128
+    # In fp32 that tile and its key tiles need 257 KB of shared memory (an H200 has 227 KB).
+    narrow_elements = element_size <= 2
+    wide = rows > 128 and narrow_elements
     block_m = 256 if wide else min(128, max(16, triton.next_power_of_2(rows)))
     row_tiles = triton.cdiv(rows, block_m)
     programs_per_split = num_seqs * num_kv_heads * row_tiles  # the new-token programs are one more such set
@@ -83,7 +86,7 @@ def plan_tree_attention(
     # resident); 128-key tiles beat 64 except at 64 rows and in the 256-row tile.
     return TreeAttentionPlan(
         block_m=block_m,
-        block_n=64 if (block_m == 64 and head_dim >= 128) or wide else 128,
+        block_n=(64 if (block_m == 64 and head_dim >= 128) or wide else 128) if narrow_elements else 32,
         num_splits=max(1, num_splits),
         num_warps=16 if wide else 8 if block_m >= 128 else 4,
         num_stages=2,
@@ -351,6 +354,7 @@ def default_plan(q: torch.Tensor, k_new: torch.Tensor, meta: AttentionMetadata) 
         max_context_len=meta.block_tables.shape[1] * meta.page_size,
         head_dim=q.shape[2],
         num_sms=_num_sms(q.device),
+        element_size=q.element_size(),
     )
 
 

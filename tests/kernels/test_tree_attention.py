@@ -172,6 +172,7 @@ GPU_CASES = [
     Case((1,), (131072,), num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=B16),
     Case((64,), (131072,), num_heads=3, num_kv_heads=3, head_dim=128, page_size=64, dtype=B16),
     Case((8, 32), (131072, 4096), num_heads=32, num_kv_heads=4, head_dim=64, page_size=64, dtype=F16),
+    Case((64, 2048), (4096, 0), num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=F32),  # fp32 replay's prefill
 ]
 TRITON_CASES = kernel_cases(
     gpu=GPU_CASES,
@@ -244,3 +245,17 @@ def test_triton_any_split_count_matches_reference(
     out = torch.full_like(inputs.q, float("nan"))
     triton_attention.run_tree_attention(*inputs.tensors(), inputs.meta, 0.125, plan, out)
     assert relative_error(out, ref) < 1e-2
+
+
+HOPPER_SHARED_MEMORY = 232448  # bytes per block on an H100/H200
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("max_q_len", [1, 16, 64, 256, 2048])
+def test_every_plan_fits_hoppers_shared_memory(element_size: int, max_q_len: int) -> None:
+    """The q tile plus two pipelined key and value tiles of a plan fit one block's shared memory (fp32, as the
+    exactness replays run the target, once asked for a 256-row tile that needed 257 KB)."""
+    triton_attention = pytest.importorskip("kernels.tree_attention_triton")
+    plan = triton_attention.plan_tree_attention(1, 8, 4, max_q_len, 65536, 128, 132, element_size)
+    tile_bytes = (plan.block_m + plan.num_stages * 2 * plan.block_n) * 128 * element_size
+    assert tile_bytes <= HOPPER_SHARED_MEMORY
