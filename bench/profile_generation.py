@@ -80,8 +80,28 @@ class TorchProfileReport:
                 host_ms, gpu_ms = event.cpu_time_total / 1e3 / n, event.device_time_total / 1e3 / n
                 print(f"{event.key:32} {event.count / n:8.2f} {host_ms:8.3f} {gpu_ms:8.3f}")
         if torch.cuda.is_available():
+            self._print_kernels_by_phase(n)
             print(events.table(sort_by="self_cuda_time_total", row_limit=rows))
         print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+
+    def _print_kernels_by_phase(self, iterations: int, per_phase: int = 10) -> None:
+        """Each phase's kernels (a graph's included, under the phase that replayed it): how many per iteration,
+        their GPU time, and the costliest by name; a phase of many tiny kernels is launch-bound."""
+        kernels: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        counts: collections.Counter[str] = collections.Counter()
+        for event in self.profile.events():
+            if not event.kernels:
+                continue
+            phase = _innermost_phase(event)
+            for kernel in event.kernels:
+                kernels[phase][kernel.name[:70]] += kernel.duration
+                counts[phase] += 1
+        print(f"{'phase':32} {'kernels/it':>10} {'GPU ms/it':>9}  costliest kernels (us per iteration)")
+        for phase in sorted(kernels):
+            total_ms = sum(kernels[phase].values()) / 1e3 / iterations
+            print(f"{phase:32} {counts[phase] / iterations:10.1f} {total_ms:9.3f}")
+            for name, us in kernels[phase].most_common(per_phase):
+                print(f"{'':34}{us / iterations:9.1f}  {name}")
 
 
 class SyncReport:
@@ -112,6 +132,15 @@ class SyncReport:
         print(f"{n} iterations; {sum(self.sites.values()) / n:.2f} host waits for the GPU per iteration")
         for site, count in self.sites.most_common(rows):
             print(f"{count / n:8.2f}  {site}")
+
+
+def _innermost_phase(event) -> str:  # noqa: ANN001 (a torch.autograd.profiler FunctionEvent)
+    """The closest enclosing range the runtimes mark, or "loop" for work outside every phase."""
+    while event is not None:
+        if event.name.startswith(PHASE_PREFIXES):
+            return event.name
+        event = event.cpu_parent
+    return "loop"
 
 
 REPORTS = {"cprofile": CProfileReport, "torch": TorchProfileReport, "syncs": SyncReport}

@@ -1,0 +1,161 @@
+"""Draft time per step against the head's weight-read floor, measured in one run.
+
+A step of the draft is an accept (the verified tokens' entries committed: one eager head pass
+over them) and a proposal (the whole tree grown on the device, replayed from one CUDA graph).
+For each context length and batch, synthetic sessions (random target features, random tokens:
+timing does not need real text) are started, then each step is timed with CUDA events and
+host clocks, median of several:
+
+- ``accept_ms``: committing 5 entries per session (a typical accepted path plus the bonus token);
+- ``propose_ms``: the proposal call, wall time to trees on the host;
+- ``launch_ms``: host time of the graph's launch alone (``CUDAGraph.replay`` returning);
+- ``graph_gpu_ms``: the replayed graph's GPU time (CUDA events around the replay);
+- ``floor_ms``: the bytes a proposal must read (the head's weights once per depth, plus each session's
+  attended context once per depth) over the copy bandwidth measured in the same run.
+
+    python -m bench.draft_times --base-model /tmp/b8/target --draft-model /tmp/b8/head --out bench/results/draft_times_8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from draft_service.drafter import Drafter, Extension, ProposalRequest
+from draft_service.eagle3_head import Eagle3Head
+from draft_service.options import DraftOptions, validate_options
+from draft_service.target_embedding import load_target_embedding
+from draft_service.tree_plan import fixed_candidate
+from draft_service.working_set import WorkingSetConfig
+
+ACCEPTED_PER_STEP = 5  # entries an accept commits per session
+REPEATS = 20
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted), the floor's yardstick."""
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    seconds = _gpu_seconds(lambda: target.copy_(source))
+    return 2 * source.numel() / seconds
+
+
+def _gpu_seconds(work: Callable[[], object]) -> float:
+    """Median GPU seconds of ``work`` over ``REPEATS`` runs (after one untimed)."""
+    work()
+    times = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _host_seconds(work: Callable[[], object], sync: bool) -> float:
+    """Median wall seconds of ``work`` (``sync``: until the GPU has finished it too)."""
+    times = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        work()
+        if sync:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, bandwidth: float) -> dict:
+    """One (context, batch, options) point: the accept, the proposal and its graph, and the floor."""
+    c, device = head.config, head.fc.weight.device
+    drafter = Drafter(head, cuda_graphs=True)
+    policy, budget = validate_options(options)
+    candidate = fixed_candidate(policy, budget)
+    salience = WorkingSetConfig() if options.salience else None
+    torch.manual_seed(context + batch)
+    width, dtype = 3 * c.target_hidden_size, head.fc.weight.dtype
+    sessions = []
+    for _ in range(batch):
+        ids = torch.randint(c.draft_vocab_size, (context,)).tolist()
+        sessions.append(drafter.start(ids, torch.randn(context, width, device=device, dtype=dtype), ids[-1], salience))
+    requests = [ProposalRequest(s, list(candidate.plan), candidate.budget) for s in sessions]
+    accept_features = torch.randn(ACCEPTED_PER_STEP, width, device=device, dtype=dtype)
+
+    def accept() -> None:
+        # each accept grows the context by a few entries: the proposal's capacity stays in one bucket
+        drafter.extend_many([Extension(s, accept_features, [7] * ACCEPTED_PER_STEP) for s in sessions])
+
+    for _ in range(3):  # the proposal shape is recorded as a graph the second time it comes
+        drafter.propose_many(requests)
+    proposer = drafter.proposer
+    run = next(r for r in proposer._runs.values() if r.graph is not None)
+    attended = sum(s.context.attended_tokens for s in sessions)
+    layer = head.midlayer
+    read_per_depth = (drafter.fused.qkv, layer.self_attn.o_proj.weight, drafter.fused.gate_up, layer.mlp.down_proj.weight, head.lm_head.weight)
+    head_bytes = sum(w.numel() * w.element_size() for w in read_per_depth)
+    context_bytes = attended * 2 * c.num_kv_heads * c.head_dim * head.fc.weight.element_size()
+    depth = len(run.shape.widths)
+    floor = depth * (head_bytes + context_bytes) / bandwidth
+    return {
+        "context": context,
+        "batch": batch,
+        "policy": options.policy,
+        "tree_config": options.tree_config,
+        "salience": options.salience,
+        "depth": depth,
+        "attended_tokens_per_session": attended // batch,
+        "kernels_per_proposal": _kernel_count(lambda: proposer._search(run)),
+        "accept_ms": round(1e3 * _host_seconds(accept, sync=True), 3),
+        "propose_ms": round(1e3 * _host_seconds(lambda: drafter.propose_many(requests), sync=True), 3),
+        "launch_ms": round(1e3 * _host_seconds(run.graph.replay, sync=False), 3),
+        "graph_gpu_ms": round(1e3 * _gpu_seconds(run.graph.replay), 3),
+        "floor_ms": round(1e3 * floor, 3),
+    }
+
+
+def _kernel_count(work: Callable[[], object]) -> int:
+    """GPU kernels ``work`` launches when run eagerly: the nodes of its graph, each a launch gap."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        work()
+        torch.cuda.synchronize()
+    return sum(1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-model", type=Path, required=True, help="the target (its embedding feeds the head)")
+    parser.add_argument("--draft-model", type=Path, required=True)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384, 65536])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--tree-config", default="64:0.0:8")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("draft_times needs a GPU", file=sys.stderr)
+        return 2
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    head = Eagle3Head.load(args.draft_model, load_target_embedding(args.base_model, device, dtype), device, dtype)
+    head.eval()
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            for salience in (False, True):
+                row = measure(head, context, batch, DraftOptions("full", args.tree_config, salience=salience), bandwidth)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth_gb_s": round(bandwidth / 1e9), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
