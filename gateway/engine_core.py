@@ -294,7 +294,7 @@ class EngineCore:
                 opens.append(running.session_open(self.feature_layers))
                 running.phase, running.target_session = Phase.PREFILLING, True
             if running.phase is Phase.PREFILLING:
-                tokens = min(self.limits.prefill_chunk, budget, running.prompt_tokens - running.prefilled_tokens)
+                tokens = min(self.limits.prefill_chunk, budget, running.prompt_tokens_to_compute)
                 if tokens <= 0:
                     continue  # computed: collected for its first token
                 prefills.append(PrefillWork(running.request_id, tokens))

@@ -96,6 +96,17 @@ class RunningRequest:
         return self.phase is Phase.PREFILLING and self.prefilled_tokens == self.prompt_tokens
 
     @property
+    def prompt_tokens_to_compute(self) -> int:
+        """Prompt positions whose forward the target has still to run: what a prefill charges the iteration's
+        token budget. A fork shares its parent's pages of every prompt position but the last, whose forward
+        samples its own first token, so it computes one position, not its whole prompt; should its parent
+        have been released before it opened, the target prefills it from that first position on, reporting
+        its progress, and later chunks are charged from there."""
+        if self.forked and self.prefilled_tokens == 0:
+            return 1
+        return self.prompt_tokens - self.prefilled_tokens
+
+    @property
     def waits_for_prompt(self) -> bool:
         """A sample of an n > 1 request that stays unopened while another sample prefills their prompt."""
         share = self.request.prompt_share

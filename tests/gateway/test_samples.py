@@ -4,6 +4,7 @@ sample equals its lone run with its derived seed, Auto and speculative alike, an
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Iterator
 
 import pytest
@@ -15,10 +16,12 @@ from draft_service.eagle3_head import Eagle3Head
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
 from gateway.engine import SpeculativeEngine
+from gateway.engine_core import EngineLimits
 from gateway.request import GenerationRequest
 from gateway.samples import generate_samples
+from target_service.backend import TargetBatch, TargetBatchResult, TargetInfo
 from target_service.runtime import TargetRuntime
-from tests.gateway.conftest import CODE_PROMPTS, assert_all_released, collect
+from tests.gateway.conftest import CODE_PROMPTS, assert_all_released, collect, collect_async
 
 NEW_TOKENS = 10
 
@@ -30,9 +33,13 @@ def target(tiny_target_dir) -> TargetRuntime:
 
 
 @pytest.fixture(scope="module")
-def engine(target: TargetRuntime, tokenizer) -> Iterator[SpeculativeEngine]:
-    head = Eagle3Head.load(BUNDLED_DRAFT, target.model.embed_tokens, torch.device("cpu"), torch.float32)
-    loaded = SpeculativeEngine(target, DraftRuntime(head), tokenizer)
+def draft_runtime(target: TargetRuntime) -> DraftRuntime:
+    return DraftRuntime(Eagle3Head.load(BUNDLED_DRAFT, target.model.embed_tokens, torch.device("cpu"), torch.float32))
+
+
+@pytest.fixture(scope="module")
+def engine(target: TargetRuntime, draft_runtime: DraftRuntime, tokenizer) -> Iterator[SpeculativeEngine]:
+    loaded = SpeculativeEngine(target, draft_runtime, tokenizer)
     yield loaded
     loaded.close()
 
@@ -101,3 +108,66 @@ def test_samples_of_a_prompt_that_ends_at_once_still_run(engine, tokenizer):
     for index in range(3):
         assert samples[index] == collect(engine, GenerationRequest(prompt, 1, sampled.for_sample(index)))[0]
     assert_all_released(engine)
+
+
+class RecordingTarget:
+    """The target, with every step's batch recorded, and a gate that holds the loop's next step while it is shut."""
+
+    def __init__(self, inner: TargetRuntime) -> None:
+        self.inner = inner
+        self.batches: list[TargetBatch] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def info(self) -> TargetInfo:
+        return self.inner.info()
+
+    def step(self, batch: TargetBatch) -> TargetBatchResult:
+        assert self.gate.wait(timeout=30)
+        self.batches.append(batch)
+        return self.inner.step(batch)
+
+
+@pytest.mark.parametrize("draft", [None, DraftOptions("full", "16:0.0:4")], ids=["auto", "speculative"])
+def test_a_fork_is_charged_only_the_position_it_computes(target, draft_runtime, tokenizer, draft):
+    """Each fork computes its prompt's last position alone, and that is all it takes from the iteration's
+    token budget (``max_batch_tokens``): both forks of an n = 3 request open in one iteration, beside a
+    whole prompt chunk of another request. Charged the whole prompt, as before, the first fork took a whole
+    chunk of the budget, and the budget ran out before the second fork or the other prompt's chunk."""
+    prompt = tokenizer(f"# forks {draft}\n" + CODE_PROMPTS[1] * 2)["input_ids"]
+    other = tokenizer(f"# beside {draft}\n" + CODE_PROMPTS[3] * 30)["input_ids"]  # prefills for 15 steps
+    chunk = 32
+    assert len(prompt) > chunk and len(other) > 12 * chunk
+    recording = RecordingTarget(target)
+    # the budget is MIN_PREFILL_TOKENS (64) whatever the trees take: two chunks an iteration
+    limits = EngineLimits(8, max_batch_tokens=64, prefill_chunk=chunk)
+    engine = SpeculativeEngine(recording, draft_runtime, tokenizer, limits)
+    sampled = SamplingParams(temperature=0.9, seed=8)
+
+    async def run() -> None:
+        recording.gate.clear()
+        samples = GenerationRequest(prompt, NEW_TOKENS, sampled, draft=draft, n=3)
+        sampling = asyncio.ensure_future(_drain(generate_samples(engine, samples)))
+        beside = asyncio.ensure_future(collect_async(engine, GenerationRequest(other, NEW_TOKENS)))
+        while engine.core.num_requests < 4:
+            await asyncio.sleep(0.001)  # each sample is submitted on its task's first run
+        recording.gate.set()
+        await asyncio.gather(sampling, beside)
+
+    try:
+        asyncio.run(run())
+        forking = [b for b in recording.batches if any(o.fork_of for o in b.opens)]
+        assert len(forking) == 1  # both forks opened in one iteration
+        forks = [o.session_id for o in forking[0].opens if o.fork_of]
+        other_session = next(o.session_id for b in recording.batches for o in b.opens if o.prompt_ids == other)
+        charged = {w.session_id: w.num_tokens for w in forking[0].prefills}
+        assert [charged[f] for f in forks] == [1, 1]
+        assert charged[other_session] == chunk  # the other prompt's chunk in the same iteration
+        assert_all_released(engine)
+    finally:
+        engine.close()
+
+
+async def _drain(chunks) -> None:  # noqa: ANN001 - an async iterator of chunks
+    async for _ in chunks:
+        pass
