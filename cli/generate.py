@@ -61,7 +61,7 @@ async def _in_process(settings: DiffSpecSettings) -> AsyncIterator[Source]:
 
     async def generate(message: gateway_pb2.GenerateRequest) -> AsyncIterator[GenerationChunk]:
         prompt_ids = engine.tokenizer(prompt_text(message))["input_ids"]
-        request = generation_request(message, prompt_ids, settings)
+        request = generation_request(message, prompt_ids, settings, engine.draft is not None, engine.sampling_defaults)
         async for chunk in generate_samples(engine, request):
             yield chunk
 

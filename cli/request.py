@@ -26,13 +26,17 @@ INT64 = 2**63
 
 class SamplingFlags(BaseModel):
     """How ``diffspec generate`` samples: each field is a flag and the ``GenerateRequest`` field of its name.
-    The defaults are the server's, shown in the help; only the flags given are sent."""
+    The defaults are the server's, shown in the help; only the flags given are sent, so temperature, top-p
+    and top-k left unset take the checkpoint's generation_config.json values where the server reads them."""
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(0.0, ge=0, allow_inf_nan=False, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass kept, after top-k")
-    top_k: int = Field(0, ge=0, lt=2**31, description="most likely tokens kept before top-p; 0 = all")
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False, description="0 = greedy; unset = the "
+                                      "checkpoint's generation_config.json value, else 0")  # fmt: skip
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus mass kept, after top-k; unset = the "
+                                "checkpoint's, else 1")  # fmt: skip
+    top_k: int | None = Field(None, ge=0, lt=2**31, description="most likely tokens kept before top-p; 0 = all; "
+                              "unset = the checkpoint's, else 0")  # fmt: skip
     seed: int | None = Field(None, ge=-INT64, lt=INT64, description="fixes the sampling stream (sample i of n "
                              "derives its own from it)")  # fmt: skip
     stop: list[str] = Field(default_factory=list, description="stop sequences")

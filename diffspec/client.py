@@ -88,9 +88,9 @@ class GenerateOptions(TypedDict, total=False):
     """What ``generate`` and ``complete`` accept beside the prompt (``generate_request``'s keywords)."""
 
     max_new_tokens: int
-    temperature: float  # 0 = greedy (the default)
-    top_p: float
-    top_k: int  # 0 = all tokens
+    temperature: float  # 0 = greedy; unset = the checkpoint's generation_config.json value, else greedy
+    top_p: float  # unset = the checkpoint's, else 1
+    top_k: int  # 0 = all tokens; unset = the checkpoint's, else all
     seed: int
     stop: Sequence[str]
     stop_token_ids: Sequence[int]  # a generated id among these ends the sample, itself not emitted
@@ -105,7 +105,7 @@ def generate_request(
     prompt: str | Sequence[int],
     *,
     max_new_tokens: int | None = None,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
     seed: int | None = None,
@@ -122,11 +122,11 @@ def generate_request(
         message = gateway_pb2.GenerateRequest(text=prompt)
     else:
         message = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=list(prompt)))
-    message.temperature, message.policy, message.tree_config = temperature, policy, tree_config
+    message.policy, message.tree_config = policy, tree_config
     message.stop.extend(stop)
     message.stop_token_ids.extend(stop_token_ids)
-    optional = {"max_new_tokens": max_new_tokens, "top_p": top_p, "top_k": top_k, "seed": seed, "n": n,
-                "logprobs": logprobs, "salience": salience}  # fmt: skip
+    optional = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                "seed": seed, "n": n, "logprobs": logprobs, "salience": salience}  # fmt: skip
     for name, value in optional.items():
         if value is not None:
             setattr(message, name, value)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diffspec.errors import InvalidRequest
+from diffspec.model_config import GenerationConfig
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +54,22 @@ class SamplingParams:
         if index == 0 or self.seed is None:
             return self
         return dataclasses.replace(self, seed=(self.seed + index * _SEED_STRIDE) % 2**63)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The checkpoint's sampling defaults (its generation_config.json, as vLLM's ``--generation-config auto``
+    reads it): what a request's unset temperature, top_p and top_k become before the front end's own
+    defaults. A field the request sets wins; ``gateway/messages.py`` applies them, for every front end."""
+
+    temperature: float | None = None  # None = the front end's default (gRPC and the CLI: 0, HTTP: 1)
+    top_p: float | None = None  # None = 1
+    top_k: int | None = None  # None = 0 (all tokens)
+
+    @staticmethod
+    def of(config: GenerationConfig) -> SamplingDefaults:
+        """Those of a parsed generation_config.json (set only when its ``do_sample`` is true)."""
+        return SamplingDefaults(config.temperature, config.top_p, config.top_k)
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,13 @@ class DiffSpecSettings(BaseSettings):
 
     # Generation defaults
     max_new_tokens: int = Field(128, ge=1, description="Default number of tokens to generate.")
+    generation_config: Literal["auto", "none"] = Field(
+        "auto",
+        description="auto = a request that leaves temperature, top_p or top_k unset takes the target "
+        "checkpoint's generation_config.json value (when that file sets do_sample: true), as vLLM's "
+        "--generation-config auto; none = DiffSpec's own defaults (greedy over gRPC and the CLI, OpenAI's "
+        "temperature 1 over HTTP; top_p 1, top_k 0). The file's EOS list applies either way.",
+    )
 
     # Services
     listen: str = Field("127.0.0.1:50051", description="Address this server listens on.")

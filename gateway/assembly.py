@@ -10,6 +10,8 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from diffspec.errors import CheckpointError, PeerUnavailable
+from diffspec.model_config import load_generation_config
+from diffspec.sampling_params import SamplingDefaults
 from diffspec.settings import BUNDLED_TARGET, DiffSpecSettings
 from draft_service.backend import DraftBackend
 from gateway.engine import SpeculativeEngine
@@ -28,6 +30,21 @@ def load_tokenizer(settings: DiffSpecSettings) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(str(settings.base_model))
     except (OSError, ValueError) as bad:
         raise CheckpointError(f"cannot load a tokenizer from {settings.base_model}: {bad}") from None
+
+
+def sampling_defaults(settings: DiffSpecSettings) -> SamplingDefaults:
+    """The target checkpoint's generation_config.json sampling defaults with ``generation_config`` auto (said
+    in one log line when there are any, as vLLM does), else none."""
+    if settings.generation_config == "none":
+        return SamplingDefaults()
+    defaults = SamplingDefaults.of(load_generation_config(settings.base_model))
+    if defaults != SamplingDefaults():
+        given = ", ".join(f"{name}={value}" for name, value in vars(defaults).items() if value is not None)
+        log.warning(
+            "requests that leave them unset sample with %s from %s/generation_config.json "
+            "(--generation-config none: DiffSpec's defaults)", given, settings.base_model,
+        )  # fmt: skip
+    return defaults
 
 
 def engine_limits(settings: DiffSpecSettings) -> EngineLimits:
@@ -112,7 +129,9 @@ async def load_engine(settings: DiffSpecSettings) -> SpeculativeEngine:
 def _assemble(settings: DiffSpecSettings, target: TargetBackend, with_draft: bool) -> SpeculativeEngine:
     draft = build_draft(settings, target) if with_draft else None
     layers = head_feature_layers(draft, PEER_POLL_TIMEOUT_S)
-    return SpeculativeEngine(target, draft, load_tokenizer(settings), engine_limits(settings), layers)
+    return SpeculativeEngine(
+        target, draft, load_tokenizer(settings), engine_limits(settings), layers, sampling_defaults(settings)
+    )
 
 
 def head_feature_layers(draft: DraftBackend | None, timeout: float) -> tuple[int, ...]:

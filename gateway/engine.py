@@ -13,6 +13,7 @@ import uuid
 from typing import AsyncIterator
 
 from diffspec.errors import InvalidRequest
+from diffspec.sampling_params import SamplingDefaults
 from draft_service.backend import DraftBackend
 from draft_service.options import validate_options
 from gateway.detokenizer import Tokenizer
@@ -49,11 +50,15 @@ class SpeculativeEngine:
         tokenizer: Tokenizer,
         limits: EngineLimits = DEFAULT_LIMITS,
         feature_layers: tuple[int, ...] = (),
+        sampling_defaults: SamplingDefaults = SamplingDefaults(),
     ) -> None:
-        """``feature_layers``: the target layers the draft's head reads; () = the target's default."""
+        """``feature_layers``: the target layers the draft's head reads; () = the target's default.
+        ``sampling_defaults``: the checkpoint's, for requests that leave those fields unset (the front ends
+        apply them through ``gateway/messages.py``)."""
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
+        self.sampling_defaults = sampling_defaults
         self.core = EngineCore(target, draft, tokenizer, limits, feature_layers)
 
     async def target_info(self) -> TargetInfo:

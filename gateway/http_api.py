@@ -44,6 +44,7 @@ from diffspec.sampling_params import TokenLogprobs
 from diffspec.rpc_status import internal_error
 from diffspec.serving import Loading, Readiness, model_name
 from diffspec.settings import DiffSpecSettings
+from diffspec.v1 import gateway_pb2
 from gateway import openai_schema as oai
 from gateway.engine import SpeculativeEngine
 from gateway.messages import generation_request
@@ -152,8 +153,7 @@ def create_app(
             _check_chars(len(prompt), info)
             with loaded.core.quotas.holding(client):
                 prompt_ids = await app.state.tokenizer_pool.run(encode_prompt, loaded.tokenizer, prompt)
-        message = body.generate_message(body.max_tokens)
-        request = replace(generation_request(message, prompt_ids, settings, loaded.draft is not None), client=client)
+        request = _request(loaded, body.generate_message(body.max_tokens), prompt_ids, client)
         return await _respond(loaded, request, body, model_name(info.model), chat=False)
 
     @app.post("/v1/chat/completions")
@@ -167,9 +167,17 @@ def create_app(
         with loaded.core.quotas.holding(client):
             prompt_ids = await app.state.tokenizer_pool.run(render_chat, loaded.tokenizer, messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        message = body.generate_message(max_tokens)
-        request = replace(generation_request(message, prompt_ids, settings, loaded.draft is not None), client=client)
+        request = _request(loaded, body.generate_message(max_tokens), prompt_ids, client)
         return await _respond(loaded, request, body, model_name(info.model), chat=True)
+
+    def _request(
+        loaded: SpeculativeEngine, message: gateway_pb2.GenerateRequest, prompt_ids: list[int], client: str
+    ) -> GenerationRequest:
+        """gRPC's conversion and defaults, with OpenAI's temperature 1 where neither request nor checkpoint sets one."""
+        request = generation_request(
+            message, prompt_ids, settings, loaded.draft is not None, loaded.sampling_defaults, oai.DEFAULT_TEMPERATURE
+        )
+        return replace(request, client=client)
 
     async def _respond(
         loaded: SpeculativeEngine, request: GenerationRequest, body: oai.SamplingFields, model: str, chat: bool

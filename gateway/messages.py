@@ -4,12 +4,18 @@ What is checked here is the message itself (a prompt to read, stop sequences and
 given with Auto); what the target could not serve (the prompt's length and vocabulary,
 max_new_tokens, the draft options) is checked once for every front end by the engine
 (``SpeculativeEngine.check``), before any service sees it.
+
+Defaults are applied here alone, for every front end: a sampling field the message leaves unset
+(temperature, top_p, top_k) takes the checkpoint's generation_config.json value
+(``SpeculativeEngine.sampling_defaults``), else the front end's own; one it sets wins.
 """
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from diffspec.errors import InvalidRequest
-from diffspec.sampling_params import SamplingParams
+from diffspec.sampling_params import SamplingDefaults, SamplingParams
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2
 from diffspec.wire import logprobs_from_proto, logprobs_to_proto
@@ -22,6 +28,8 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_SAMPLES = 16  # most samples (n) one request may ask for
+
+Number = TypeVar("Number", int, float)
 
 
 def prompt_text(message: gateway_pb2.GenerateRequest) -> str | None:
@@ -41,9 +49,12 @@ def generation_request(
     prompt_ids: list[int],
     defaults: DiffSpecSettings,
     draft_available: bool = True,
+    checkpoint: SamplingDefaults = SamplingDefaults(),
+    default_temperature: float = 0.0,
 ) -> GenerationRequest:
     """The engine request for ``message``; unset fields take the server's defaults (without a draft, a
-    request that names no policy is Auto whatever the default policy)."""
+    request that names no policy is Auto whatever the default policy). ``checkpoint``: the engine's
+    ``sampling_defaults``; ``default_temperature``: the front end's own (HTTP: OpenAI's 1)."""
     max_new_tokens = message.max_new_tokens if message.HasField("max_new_tokens") else defaults.max_new_tokens
     stops = tuple(message.stop)
     if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stops):
@@ -51,10 +62,10 @@ def generation_request(
     if len(message.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(message.stop_token_ids)}")
     sampling = SamplingParams(
-        temperature=message.temperature,
-        top_p=message.top_p if message.HasField("top_p") else 1.0,
+        temperature=_sampling_field(message, "temperature", checkpoint.temperature, default_temperature),
+        top_p=_sampling_field(message, "top_p", checkpoint.top_p, 1.0),
         seed=message.seed if message.HasField("seed") else None,
-        top_k=message.top_k,
+        top_k=_sampling_field(message, "top_k", checkpoint.top_k, 0),
         logprobs=message.logprobs if message.HasField("logprobs") else None,
     )
     n = message.n if message.HasField("n") else 1
@@ -69,6 +80,15 @@ def generation_request(
         draft=_draft_options(message, request_defaults(defaults, len(prompt_ids)), draft_available),
         n=n,
     )
+
+
+def _sampling_field(
+    message: gateway_pb2.GenerateRequest, name: str, checkpoint: Number | None, default: Number
+) -> Number:
+    """The request's value when it sets one, else the checkpoint's generation_config.json default, else ours."""
+    if message.HasField(name):
+        return getattr(message, name)
+    return default if checkpoint is None else checkpoint
 
 
 def _draft_options(

@@ -1,9 +1,10 @@
 """OpenAI's request and response shapes for ``/v1/completions`` and ``/v1/chat/completions``.
 
-A request becomes the gateway's ``GenerateRequest`` message, so HTTP requests pass exactly the
-checks and defaults of gRPC ones (``gateway/messages.py``). OpenAI fields this server cannot honour
-(penalties, ``echo``, ``best_of``, ``suffix``) are refused with a 400 rather than ignored; unknown
-fields are refused too. DiffSpec's own options (``policy``, ``tree_config``, ``salience``) and
+A request becomes the gateway's ``GenerateRequest`` message, carrying only the fields it sets, so HTTP
+requests pass exactly the checks and defaults of gRPC ones (``gateway/messages.py``: the checkpoint's
+generation_config.json sampling defaults included), but for OpenAI's temperature 1 in place of greedy.
+OpenAI fields this server cannot honour (penalties, ``echo``, ``best_of``, ``suffix``) are refused with
+a 400 rather than ignored; unknown fields are refused too. DiffSpec's own options (``policy``, ``tree_config``, ``salience``) and
 vLLM's ``top_k`` and ``stop_token_ids`` are extra body fields (``extra_body`` in the ``openai`` client).
 
 Logprobs: completions ask with ``logprobs: k`` and get OpenAI's legacy object (``tokens``,
@@ -26,6 +27,7 @@ from gateway.messages import MAX_SAMPLES
 from gateway.request import GenerationStats
 
 INT32_MAX = 2**31 - 1
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's, where neither the request nor the checkpoint's generation_config.json sets one
 INT64 = 2**63
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
@@ -41,15 +43,16 @@ class SamplingFields(BaseModel):
 
     model: str | None = None  # echoed; the server serves one model
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # unset = the server's max_new_tokens
-    temperature: float = 1.0  # OpenAI's default; 0 = greedy
-    top_p: float = 1.0
+    # unset sampling fields: the checkpoint's generation_config.json value, else temperature 1, top_p 1, top_k all
+    temperature: float | None = None  # 0 = greedy
+    top_p: float | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # None, -1 or 0 = all tokens (vLLM's -1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # -1 or 0 = all tokens (vLLM's -1)
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = None  # vLLM's: a generated id among these ends the choice, unemitted
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -76,23 +79,24 @@ class SamplingFields(BaseModel):
         """The gRPC request with these fields (the prompt travels separately, as token ids)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         message = gateway_pb2.GenerateRequest(
-            temperature=self.temperature,
-            top_p=self.top_p,
             stop=stops,
             stop_token_ids=self.stop_token_ids or [],
             policy=self.policy,
             tree_config=self.tree_config,
-            top_k=max(self.top_k or 0, 0),
             n=self.n,
         )
-        if self.num_logprobs() is not None:
-            message.logprobs = self.num_logprobs()
-        if max_tokens is not None:
-            message.max_new_tokens = max_tokens
-        if self.seed is not None:
-            message.seed = self.seed
-        if self.salience is not None:
-            message.salience = self.salience
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": None if self.top_k is None else max(self.top_k, 0),
+            "logprobs": self.num_logprobs(),
+            "max_new_tokens": max_tokens,
+            "seed": self.seed,
+            "salience": self.salience,
+        }
+        for name, value in optional.items():
+            if value is not None:  # unset stays unset: the server's defaults apply (gateway/messages.py)
+                setattr(message, name, value)
         return message
 
 

@@ -61,7 +61,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         else:
             with engine.core.quotas.holding(client):
                 prompt_ids = await self._tokenize(engine, text)
-        generation = generation_request(request, prompt_ids, self.settings, engine.draft is not None)
+        generation = generation_request(
+            request, prompt_ids, self.settings, engine.draft is not None, engine.sampling_defaults
+        )
         generation = replace(generation, client=client)
         self.metrics.active_generations.inc()
         try:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from diffspec.v1 import logprobs_pb2 as diffspec_dot_v1_dot_logprobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64iffspec/v1/gateway.proto\x12\x0b\x64iffspec.v1\x1a\x1a\x64iffspec/v1/logprobs.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x9d\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.diffspec.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\x13\n\x0btree_config\x18\t \x01(\t\x12\x15\n\x08salience\x18\n \x01(\x08H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x03\x42\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_salienceB\x08\n\x06_top_kB\x0b\n\t_logprobsB\x04\n\x02_n\"\x80\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x12\n\nnew_tokens\x18\x02 \x01(\x03\x12\r\n\x05steps\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x04 \x01(\x03\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x1c\n\x14stop_depth_histogram\x18\x06 \x03(\x03\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x15\n\rdraft_seconds\x18\x08 \x01(\x01\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\n \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x0b \x01(\x01\x12\x15\n\rfinish_reason\x18\x0c \x01(\t\x12\x19\n\x11\x66\x65ll_back_to_auto\x18\r \x01(\x08\x12\x0e\n\x06hazard\x18\x0e \x03(\x01\x12\x1a\n\x12working_set_tokens\x18\x0f \x01(\x03\"<\n\x0fPrefillProgress\x12\x13\n\x0b\x64one_tokens\x18\x01 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x03\"\xd5\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x05stats\x18\x03 \x01(\x0b\x32\x1c.diffspec.v1.GenerationStats\x12\x36\n\x10prefill_progress\x18\x04 \x01(\x0b\x32\x1c.diffspec.v1.PrefillProgress\x12,\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1a.diffspec.v1.TokenLogprobs\x12\r\n\x05index\x18\x06 \x01(\x05\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x12\n\x10ModelInfoRequest\"\xcd\x01\n\x11ModelInfoResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x13\n\x0bmax_context\x18\x03 \x01(\x03\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x12\x17\n\x0f\x64raft_available\x18\x05 \x01(\x08\x12\x16\n\x0e\x64\x65\x66\x61ult_policy\x18\x06 \x01(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_tree_config\x18\x07 \x01(\t\x12\x14\n\x0cmax_sessions\x18\x08 \x01(\x03\x32\xe9\x01\n\x07Gateway\x12I\n\x08Generate\x12\x1c.diffspec.v1.GenerateRequest\x1a\x1d.diffspec.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.diffspec.v1.TokenizeRequest\x1a\x1d.diffspec.v1.TokenizeResponse\x12J\n\tModelInfo\x12\x1d.diffspec.v1.ModelInfoRequest\x1a\x1e.diffspec.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64iffspec/v1/gateway.proto\x12\x0b\x64iffspec.v1\x1a\x1a\x64iffspec/v1/logprobs.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xb2\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.diffspec.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\x13\n\x0btree_config\x18\t \x01(\t\x12\x15\n\x08salience\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x03\x42\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_salienceB\x08\n\x06_top_kB\x0b\n\t_logprobsB\x04\n\x02_n\"\x80\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x12\n\nnew_tokens\x18\x02 \x01(\x03\x12\r\n\x05steps\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x04 \x01(\x03\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x1c\n\x14stop_depth_histogram\x18\x06 \x03(\x03\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x15\n\rdraft_seconds\x18\x08 \x01(\x01\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\n \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x0b \x01(\x01\x12\x15\n\rfinish_reason\x18\x0c \x01(\t\x12\x19\n\x11\x66\x65ll_back_to_auto\x18\r \x01(\x08\x12\x0e\n\x06hazard\x18\x0e \x03(\x01\x12\x1a\n\x12working_set_tokens\x18\x0f \x01(\x03\"<\n\x0fPrefillProgress\x12\x13\n\x0b\x64one_tokens\x18\x01 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x03\"\xd5\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x05stats\x18\x03 \x01(\x0b\x32\x1c.diffspec.v1.GenerationStats\x12\x36\n\x10prefill_progress\x18\x04 \x01(\x0b\x32\x1c.diffspec.v1.PrefillProgress\x12,\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1a.diffspec.v1.TokenLogprobs\x12\r\n\x05index\x18\x06 \x01(\x05\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x12\n\x10ModelInfoRequest\"\xcd\x01\n\x11ModelInfoResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x13\n\x0bmax_context\x18\x03 \x01(\x03\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x12\x17\n\x0f\x64raft_available\x18\x05 \x01(\x08\x12\x16\n\x0e\x64\x65\x66\x61ult_policy\x18\x06 \x01(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_tree_config\x18\x07 \x01(\t\x12\x14\n\x0cmax_sessions\x18\x08 \x01(\x03\x32\xe9\x01\n\x07Gateway\x12I\n\x08Generate\x12\x1c.diffspec.v1.GenerateRequest\x1a\x1d.diffspec.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.diffspec.v1.TokenizeRequest\x1a\x1d.diffspec.v1.TokenizeResponse\x12J\n\tModelInfo\x12\x1d.diffspec.v1.ModelInfoRequest\x1a\x1e.diffspec.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=70
   _globals['_TOKENIDS']._serialized_end=93
   _globals['_GENERATEREQUEST']._serialized_start=96
-  _globals['_GENERATEREQUEST']._serialized_end=509
-  _globals['_GENERATIONSTATS']._serialized_start=512
-  _globals['_GENERATIONSTATS']._serialized_end=896
-  _globals['_PREFILLPROGRESS']._serialized_start=898
-  _globals['_PREFILLPROGRESS']._serialized_end=958
-  _globals['_GENERATERESPONSE']._serialized_start=961
-  _globals['_GENERATERESPONSE']._serialized_end=1174
-  _globals['_TOKENIZEREQUEST']._serialized_start=1176
-  _globals['_TOKENIZEREQUEST']._serialized_end=1207
-  _globals['_TOKENIZERESPONSE']._serialized_start=1209
-  _globals['_TOKENIZERESPONSE']._serialized_end=1246
-  _globals['_MODELINFOREQUEST']._serialized_start=1248
-  _globals['_MODELINFOREQUEST']._serialized_end=1266
-  _globals['_MODELINFORESPONSE']._serialized_start=1269
-  _globals['_MODELINFORESPONSE']._serialized_end=1474
-  _globals['_GATEWAY']._serialized_start=1477
-  _globals['_GATEWAY']._serialized_end=1710
+  _globals['_GENERATEREQUEST']._serialized_end=530
+  _globals['_GENERATIONSTATS']._serialized_start=533
+  _globals['_GENERATIONSTATS']._serialized_end=917
+  _globals['_PREFILLPROGRESS']._serialized_start=919
+  _globals['_PREFILLPROGRESS']._serialized_end=979
+  _globals['_GENERATERESPONSE']._serialized_start=982
+  _globals['_GENERATERESPONSE']._serialized_end=1195
+  _globals['_TOKENIZEREQUEST']._serialized_start=1197
+  _globals['_TOKENIZEREQUEST']._serialized_end=1228
+  _globals['_TOKENIZERESPONSE']._serialized_start=1230
+  _globals['_TOKENIZERESPONSE']._serialized_end=1267
+  _globals['_MODELINFOREQUEST']._serialized_start=1269
+  _globals['_MODELINFOREQUEST']._serialized_end=1287
+  _globals['_MODELINFORESPONSE']._serialized_start=1290
+  _globals['_MODELINFORESPONSE']._serialized_end=1495
+  _globals['_GATEWAY']._serialized_start=1498
+  _globals['_GATEWAY']._serialized_end=1731
 # @@protoc_insertion_point(module_scope)

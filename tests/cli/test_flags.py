@@ -86,9 +86,11 @@ def test_a_generate_request_carries_only_the_flags_given():
 def test_sampling_flags_reach_the_request_and_unset_ones_stay_unset():
     args = build_parser().parse_args(["generate", "--prompt", "x"])
     bare = request_from_flags(args, args.prompt)
-    for field in ("top_k", "n", "logprobs"):
+    for field in ("temperature", "top_p", "top_k", "n", "logprobs"):  # unset: the checkpoint's or server's default
         assert not bare.HasField(field), field
-    assert list(bare.stop_token_ids) == [] and bare.temperature == 0.0
+    assert list(bare.stop_token_ids) == []
+    greedy = request_from_flags(build_parser().parse_args(["generate", "--prompt", "x", "--temperature", "0"]), "x")
+    assert greedy.HasField("temperature") and greedy.temperature == 0.0  # an explicit 0 beats the checkpoint's
     args = build_parser().parse_args(
         ["generate", "--prompt", "x", "--temperature", "0.7", "--top-k", "5", "--n", "3", "--logprobs", "0",
          "--stop-token-ids", "13", "7", "--stop-token-ids", "2", "--stop", "a", "--stop", "b c"]

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from diffspec.errors import InvalidRequest
+from diffspec.sampling_params import SamplingDefaults
 from diffspec.settings import DiffSpecSettings
 from diffspec.v1 import gateway_pb2
 from draft_service.backend import DraftOptions
@@ -35,6 +36,31 @@ def test_unset_fields_take_the_server_defaults():
     assert request.draft is None and request.stop_sequences == ("\n",) and request.sampling.temperature == 0.7
     stopping = generation_request(gateway_pb2.GenerateRequest(text="x", stop_token_ids=[7, 3, 7]), [0], DEFAULTS)
     assert stopping.stop_token_ids == {3, 7}
+
+
+CHECKPOINT = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=40)  # a generation_config.json's
+NO_CHECKPOINT = SamplingDefaults()
+
+
+@pytest.mark.parametrize(
+    "fields, checkpoint, default_temperature, want",
+    [
+        ({}, NO_CHECKPOINT, 0.0, (0.0, 1.0, 0)),  # gRPC and the CLI: greedy
+        ({}, NO_CHECKPOINT, 1.0, (1.0, 1.0, 0)),  # HTTP: OpenAI's temperature
+        ({}, CHECKPOINT, 0.0, (0.6, 0.9, 40)),
+        ({}, CHECKPOINT, 1.0, (0.6, 0.9, 40)),
+        ({"temperature": 0.0}, CHECKPOINT, 0.0, (0.0, 0.9, 40)),  # an explicit 0 wins
+        ({"top_p": 1.0, "top_k": 0}, CHECKPOINT, 1.0, (0.6, 1.0, 0)),
+        ({"temperature": 1.2, "top_p": 0.5, "top_k": 3}, CHECKPOINT, 0.0, (1.2, 0.5, 3)),
+        ({}, SamplingDefaults(top_p=0.8), 1.0, (1.0, 0.8, 0)),  # what the checkpoint leaves out: the front end's
+    ],
+)
+def test_unset_sampling_fields_take_the_checkpoints_defaults_then_the_front_ends(
+    fields, checkpoint, default_temperature, want
+):
+    message = gateway_pb2.GenerateRequest(text="x", **fields)
+    sampling = generation_request(message, [0], DEFAULTS, True, checkpoint, default_temperature).sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == want
 
 
 @pytest.mark.parametrize(
