@@ -9,7 +9,7 @@ Same function as ``kernels.tree_attention_ref.tree_attention_reference``. Two la
    committed prefix with no mask (paged, through the block table); the program with split ==
    num_splits attends to the sequence's own new tokens under ``new_token_mask``. Each writes an fp32
    partial output, normalised, and its log-sum-exp (base 2).
-2. ``_merge_partials_kernel``: each program merges the num_splits + 1 partials of a block of
+2. ``kernels.split_kv_triton.merge_partials``: each program merges the num_splits + 1 partials of a block of
    (new token, query head) rows in fp32 and writes the output dtype.
 
 The launch plan (tile sizes, split count) depends only on batch size, head counts, max_q_len and the
@@ -20,7 +20,6 @@ share of it (a split past the end is empty and merges with weight 0).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,14 +28,13 @@ import triton.language as tl
 
 from kernels.attention_checks import check_attention_inputs
 from kernels.attention_metadata import AttentionMetadata
+from kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update, sm_count
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_LOG2_E = 1.4426950408889634
 # Split heuristic: enough programs to fill the chip, no split shorter than this many keys.
 _PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
-_MERGE_ELEMENTS = 32  # rows x parts a merge program holds at once (times HEAD_DIM fp32 values)
 
 
 @dataclass(frozen=True)
@@ -48,13 +46,6 @@ class TreeAttentionPlan:
     num_splits: int  # programs along the committed prefix per (sequence, kv head, row tile)
     num_warps: int
     num_stages: int
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the Triton interpreter on CPU: any value is correct
 
 
 def plan_tree_attention(
@@ -91,22 +82,6 @@ def plan_tree_attention(
         num_warps=16 if wide else 8 if block_m >= 128 else 4,
         num_stages=2,
     )
-
-
-@triton.jit
-def _online_softmax_update(acc, m_i, l_i, qk, v, qk_scale):
-    """Fold one tile in: q.k dot products qk [BLOCK_M, BLOCK_N] (-inf where hidden), values v [BLOCK_N, D].
-
-    m_i and the partial's lse are in base-2 units of the scaled scores (qk * qk_scale).
-    """
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    # A row with nothing visible yet keeps m = -inf; shift by 0 instead so no -inf - -inf NaN appears.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk * qk_scale - m_shift[:, None])  # one FMA per score
-    alpha = tl.math.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -147,7 +122,7 @@ def _attend_context_tile(
     qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     if MASKED:
         qk = tl.where(valid[None, :], qk, float("-inf"))
-    return _online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
+    return online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
 
 
 @triton.jit
@@ -232,70 +207,12 @@ def _tree_attention_partials_kernel(
             )
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             qk = tl.where(visible != 0, qk, float("-inf"))
-            acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
+            acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
 
-    # Nothing visible (empty split, or a fully masked row): output 0 with lse -inf, which merges with weight 0.
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    out, lse = finish_partial(acc, m_i, l_i)
     part = (token.to(tl.int64) * num_heads + head) * (num_splits + 1) + split
     tl.store(partial_lse_ptr + part, lse, mask=row_valid)
     tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
-
-
-@triton.jit
-def _merge_partials_kernel(
-    partial_out_ptr,  # [num_rows, num_parts, HEAD_DIM] fp32; a row is one (new token, query head)
-    partial_lse_ptr,  # [num_rows, num_parts] fp32, base 2
-    out_ptr,  # [num_rows, HEAD_DIM] output dtype
-    num_rows,
-    num_parts,
-    BLOCK_R: tl.constexpr,  # rows per program
-    BLOCK_P: tl.constexpr,  # >= num_parts
-    PART_CHUNK: tl.constexpr,  # partials summed per step
-    HEAD_DIM: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_valid = rows < num_rows
-    rows = rows.to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM)
-    all_parts = tl.arange(0, BLOCK_P)
-    lse = tl.load(
-        partial_lse_ptr + rows[:, None] * num_parts + all_parts[None, :],
-        mask=row_valid[:, None] & (all_parts < num_parts)[None, :],
-        other=float("-inf"),
-    )  # [BLOCK_R, BLOCK_P]
-    lse_max = tl.max(lse, 1)
-    lse_shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.sum(tl.math.exp2(lse - lse_shift[:, None]), 1)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-    for first in range(0, num_parts, PART_CHUNK):
-        parts = first + tl.arange(0, PART_CHUNK)
-        part_offsets = rows[:, None] * num_parts + parts[None, :]  # [BLOCK_R, PART_CHUNK]
-        chunk_lse = tl.load(
-            partial_lse_ptr + part_offsets,
-            mask=row_valid[:, None] & (parts < num_parts)[None, :],
-            other=float("-inf"),
-        )
-        weight = tl.math.exp2(chunk_lse - lse_shift[:, None])  # 0 for empty parts, which are not read at all
-        partial = tl.load(
-            partial_out_ptr + part_offsets[:, :, None] * HEAD_DIM + dims[None, None, :],
-            mask=(weight > 0.0)[:, :, None],
-            other=0.0,
-        )  # [BLOCK_R, PART_CHUNK, HEAD_DIM]
-        acc += tl.sum(weight[:, :, None] * partial, 1)
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-
-
-def _merge_launch(num_rows: int, num_parts: int) -> tuple[int, int, int, int]:
-    """(programs, BLOCK_R, BLOCK_P, PART_CHUNK) for the merge. Few parts (a batch of short contexts)
-    merge many rows per program: one program per row made a batch-16 verify launch 8,192 programs of
-    almost no work each, measured at 59 us a layer on an H200. Many parts (one long context) keep one
-    row per program, its parts summed 16 at a time."""
-    part_chunk = min(16, triton.next_power_of_2(num_parts))
-    block_r = max(1, _MERGE_ELEMENTS // part_chunk)
-    return triton.cdiv(num_rows, block_r), block_r, triton.next_power_of_2(num_parts), part_chunk
 
 
 def _check_inputs(q, k_new, v_new, k_pages, v_pages, meta: AttentionMetadata) -> None:
@@ -333,15 +250,11 @@ def run_tree_attention(
         q, k_new, v_new, k_pages, v_pages,
         meta.cu_q_lens, meta.context_lens_t, meta.block_tables, meta.new_token_mask.view(torch.uint8),
         partial_out, partial_lse,
-        scale * _LOG2_E, num_kv_heads, group, plan.num_splits, meta.block_tables.shape[1], meta.max_q_len,
+        scale * LOG2_E, num_kv_heads, group, plan.num_splits, meta.block_tables.shape[1], meta.max_q_len,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HEAD_DIM=head_dim, PAGE_SIZE=meta.page_size,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
-    programs, block_r, block_p, part_chunk = _merge_launch(total_q * num_heads, num_parts)
-    _merge_partials_kernel[(programs,)](
-        partial_out, partial_lse, out, total_q * num_heads, num_parts,
-        BLOCK_R=block_r, BLOCK_P=block_p, PART_CHUNK=part_chunk, HEAD_DIM=head_dim, num_warps=4,
-    )  # fmt: skip
+    merge_partials(partial_out, partial_lse, out)
     return out
 
 
@@ -353,7 +266,7 @@ def default_plan(q: torch.Tensor, k_new: torch.Tensor, meta: AttentionMetadata) 
         max_q_len=meta.max_q_len,
         max_context_len=meta.block_tables.shape[1] * meta.page_size,
         head_dim=q.shape[2],
-        num_sms=_num_sms(q.device),
+        num_sms=sm_count(q.device),
         element_size=q.element_size(),
     )
 

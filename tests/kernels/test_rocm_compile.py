@@ -59,7 +59,8 @@ def scalars(names: str, kind: str) -> dict[str, str]:
 def tree_attention_cases() -> list[Case]:
     """One case per distinct launch over the CUDA-graph buckets (batch sizes x tree sizes), at a short and a
     128K block table, for an H200's 132 SMs and an MI300X's 304 CUs."""
-    from kernels.tree_attention_triton import _merge_launch, plan_tree_attention
+    from kernels.split_kv_triton import merge_launch
+    from kernels.tree_attention_triton import plan_tree_attention
 
     settings = DiffSpecSettings()
     group = NUM_HEADS // NUM_KV_HEADS
@@ -71,7 +72,7 @@ def tree_attention_cases() -> list[Case]:
         for num_sms in (132, 304)
     ]  # (merged rows, plan)
     tiles = sorted({(p.block_m, p.block_n, p.num_warps, p.num_stages) for _, p in launches})
-    merges = sorted({_merge_launch(rows, p.num_splits + 1)[1:] for rows, p in launches})  # (BLOCK_R, BLOCK_P, PART_CHUNK)
+    merges = sorted({merge_launch(rows, p.num_splits + 1)[1:] for rows, p in launches})  # (BLOCK_R, BLOCK_P, PART_CHUNK)
     signature = {
         **pointers("q_ptr k_new_ptr v_new_ptr k_pages_ptr v_pages_ptr", DTYPE),
         **pointers("cu_q_lens_ptr context_lens_ptr block_tables_ptr", "i32"),
@@ -97,7 +98,7 @@ def tree_attention_cases() -> list[Case]:
         ],
         *[
             Case(
-                f"merge_partials[r{block_r},p{block_p},c{part_chunk}]", "kernels.tree_attention_triton",
+                f"merge_partials[r{block_r},p{block_p},c{part_chunk}]", "kernels.split_kv_triton",
                 "_merge_partials_kernel", merge_signature,
                 {"BLOCK_R": block_r, "BLOCK_P": block_p, "PART_CHUNK": part_chunk, "HEAD_DIM": HEAD_DIM},
             )
