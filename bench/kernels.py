@@ -11,6 +11,11 @@ replays of back-to-back calls that rotate among KV copies larger than L2 togethe
 call, no launch gaps); also with ``triton.testing.do_bench``, which zeroes 256 MB before every call
 and so makes each call pay the write-back of that buffer's dirty L2 lines. ``--sweep`` also times
 alternative launch plans at L = 64K, to tune ``plan_tree_attention``.
+
+The draft head's attention (``kernels/draft_attention_triton.py``) at the same 8B shape, B sessions of
+n = 10 frontier rows over a full context of L keys plus m = 64 tree entries: its time (as served, the
+same cold-L2 graph replays), the reference's, and the bandwidth floor: the context's bytes over the copy
+bandwidth measured in this run. ``--draft-only`` skips the tree attention.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+from collections.abc import Callable
 import pathlib
 import sys
 from dataclasses import dataclass
@@ -33,6 +39,9 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata
+from kernels.draft_attention_ref import draft_attention_reference
+from kernels.draft_attention_triton import run_draft_attention
+from kernels.draft_attention_triton import default_plan as draft_default_plan
 from kernels.tree_attention_ref import gather_context, tree_attention_reference
 from kernels.tree_attention_triton import TreeAttentionPlan, default_plan, run_tree_attention
 
@@ -40,6 +49,7 @@ PAGE_SIZE = 16
 CONTEXT_LENS = (4096, 16384, 65536, 131072)
 TREE_SIZES = (1, 16, 64)
 SWEEP_CONTEXT_LEN = 65536
+DRAFT_BATCHES, DRAFT_CONTEXT_LENS, DRAFT_QUERIES, DRAFT_NEW_ENTRIES = (1, 16), (2048, 16384, 65536), 10, 64
 
 
 @dataclass(frozen=True)
@@ -130,22 +140,25 @@ def sdpa_inputs(problem: Problem) -> tuple[torch.Tensor, ...]:
     return q, dense(problem.k_pages, problem.k_new), dense(problem.v_pages, problem.v_new), visible
 
 
-def time_triton(problem: Problem, plan: TreeAttentionPlan, rep_ms: int = 20) -> float:
-    """Median per-call time of CUDA-graph replays of back-to-back calls (as served), rotating among copies of
-    the KV pages that together exceed L2 three times over, so every call reads its KV from device memory."""
+def time_cold_l2(
+    run: Callable[[torch.Tensor, torch.Tensor], object], k: torch.Tensor, v: torch.Tensor, rep_ms: int
+) -> float:
+    """Median per-call time of CUDA-graph replays of back-to-back ``run(k, v)`` calls (as served), rotating among
+    copies of k and v that together exceed L2 three times over, so every call reads them from device memory."""
     l2_bytes = getattr(torch.cuda.get_device_properties(), "L2_cache_size", 60 << 20)
-    num_copies = max(2, -(-3 * l2_bytes // problem.kv_bytes))
-    copies = [(problem.k_pages, problem.v_pages)]
-    copies += [(problem.k_pages.clone(), problem.v_pages.clone()) for _ in range(num_copies - 1)]
-    rotation = itertools.cycle(copies)
+    num_copies = max(2, -(-3 * l2_bytes // (2 * k.numel() * k.element_size())))
+    rotation = itertools.cycle([(k, v)] + [(k.clone(), v.clone()) for _ in range(num_copies - 1)])
+    return do_bench_cudagraph(lambda: run(*next(rotation)), rep=rep_ms, return_mode="median")
+
+
+def time_triton(problem: Problem, plan: TreeAttentionPlan, rep_ms: int = 20) -> float:
+    """``time_cold_l2`` over the KV pages."""
     out = torch.empty_like(problem.q)
-
-    def call() -> None:
-        k_pages, v_pages = next(rotation)
-        new_kv = (problem.q, problem.k_new, problem.v_new)
-        run_tree_attention(*new_kv, k_pages, v_pages, problem.meta, problem.scale, plan, out)
-
-    return do_bench_cudagraph(call, rep=rep_ms, return_mode="median")
+    new_kv = (problem.q, problem.k_new, problem.v_new)
+    return time_cold_l2(
+        lambda k_pages, v_pages: run_tree_attention(*new_kv, k_pages, v_pages, problem.meta, problem.scale, plan, out),
+        problem.k_pages, problem.v_pages, rep_ms,
+    )  # fmt: skip
 
 
 def time_triton_l2_flushed(problem: Problem, plan: TreeAttentionPlan) -> float:
@@ -195,6 +208,51 @@ def bench_case(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s:
     }
 
 
+def bench_draft_attention(batch: int, context_len: int, copy_bytes_per_s: float) -> dict:
+    """The draft head's attention at the Llama-3.1-8B shape, every session's context full (lengths = L)."""
+    shape, device = SHAPES[0], torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(batch * context_len)
+
+    def randn(*dims: int) -> torch.Tensor:
+        return torch.randn(*dims, generator=gen, device=device, dtype=torch.bfloat16)
+
+    kv = (shape.num_kv_heads, shape.head_dim)
+    q = randn(batch, DRAFT_QUERIES, shape.num_heads, shape.head_dim)
+    ctx_k, ctx_v = randn(batch, context_len, *kv), randn(batch, context_len, *kv)
+    new_k, new_v = randn(batch, DRAFT_NEW_ENTRIES, *kv), randn(batch, DRAFT_NEW_ENTRIES, *kv)
+    new_mask = torch.rand(batch, DRAFT_QUERIES, DRAFT_NEW_ENTRIES, generator=gen, device=device) < 0.5
+    lengths = torch.full((batch,), context_len, dtype=torch.int64, device=device)
+    scale = shape.head_dim**-0.5
+    plan = draft_default_plan(q, ctx_k, new_k)
+    out = torch.empty_like(q)
+
+    def run(k: torch.Tensor, v: torch.Tensor) -> None:
+        run_draft_attention(q, k, v, new_k, new_v, new_mask, scale, lengths, plan, out)
+
+    triton_ms = time_cold_l2(run, ctx_k, ctx_v, rep_ms=20)
+    run(ctx_k, ctx_v)
+    args = (q, ctx_k, ctx_v, new_k, new_v, new_mask, scale, lengths)
+    ref_ms = median_ms(lambda: draft_attention_reference(*args), rep_ms=50)
+    fp32 = (t.float() for t in (q, ctx_k, ctx_v, new_k, new_v))
+    ref = draft_attention_reference(*fp32, new_mask, scale, lengths)
+    context_bytes = 2 * ctx_k.numel() * ctx_k.element_size()
+    floor_ms = context_bytes / copy_bytes_per_s * 1e3
+    return {
+        "batch": batch,
+        "context_len": context_len,
+        "num_queries": DRAFT_QUERIES,
+        "num_new": DRAFT_NEW_ENTRIES,
+        "plan": dataclasses.asdict(plan),
+        "context_bytes": context_bytes,
+        "triton_us": triton_ms * 1e3,
+        "reference_us": ref_ms * 1e3,
+        "speedup_vs_reference": ref_ms / triton_ms,
+        "floor_us": floor_ms * 1e3,
+        "fraction_of_copy_bw": floor_ms / triton_ms,
+        "rel_err_vs_fp32_reference": relative_error(out, ref),
+    }
+
+
 def sweep_plans(shape: Shape, tree_size: int, copy_bytes_per_s: float) -> list[dict]:
     """Time launch-plan variants around the default one at SWEEP_CONTEXT_LEN."""
     problem = make_problem(shape, SWEEP_CONTEXT_LEN, tree_size)
@@ -241,23 +299,39 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def print_draft_table(rows: list[dict]) -> None:
+    print(f"{'draft B':<8}{'L':>7}{'splits':>7}{'triton_us':>10}{'floor_us':>9}{'%copy':>7}{'ref_us':>10}{'x_ref':>7}{'err':>9}")
+    for r in rows:
+        print(
+            f"{r['batch']:<8}{r['context_len']:>7}{r['plan']['num_splits']:>7}{r['triton_us']:>10.1f}"
+            f"{r['floor_us']:>9.1f}{100 * r['fraction_of_copy_bw']:>6.1f}%{r['reference_us']:>10.0f}"
+            f"{r['speedup_vs_reference']:>7.1f}{r['rel_err_vs_fp32_reference']:>9.1e}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results/kernels.json"))
     parser.add_argument("--sweep", action="store_true", help=f"also time launch-plan variants at L={SWEEP_CONTEXT_LEN}")
     parser.add_argument("--context-lens", type=int, nargs="+", default=CONTEXT_LENS)
     parser.add_argument("--tree-sizes", type=int, nargs="+", default=TREE_SIZES, help="include 1: rows report T/T1")
+    parser.add_argument("--draft-only", action="store_true", help="time only the draft head's attention")
     args = parser.parse_args()
 
     copy_bytes_per_s = copy_bandwidth()
     rows = []
-    for shape in SHAPES:
+    for shape in () if args.draft_only else SHAPES:
         for context_len in args.context_lens:
             for tree_size in args.tree_sizes:
                 rows.append(bench_case(shape, context_len, tree_size, copy_bytes_per_s))
                 base = next(r for r in rows if r["shape"] == shape.name and r["context_len"] == context_len)
                 rows[-1]["time_vs_tree_size_1"] = rows[-1]["triton_us"] / base["triton_us"]
                 torch.cuda.empty_cache()
+    draft_rows = []
+    for batch in DRAFT_BATCHES:
+        for context_len in DRAFT_CONTEXT_LENS:
+            draft_rows.append(bench_draft_attention(batch, context_len, copy_bytes_per_s))
+            torch.cuda.empty_cache()
     sweep = []
     if args.sweep:
         for shape in SHAPES:
@@ -273,7 +347,9 @@ def main() -> None:
             )
 
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bytes_per_s / 1e12:.2f} TB/s (read + write)")
-    print_table(rows)
+    if rows:
+        print_table(rows)
+    print_draft_table(draft_rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "device": torch.cuda.get_device_name(),
@@ -288,6 +364,7 @@ def main() -> None:
             "query heads, its default backend"
         ),
         "rows": rows,
+        "draft_rows": draft_rows,
         "sweep": sweep,
     }
     args.out.write_text(json.dumps(result, indent=1))

@@ -2,16 +2,20 @@
 
 One function serves the three places the draft attends: extending its KV with committed
 entries, expanding a batch of trees (new entries = ancestors and self, one context per
-session), and the salience path (the context is the working set instead of the whole
-history). The context and the new entries are scored separately and joined by one softmax
-over both, so the context (up to the whole history for the EAGLE-3 baseline) is never
-copied; query heads are grouped per KV head instead of repeating keys. Leading dimensions
-``...`` (e.g. the batch of sessions) are shared by every argument.
+session, padded to a capacity: ``ctx_lengths`` says where each session's keys end), and the
+salience path (the context is the working set instead of the whole history). On a GPU it is
+one split-KV Triton kernel that reads only the keys below each length
+(``kernels.draft_attention_triton``); elsewhere the PyTorch reference
+(``kernels.draft_attention_ref``). Leading dimensions ``...`` (e.g. the batch of sessions) are
+shared by every argument.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.dispatch import triton_kernels_on
+from kernels.draft_attention_ref import draft_attention_reference
 
 
 def draft_attention(
@@ -22,19 +26,10 @@ def draft_attention(
     new_v: torch.Tensor,  # [..., m, kv_heads, hd]
     new_mask: torch.Tensor,  # [..., n, m] bool: query i sees new entry j
     scale: float,
-    ctx_valid: torch.Tensor | None = None,  # [..., ctx] bool: keys past a padded context's length are False
+    ctx_lengths: torch.Tensor | None = None,  # [...] int64: keys at index >= length are padding; None: all valid
 ) -> torch.Tensor:  # [..., n, heads, hd] in q's dtype
-    *lead, n, heads, hd = q.shape
-    kv_heads = ctx_k.shape[-2]
-    grouped = q.view(*lead, n, kv_heads, heads // kv_heads, hd)  # [..., n, kv_heads, group, hd]
-    ctx_scores = torch.einsum("...nkgd,...ckd->...kgnc", grouped, ctx_k).float() * scale  # [..., kv, group, n, ctx]
-    new_scores = torch.einsum("...nkgd,...mkd->...kgnm", grouped, new_k).float() * scale  # [..., kv, group, n, m]
-    new_scores = new_scores.masked_fill(~new_mask[..., None, None, :, :], float("-inf"))
-    if ctx_valid is not None:
-        ctx_scores = ctx_scores.masked_fill(~ctx_valid[..., None, None, None, :], float("-inf"))
-    probs = torch.softmax(torch.cat([ctx_scores, new_scores], dim=-1), dim=-1).to(q.dtype)
-    ctx_probs, new_probs = probs.split([ctx_k.shape[-3], new_k.shape[-3]], dim=-1)
-    out = torch.einsum("...kgnc,...ckd->...nkgd", ctx_probs, ctx_v) + torch.einsum(
-        "...kgnm,...mkd->...nkgd", new_probs, new_v
-    )
-    return out.reshape(*lead, n, heads, hd)
+    if not triton_kernels_on(q.device):
+        return draft_attention_reference(q, ctx_k, ctx_v, new_k, new_v, new_mask, scale, ctx_lengths)
+    from kernels.draft_attention_triton import draft_attention_triton
+
+    return draft_attention_triton(q, ctx_k, ctx_v, new_k, new_v, new_mask, scale, ctx_lengths)

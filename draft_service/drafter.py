@@ -135,11 +135,11 @@ class Drafter:
         batch_keys = queries.new_zeros(len(contexts), longest, *empty.shape[1:])
         batch_values = torch.zeros_like(batch_keys)
         copy_contexts(contexts, batch_keys, batch_values)
-        valid = torch.arange(longest, device=queries.device) < upload(torch.tensor(lengths), queries.device)[:, None]
+        ctx_lengths = upload(torch.tensor(lengths), queries.device)  # [B] int64
         no_new = torch.zeros(len(contexts), 1, 0, dtype=torch.bool, device=queries.device)
         empty_batch = empty.expand(len(contexts), *empty.shape)
         attended = draft_attention(
-            queries[:, None], batch_keys, batch_values, empty_batch, empty_batch, no_new, self.head.scale, valid
+            queries[:, None], batch_keys, batch_values, empty_batch, empty_batch, no_new, self.head.scale, ctx_lengths
         )
         return attended[:, 0]
 

@@ -179,14 +179,12 @@ class TreeProposer:
         shape, facts = run.shape, run.facts
         depth_count = shape.depth
         expand_rows, children = facts[:, FACTS : FACTS + depth_count], facts[:, FACTS + depth_count :]  # [B, depth]
-        keys = torch.arange(shape.context, device=facts.device)
-        ctx_valid = keys < facts[:, CONTEXT_LENGTH, None]  # [B, context]
         frontier = root_frontier(facts[:, ROOT_TOKEN], expand_rows[:, 0] > 0)
         outputs = run.root_outputs[:, None]  # [B, 1, hidden]: depth 0's one row per session
         slabs, first_slot = [], 0
         for depth, (rows, k) in enumerate(shape.widths):
             if depth > 0:
-                outputs = self._head_pass(run, depth, frontier, outputs, ctx_valid)
+                outputs = self._head_pass(run, depth, frontier, outputs)
             top_log_probs, top_tokens = self._top_children(outputs, k)
             slabs.append(expand(frontier, top_log_probs, top_tokens, children[:, depth], run.min_log_prob, depth))
             if depth + 1 < depth_count:
@@ -195,9 +193,7 @@ class TreeProposer:
             first_slot += rows * k
         return rerank(Candidates.cat(slabs), facts[:, ROOT_TOKEN], facts[:, TOTAL_TOKENS], shape.nodes, depth_count)
 
-    def _head_pass(
-        self, run: _Run, depth: int, frontier: Frontier, previous: torch.Tensor, ctx_valid: torch.Tensor
-    ) -> torch.Tensor:
+    def _head_pass(self, run: _Run, depth: int, frontier: Frontier, previous: torch.Tensor) -> torch.Tensor:
         """Depth ``depth`` >= 1: the head on every frontier row, each over its session's context and its
         ancestors' entries; ``previous`` [B, parent rows, hidden] -> this depth's outputs [B, rows, hidden]."""
         head = self.head
@@ -208,7 +204,8 @@ class TreeProposer:
         q, k, v = head.attention_inputs(frontier.tokens.flatten(), hidden, positions.flatten(), self.fused)
         q, k, v = (t.unflatten(0, (batch, rows)) for t in (q, k, v))  # [B, rows, heads or kv_heads, hd]
         sees = run.tree.write(depth, k, v, frontier.parent_rows)  # [B, rows, entries]
-        attn = draft_attention(q, *run.context, run.tree.keys, run.tree.values, sees, head.scale, ctx_valid)
+        lengths = run.facts[:, CONTEXT_LENGTH]  # [B]
+        attn = draft_attention(q, *run.context, run.tree.keys, run.tree.values, sees, head.scale, lengths)
         return head.attention_outputs(attn.flatten(0, 1), hidden, self.fused).unflatten(0, (batch, rows))
 
     def _top_children(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

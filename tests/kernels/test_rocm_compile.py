@@ -107,11 +107,50 @@ def tree_attention_cases() -> list[Case]:
     ]  # fmt: skip
 
 
+def draft_attention_cases() -> list[Case]:
+    """One case per distinct tile over the proposal's buckets (sessions x frontier rows) at a short and a 128K
+    context, with per-session lengths (the proposal) and without (the drafter's one-session call)."""
+    from draft_service.tree_proposal import BATCH_BUCKETS, WIDTH_BUCKETS
+    from kernels.draft_attention_triton import plan_draft_attention
+
+    group = NUM_HEADS // NUM_KV_HEADS
+    plans = [
+        plan_draft_attention(batch, NUM_KV_HEADS, group, rows, context, 64, HEAD_DIM, 2, num_sms)
+        for batch in BATCH_BUCKETS
+        for rows in WIDTH_BUCKETS
+        for context in (4096, 131072)
+        for num_sms in (132, 304)
+    ]
+    tiles = sorted({(p.block_m, p.block_n, p.num_warps, p.num_stages) for p in plans})
+    signature = {
+        **pointers("q_ptr ctx_k_ptr ctx_v_ptr new_k_ptr new_v_ptr", DTYPE),
+        "new_mask_ptr": "*u8",
+        "ctx_lengths_ptr": "*i64",
+        **pointers("partial_out_ptr partial_lse_ptr", "fp32"),
+        "qk_scale": "fp32",
+        **scalars("num_queries num_kv_heads group capacity num_new num_splits num_parts", "i32"),
+        **scalars("mask_batch_stride mask_row_stride lengths_stride", "i32"),
+        **scalars("BLOCK_M BLOCK_N HEAD_DIM", "constexpr"),
+    }
+    return [
+        Case(
+            f"draft_attention_partials[m{block_m},n{block_n},w{num_warps},lengths={lengths}]",
+            "kernels.draft_attention_triton", "_draft_attention_partials_kernel",
+            signature if lengths else {**signature, "ctx_lengths_ptr": "constexpr"},
+            {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, **({} if lengths else {"ctx_lengths_ptr": None})},
+            num_warps, num_stages,
+        )
+        for block_m, block_n, num_warps, num_stages in tiles
+        for lengths in (True, False)
+    ]  # fmt: skip
+
+
 def kernel_cases() -> list[Case]:
     token_size = NUM_KV_HEADS * HEAD_DIM
     norm_block = 1 << (HIDDEN - 1).bit_length()
     return [
         *tree_attention_cases(),
+        *draft_attention_cases(),
         Case(
             "chunk_scores", "kernels.chunk_scoring_triton", "_chunk_scores_kernel",
             {**pointers("q_ptr kmin_ptr kmax_ptr", DTYPE), "out_ptr": "*fp32", "num_chunks": "i32",
