@@ -25,20 +25,20 @@ import torch
 from diffspec.devices import upload
 from diffspec.tree import DraftTree
 from draft_service.draft_attention import draft_attention
-from draft_service.draft_context import DraftContext, copy_contexts, refresh_all
+from draft_service.draft_context import DraftContext, refresh_all
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.tree_budget import DepthPlan, TreeBudget
 from draft_service.tree_proposal import TreeProposer
 from draft_service.working_set import WorkingSetConfig
 
 EXTEND_CHUNK = 4096  # committed entries per projection when ingesting a long prompt
-PADDED_ATTENTION_KEYS = 1 << 18  # sessions x longest context up to which an extension pads contexts into one batch
 
 
 @dataclass
 class DraftSession:
     context: DraftContext  # committed draft KV and what of it the draft attends to
-    last_output: torch.Tensor  # [hidden] draft output of the last committed entry
+    root_query: torch.Tensor  # [heads, hd] roped query of the last committed entry
+    root_hidden: torch.Tensor  # [hidden] its fused input; with root_query, the proposal computes its output
     num_entries: int  # committed entries = position of the root token
     root_token: int  # last emitted token (target id)
 
@@ -64,7 +64,8 @@ class Drafter:
         """Build the draft KV over the prompt: entries pair f[t] with token t + 1."""
         c, weight = self.head.config, self.head.fc.weight
         context = DraftContext(c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience)
-        session = DraftSession(context=context, last_output=torch.empty(0), num_entries=0, root_token=first_token)
+        nothing = torch.empty(0)
+        session = DraftSession(context, root_query=nothing, root_hidden=nothing, num_entries=0, root_token=first_token)
         self.extend(session, features, [*prompt_ids[1:], first_token])
         return session
 
@@ -75,12 +76,12 @@ class Drafter:
     @torch.no_grad()
     def extend_many(self, extensions: list[Extension]) -> None:
         """Commit every extension's entries: one projection pass over all sessions' rows (in chunks of
-        ``EXTEND_CHUNK``), then each session's last entry attends to its context, and one output pass
-        gives every session's next root output.
+        ``EXTEND_CHUNK``), keeping each session's last query and hidden input.
 
-        A one-layer draft's keys and values do not depend on its attention, so only the last entry
-        of each session attends: ingesting a prompt is O(length), and a step's accepts for a whole
-        batch cost one pass rather than one per session.
+        A one-layer draft's keys and values do not depend on its attention, so no committed entry
+        attends here: ingesting a prompt is O(length). The last entry's attention and output (the
+        tree root's output) run inside the next proposal, over the context it stages anyway, so an
+        accept is a few launches for the whole batch and a session that does not propose pays nothing.
         """
         if not extensions:
             return
@@ -112,36 +113,19 @@ class Drafter:
             session.num_entries += n
             session.root_token = extension.next_tokens[-1]
         torch._foreach_copy_(targets, sources)
-        last_queries = torch.cat(queries)  # [sessions, heads, hd]
+        last_queries, last_hiddens = torch.cat(queries), torch.cat(hiddens)  # [sessions, heads, hd], [sessions, hidden]
         refresh_all([e.session.context for e in extensions], last_queries)
-        attended = self._last_entry_attention(last_queries, [e.session.context for e in extensions])
-        outputs = self.head.attention_outputs(attended, torch.cat(hiddens), self.fused)
-        for extension, output in zip(extensions, outputs):
-            extension.session.last_output = output
+        for extension, query, hidden in zip(extensions, last_queries, last_hiddens):
+            extension.session.root_query, extension.session.root_hidden = query, hidden
 
-    def _last_entry_attention(self, queries: torch.Tensor, contexts: list[DraftContext]) -> torch.Tensor:
-        """queries [B, heads, hd], each over its session's context -> [B, heads, hd]. Contexts are padded into
-        one batch when that stays small (a few launches for the whole batch), else attended one by one."""
-        lengths = [context.attended_tokens for context in contexts]
-        longest = max(lengths)
+    def root_output(self, session: DraftSession) -> torch.Tensor:
+        """[hidden] the draft output of the session's last committed entry, over what it attends to (one
+        session, eagerly: the proposal computes the same for its whole batch on the device)."""
         c = self.head.config
-        empty = queries.new_zeros(0, c.num_kv_heads, c.head_dim)
-        if len(contexts) == 1 or len(contexts) * longest > PADDED_ATTENTION_KEYS:
-            no_new = torch.zeros(1, 0, dtype=torch.bool, device=queries.device)
-            return torch.cat([
-                draft_attention(q[None], *context.view(), empty, empty, no_new, self.head.scale)
-                for q, context in zip(queries, contexts)
-            ])  # fmt: skip
-        batch_keys = queries.new_zeros(len(contexts), longest, *empty.shape[1:])
-        batch_values = torch.zeros_like(batch_keys)
-        copy_contexts(contexts, batch_keys, batch_values)
-        ctx_lengths = upload(torch.tensor(lengths), queries.device)  # [B] int64
-        no_new = torch.zeros(len(contexts), 1, 0, dtype=torch.bool, device=queries.device)
-        empty_batch = empty.expand(len(contexts), *empty.shape)
-        attended = draft_attention(
-            queries[:, None], batch_keys, batch_values, empty_batch, empty_batch, no_new, self.head.scale, ctx_lengths
-        )
-        return attended[:, 0]
+        empty = session.root_query.new_zeros(0, c.num_kv_heads, c.head_dim)
+        no_new = torch.zeros(1, 0, dtype=torch.bool, device=empty.device)
+        attended = draft_attention(session.root_query[None], *session.context.view(), empty, empty, no_new, self.head.scale)
+        return self.head.attention_outputs(attended, session.root_hidden[None], self.fused)[0]
 
     def propose_many(self, requests: list[ProposalRequest]) -> list[DraftTree]:
         """One tree per session, all grown together; each follows its own plan and keeps its best

@@ -6,8 +6,9 @@ rows and children to the batch's widest rounded up to a width bucket, the contex
 bucket. What differs per session (plan widths, threshold, total tokens, context length,
 position) sits in static input tensors, so each session's choices are masks, never host branches.
 
-Run. ``_search`` is the whole proposal: per depth, the head over the frontier rows (the root's
-output is the session's last one), attention over the session's staged context and its tree's
+Run. ``_search`` is the whole proposal: first the root's output (the last committed entry's
+attention and output pass, left by the accept for this run), then per depth the head over the
+frontier rows, attention over the session's staged context and its tree's
 own entries (``TreeKV``), the top children of every row and the next frontier; at the end the
 rerank to ``total_tokens`` and the device tree (``tree_search``). Without ``capture`` it runs
 eagerly; with it, a shape met a second time is recorded and from then on replayed: one launch per
@@ -34,7 +35,7 @@ from draft_service.draft_attention import draft_attention
 from draft_service.draft_context import DraftContext, copy_contexts
 from draft_service.eagle3_head import Eagle3Head, FusedProjections
 from draft_service.tree_kv import TreeKV
-from draft_service.tree_search import Candidates, Frontier, TreeTensors, best_frontier, expand, rerank, root_frontier
+from draft_service.tree_search import Candidates, Frontier, TreeTensors, grow, rerank, root_frontier
 
 if TYPE_CHECKING:
     from draft_service.drafter import ProposalRequest
@@ -85,7 +86,8 @@ class _Run:
     context: tuple[torch.Tensor, torch.Tensor]  # [B, context, kv_heads, hd] keys, values (shared per batch, capacity)
     facts: torch.Tensor  # [B, FACTS + 2 * depth] int64 (see the column names)
     min_log_prob: torch.Tensor  # [B] float64
-    root_outputs: torch.Tensor  # [B, hidden]: each session's last draft output
+    root_queries: torch.Tensor  # [B, heads, hd]: each session's last committed entry's query
+    root_hiddens: torch.Tensor  # [B, hidden]: and its fused input (the root's output is computed in the run)
     tree: TreeKV
     host_facts: torch.Tensor  # pinned mirror of facts (a GPU's host-to-device copy does not wait)
     host_min_log_prob: torch.Tensor  # pinned mirror of min_log_prob
@@ -139,7 +141,11 @@ class TreeProposer:
         run.host_min_log_prob.copy_(torch.tensor(min_log_probs, dtype=torch.float64))
         run.facts.copy_(run.host_facts, non_blocking=True)
         run.min_log_prob.copy_(run.host_min_log_prob, non_blocking=True)
-        run.root_outputs[: len(requests)].copy_(torch.stack([r.session.last_output for r in requests]))
+        sessions = [r.session for r in requests]
+        torch._foreach_copy_(
+            [run.root_queries[: len(requests)], run.root_hiddens[: len(requests)]],
+            [torch.stack([s.root_query for s in sessions]), torch.stack([s.root_hidden for s in sessions])],
+        )
         return run
 
     def _allocate(self, shape: ProposalShape) -> _Run:
@@ -159,7 +165,8 @@ class TreeProposer:
             context=self._contexts[batch, shape.context],
             facts=torch.zeros(batch, columns, dtype=torch.int64, device=device),
             min_log_prob=torch.zeros(batch, dtype=torch.float64, device=device),
-            root_outputs=torch.zeros(batch, c.hidden_size, dtype=weight.dtype, device=device),
+            root_queries=torch.zeros(batch, c.num_heads, c.head_dim, dtype=weight.dtype, device=device),
+            root_hiddens=torch.zeros(batch, c.hidden_size, dtype=weight.dtype, device=device),
             tree=TreeKV(batch, layer_rows, c.num_kv_heads, c.head_dim, weight.dtype, device),
             host_facts=torch.zeros(batch, columns, dtype=torch.int64, pin_memory=pinned),
             host_min_log_prob=torch.zeros(batch, dtype=torch.float64, pin_memory=pinned),
@@ -180,18 +187,32 @@ class TreeProposer:
         depth_count = shape.depth
         expand_rows, children = facts[:, FACTS : FACTS + depth_count], facts[:, FACTS + depth_count :]  # [B, depth]
         frontier = root_frontier(facts[:, ROOT_TOKEN], expand_rows[:, 0] > 0)
-        outputs = run.root_outputs[:, None]  # [B, 1, hidden]: depth 0's one row per session
+        outputs = self._root_pass(run)  # [B, 1, hidden]: depth 0's one row per session
         slabs, first_slot = [], 0
         for depth, (rows, k) in enumerate(shape.widths):
             if depth > 0:
                 outputs = self._head_pass(run, depth, frontier, outputs)
             top_log_probs, top_tokens = self._top_children(outputs, k)
-            slabs.append(expand(frontier, top_log_probs, top_tokens, children[:, depth], run.min_log_prob, depth))
-            if depth + 1 < depth_count:
-                next_rows = shape.widths[depth + 1][0]
-                frontier = best_frontier(slabs[-1], next_rows, k, expand_rows[:, depth + 1], first_slot)
+            last = depth + 1 == depth_count
+            next_rows = 0 if last else shape.widths[depth + 1][0]
+            slab, following = grow(
+                frontier, top_log_probs, top_tokens, children[:, depth], run.min_log_prob, depth,
+                next_rows, expand_rows[:, depth if last else depth + 1], first_slot,
+            )  # fmt: skip
+            slabs.append(slab)
+            frontier = following if following is not None else frontier
             first_slot += rows * k
         return rerank(Candidates.cat(slabs), facts[:, ROOT_TOKEN], facts[:, TOTAL_TOKENS], shape.nodes, depth_count)
+
+    def _root_pass(self, run: _Run) -> torch.Tensor:
+        """Each session's root output [B, 1, hidden]: its last committed entry over the staged context (a
+        padded session attends to one stale key rather than to nothing, which would be 0/0)."""
+        head, tree = self.head, run.tree
+        no_new = torch.zeros(run.shape.batch, 1, 0, dtype=torch.bool, device=run.facts.device)
+        lengths = run.facts[:, CONTEXT_LENGTH].clamp(min=1)  # [B]
+        empty = tree.keys[:, :0]  # [B, 0, kv_heads, hd]: the tree has no entries yet
+        attn = draft_attention(run.root_queries[:, None], *run.context, empty, empty, no_new, head.scale, lengths)
+        return head.attention_outputs(attn, run.root_hiddens[:, None], self.fused)
 
     def _head_pass(self, run: _Run, depth: int, frontier: Frontier, previous: torch.Tensor) -> torch.Tensor:
         """Depth ``depth`` >= 1: the head on every frontier row, each over its session's context and its

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.dispatch import triton_kernels_on
+
 LOWEST = torch.finfo(torch.float64).min  # a valid candidate's rank key is at least this; padding's is -inf
 
 
@@ -104,6 +106,41 @@ def best_frontier(slab: Candidates, rows: int, k: int, expand_rows: torch.Tensor
         valid=slab.valid.gather(1, order) & (row < expand_rows[:, None]),
         slots=order + first_slot,
     )
+
+
+def grow(
+    frontier: Frontier,
+    top_log_probs: torch.Tensor,  # [B, rows, k] float32, each row's best children first
+    top_tokens: torch.Tensor,  # [B, rows, k] int64 target ids
+    children: torch.Tensor,  # [B] int64: children per expanded node this depth
+    min_log_prob: torch.Tensor,  # [B] float64
+    depth: int,  # 0-based depth of the frontier
+    next_rows: int,  # the next frontier's rows; 0 at the last depth
+    expand_rows: torch.Tensor,  # [B] int64: of those, how many each session expands
+    first_slot: int,  # the slab's first candidate slot
+) -> tuple[Candidates, Frontier | None]:
+    """One depth: ``expand`` then ``best_frontier`` (None at the last depth). On a GPU both are one Triton
+    kernel (``kernels.tree_frontier_triton``), bit for bit the same; these tensor ops are its reference."""
+    if not triton_kernels_on(top_log_probs.device):
+        slab = expand(frontier, top_log_probs, top_tokens, children, min_log_prob, depth)
+        k = top_log_probs.shape[2]
+        return slab, best_frontier(slab, next_rows, k, expand_rows, first_slot) if next_rows else None
+    from kernels.tree_frontier_triton import frontier_step_triton
+
+    batch, rows, k = top_log_probs.shape
+    cumulative, valid, parent_slots, *following = frontier_step_triton(
+        frontier.log_probs, frontier.valid, frontier.slots, top_log_probs, top_tokens,
+        children, min_log_prob, expand_rows, next_rows, first_slot,
+    )  # fmt: skip
+    slab = Candidates(
+        tokens=top_tokens.flatten(1),
+        log_probs=cumulative,
+        own_log_probs=top_log_probs.flatten(1),
+        valid=valid,
+        parent_slots=parent_slots,
+        depths=torch.full((batch, rows * k), depth + 1, dtype=torch.int64, device=top_log_probs.device),
+    )
+    return slab, Frontier(*following) if next_rows else None
 
 
 def rerank(

@@ -25,7 +25,8 @@ def reference_tree(drafter: Drafter, request: ProposalRequest) -> DraftTree:
     tokens, parents, log_probs, own_probs = [session.root_token], [-1], [0.0], [1.0]
     ctx_k, ctx_v = session.context.view()
     entry_keys, entry_values, path_of = [], [], {0: []}  # path: the node's ancestors' entries and its own
-    output_of = {0: session.last_output}
+    root_output = drafter.root_output(session)
+    output_of = {0: root_output}
     frontier = [0] if plan else []
     for depth, step in enumerate(plan):
         if not frontier:
@@ -47,7 +48,7 @@ def reference_tree(drafter: Drafter, request: ProposalRequest) -> DraftTree:
             )
             outputs = head.attention_outputs(attn, hidden, drafter.fused)
         else:
-            outputs = session.last_output[None]
+            outputs = root_output[None]
         for i, n in enumerate(frontier):
             output_of[n] = outputs[i]
         top_lp, top_ids = torch.log_softmax(head.draft_logits(outputs), dim=-1).topk(step.children, dim=-1)

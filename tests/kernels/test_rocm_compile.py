@@ -43,7 +43,7 @@ class Case:
     module: str
     kernel: str
     signature: dict[str, str]  # argument -> Triton type ("*bf16", "i32", "fp32", "constexpr")
-    constexprs: dict[str, int | bool] = field(default_factory=dict)
+    constexprs: dict[str, int | float | bool] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -145,12 +145,33 @@ def draft_attention_cases() -> list[Case]:
     ]  # fmt: skip
 
 
+def tree_frontier_cases() -> list[Case]:
+    """A depth of the full 64:0.0:8 tree (10 rows of 10 children), its last depth, and a wide slab."""
+    signature = {
+        "frontier_log_probs_ptr": "*fp64", "frontier_valid_ptr": "*u8", "frontier_slots_ptr": "*i64",
+        "top_log_probs_ptr": "*fp32", **pointers("top_tokens_ptr children_ptr", "i64"), "min_log_prob_ptr": "*fp64",
+        "expand_rows_ptr": "*i64", "cumulative_ptr": "*fp64", "valid_ptr": "*u8", "parent_slots_ptr": "*i64",
+        **pointers("next_tokens_ptr next_parent_rows_ptr", "i64"), "next_log_probs_ptr": "*fp64",
+        "next_valid_ptr": "*u8", "next_slots_ptr": "*i64",
+        **scalars("first_slot children_stride expand_rows_stride", "i32"),
+        **scalars("R K NEXT_ROWS BLOCK LOWEST", "constexpr"),
+    }
+    return [
+        Case(
+            f"tree_frontier[{rows}x{k}->{next_rows}]", "kernels.tree_frontier_triton", "_frontier_kernel", signature,
+            {"R": rows, "K": k, "NEXT_ROWS": next_rows, "BLOCK": 128, "LOWEST": -1.7976931348623157e308},
+        )
+        for rows, k, next_rows in [(10, 10, 10), (10, 10, 0), (16, 16, 48)]
+    ]  # fmt: skip
+
+
 def kernel_cases() -> list[Case]:
     token_size = NUM_KV_HEADS * HEAD_DIM
     norm_block = 1 << (HIDDEN - 1).bit_length()
     return [
         *tree_attention_cases(),
         *draft_attention_cases(),
+        *tree_frontier_cases(),
         Case(
             "chunk_scores", "kernels.chunk_scoring_triton", "_chunk_scores_kernel",
             {**pointers("q_ptr kmin_ptr kmax_ptr", DTYPE), "out_ptr": "*fp32", "num_chunks": "i32",
