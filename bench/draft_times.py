@@ -130,6 +130,32 @@ def _kernel_count(work: Callable[[], object]) -> int:
     return sum(1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Per batch: accept + proposal ms against context, salience off and on, with the floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for salience, style in ((False, "o-"), (True, "s--")):
+            mine = [r for r in rows if r["batch"] == batch and r["salience"] == salience]
+            contexts = [r["context"] for r in mine]
+            label = "salience" if salience else "full context"
+            ax.plot(contexts, [r["accept_ms"] + r["propose_ms"] for r in mine], style, label=f"accept + propose, {label}")
+            ax.plot(contexts, [r["floor_ms"] for r in mine], style, alpha=0.4, label=f"weight + context read floor, {label}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("ms per draft step")
+        ax.set_title(f"{batch} session(s), {rows[0]['tree_config']}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-model", type=Path, required=True, help="the target (its embedding feeds the head)")
@@ -153,7 +179,9 @@ def main() -> int:
                 row = measure(head, context, batch, DraftOptions("full", args.tree_config, salience=salience), bandwidth)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth_gb_s": round(bandwidth / 1e9), "rows": rows}, indent=1))
+    summary = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gb_s": round(bandwidth / 1e9), "rows": rows}
+    args.out.write_text(json.dumps(summary, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
     return 0
 
 
