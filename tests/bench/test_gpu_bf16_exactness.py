@@ -31,15 +31,10 @@ from gateway.assembly import build_engine, load_tokenizer
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest
 from tests.conftest import short_prompts
+from tests.gateway.conftest import CODE_PROMPTS
 
 pytestmark = pytest.mark.gpu
 
-CODE_PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(argv):",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
-    "def fibonacci(n):",
-    "import numpy as np\n\n\ndef normalize(x, axis=0):",
-]
 VARIANTS = [
     DraftOptions("chain", "8:0.0:8"),
     DraftOptions("uniform4", "32:0.0:6"),

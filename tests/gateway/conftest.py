@@ -9,10 +9,13 @@ from typing import Callable, Iterator
 
 import grpc
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
+from draft_service.eagle3_head import Eagle3Head
+from draft_service.runtime import DraftRuntime
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest, GenerationStats
 from target_service.runtime import TargetRuntime
@@ -42,6 +45,28 @@ def tokenizer(tiny_target_dir):
 def draft_head_dir() -> Path:
     """The shipped head for the bundled target (the servers' default draft model)."""
     return BUNDLED_DRAFT
+
+
+@pytest.fixture(scope="module")
+def fp32_target(tiny_target_dir) -> TargetRuntime:
+    """The bundled target in fp32, one per test module: a module's tests count what it computes (prompt
+    positions, sessions, prefix-cache hits), so no other module's requests may touch it."""
+    return TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=512, dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def fp32_draft(fp32_target: TargetRuntime) -> DraftRuntime:
+    """The shipped head over ``fp32_target``'s embeddings, in fp32."""
+    head = Eagle3Head.load(BUNDLED_DRAFT, fp32_target.model.embed_tokens, torch.device("cpu"), torch.float32)
+    return DraftRuntime(head)
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(fp32_target: TargetRuntime, fp32_draft: DraftRuntime, tokenizer) -> Iterator[SpeculativeEngine]:
+    """The in-process engine over ``fp32_target`` and ``fp32_draft``."""
+    engine = SpeculativeEngine(fp32_target, fp32_draft, tokenizer)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="session")

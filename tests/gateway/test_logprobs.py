@@ -4,16 +4,12 @@ values for the same tokens, and both equal a teacher-forced dense forward's; n s
 from __future__ import annotations
 
 import asyncio
-from typing import Iterator
 
 import pytest
 import torch
 
 from diffspec.sampling import LOGPROB_FLOOR, SamplingParams, TokenLogprobs, target_logprobs
-from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
-from draft_service.eagle3_head import Eagle3Head
 from draft_service.options import DraftOptions
-from draft_service.runtime import DraftRuntime
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationChunk, GenerationRequest
 from gateway.samples import generate_samples
@@ -22,20 +18,6 @@ from tests.gateway.conftest import CODE_PROMPTS, assert_all_released
 
 NEW_TOKENS = 24
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def target(tiny_target_dir) -> TargetRuntime:
-    """This module's own target: its tests count the sessions and prefix-cache hits on it."""
-    return TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=512, dtype="float32"))
-
-
-@pytest.fixture(scope="module")
-def engine(target: TargetRuntime, tokenizer) -> Iterator[SpeculativeEngine]:
-    head = Eagle3Head.load(BUNDLED_DRAFT, target.model.embed_tokens, torch.device("cpu"), torch.float32)
-    loaded = SpeculativeEngine(target, DraftRuntime(head), tokenizer)
-    yield loaded
-    loaded.close()
 
 
 def run(engine: SpeculativeEngine, request: GenerationRequest) -> dict[int, tuple[list[int], TokenLogprobs]]:
@@ -67,37 +49,39 @@ def dense_logprobs(target: TargetRuntime, prompt: list[int], tokens: list[int], 
     [SamplingParams(logprobs=3), SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=5, logprobs=2)],
     ids=["greedy", "sampled"],
 )
-def test_speculative_logprobs_equal_autos_and_the_dense_forwards(engine, target, tokenizer, params):
+def test_speculative_logprobs_equal_autos_and_the_dense_forwards(fp32_engine, fp32_target, tokenizer, params):
     prompt = tokenizer(CODE_PROMPTS[0])["input_ids"]
-    auto = run(engine, GenerationRequest(prompt, NEW_TOKENS, params))[0]
-    speculative = run(engine, GenerationRequest(prompt, NEW_TOKENS, params, draft=DraftOptions("full", "24:0.0:5")))[0]
+    auto = run(fp32_engine, GenerationRequest(prompt, NEW_TOKENS, params))[0]
+    full = DraftOptions("full", "24:0.0:5")
+    speculative = run(fp32_engine, GenerationRequest(prompt, NEW_TOKENS, params, draft=full))[0]
     if params.greedy:
         assert speculative[0] == auto[0]  # lossless: the same tokens, so the same logprobs
         assert speculative[1].top_ids == auto[1].top_ids
         assert torch.allclose(torch.tensor(speculative[1].logprobs), torch.tensor(auto[1].logprobs), atol=TOLERANCE)
     for tokens, logprobs in (auto, speculative):
-        want = dense_logprobs(target, prompt, tokens, params)
+        want = dense_logprobs(fp32_target, prompt, tokens, params)
         got = torch.tensor(logprobs.logprobs)
         assert torch.allclose(got, want[torch.arange(len(tokens)), tokens], atol=TOLERANCE)
         assert torch.allclose(torch.tensor(logprobs.top_logprobs), want.topk(params.logprobs, -1).values, atol=TOLERANCE)
         assert all(lp > LOGPROB_FLOOR for lp in logprobs.logprobs)  # every emitted token is in the kept set
-    assert_all_released(engine)
+    assert_all_released(fp32_engine)
 
 
-def test_n_samples_differ_by_seed_repeat_with_it_and_agree_when_greedy(engine, tokenizer):
+def test_n_samples_differ_by_seed_repeat_with_it_and_agree_when_greedy(fp32_engine, tokenizer):
     prompt = tokenizer(CODE_PROMPTS[2])["input_ids"]
     sampled = SamplingParams(temperature=1.0, seed=11, logprobs=0)
-    first = run(engine, GenerationRequest(prompt, 12, sampled, n=3))
+    first = run(fp32_engine, GenerationRequest(prompt, 12, sampled, n=3))
     assert sorted(first) == [0, 1, 2]
     assert len({tuple(ids) for ids, _ in first.values()}) > 1  # distinct seeds
-    again = run(engine, GenerationRequest(prompt, 12, sampled, n=3))
+    again = run(fp32_engine, GenerationRequest(prompt, 12, sampled, n=3))
     assert [again[i][0] for i in range(3)] == [first[i][0] for i in range(3)]  # seeds derived from the request's
-    alone = run(engine, GenerationRequest(prompt, 12, sampled))[0]
+    alone = run(fp32_engine, GenerationRequest(prompt, 12, sampled))[0]
     assert alone[0] == first[0][0]  # sample 0 keeps the seed
     # batched with other samples or not, the same logprobs up to float rounding
     assert torch.allclose(torch.tensor(alone[1].logprobs), torch.tensor(first[0][1].logprobs), atol=TOLERANCE)
-    greedy = run(engine, GenerationRequest(prompt, 12, SamplingParams(logprobs=1), n=3, draft=DraftOptions("chain", "8:0.0:4")))
+    chain = DraftOptions("chain", "8:0.0:4")
+    greedy = run(fp32_engine, GenerationRequest(prompt, 12, SamplingParams(logprobs=1), n=3, draft=chain))
     assert greedy[0][0] == greedy[1][0] == greedy[2][0]
     assert greedy[0][1].top_ids == greedy[2][1].top_ids
-    assert_all_released(engine)
+    assert_all_released(fp32_engine)
 

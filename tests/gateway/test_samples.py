@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Iterator
 
 import pytest
-import torch
 
 from diffspec.sampling import SamplingParams
-from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
-from draft_service.eagle3_head import Eagle3Head
 from draft_service.options import DraftOptions
-from draft_service.runtime import DraftRuntime
 from gateway.engine import SpeculativeEngine
 from gateway.engine_core import EngineLimits
 from gateway.request import GenerationRequest
@@ -24,24 +19,6 @@ from target_service.runtime import TargetRuntime
 from tests.gateway.conftest import CODE_PROMPTS, assert_all_released, collect, collect_async
 
 NEW_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def target(tiny_target_dir) -> TargetRuntime:
-    """This module's own target: its tests count the prompt positions it computes."""
-    return TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=512, dtype="float32"))
-
-
-@pytest.fixture(scope="module")
-def draft_runtime(target: TargetRuntime) -> DraftRuntime:
-    return DraftRuntime(Eagle3Head.load(BUNDLED_DRAFT, target.model.embed_tokens, torch.device("cpu"), torch.float32))
-
-
-@pytest.fixture(scope="module")
-def engine(target: TargetRuntime, draft_runtime: DraftRuntime, tokenizer) -> Iterator[SpeculativeEngine]:
-    loaded = SpeculativeEngine(target, draft_runtime, tokenizer)
-    yield loaded
-    loaded.close()
 
 
 class PromptCounter:
@@ -76,38 +53,39 @@ def run_samples(engine: SpeculativeEngine, request: GenerationRequest) -> dict[i
 
 
 @pytest.mark.parametrize("draft", [None, DraftOptions("full", "16:0.0:4")], ids=["auto", "speculative"])
-def test_the_prompt_is_computed_once_and_each_sample_equals_its_lone_run(engine, target, tokenizer, draft):
+def test_the_prompt_is_computed_once_and_each_sample_equals_its_lone_run(fp32_engine, fp32_target, tokenizer, draft):
     # a prompt no other test sends, longer than two pages and not page-aligned: the forks share a partial page
     prompt = tokenizer(f"# {draft}\n" + CODE_PROMPTS[1] * 3)["input_ids"]
-    assert len(prompt) > 2 * target.pool.page_size and len(prompt) % target.pool.page_size
+    assert len(prompt) > 2 * fp32_target.pool.page_size and len(prompt) % fp32_target.pool.page_size
     sampled = SamplingParams(temperature=0.9, seed=21)
-    with PromptCounter(target) as counter:
-        samples = run_samples(engine, GenerationRequest(prompt, NEW_TOKENS, sampled, draft=draft, n=3))
+    with PromptCounter(fp32_target) as counter:
+        samples = run_samples(fp32_engine, GenerationRequest(prompt, NEW_TOKENS, sampled, draft=draft, n=3))
     assert counter.computed == len(prompt) + 2  # sample 0's prompt, then each fork's last position alone
     assert sorted(samples) == [0, 1, 2] and len({tuple(ids) for ids in samples.values()}) > 1
     for index, ids in samples.items():
-        alone = collect(engine, GenerationRequest(prompt, NEW_TOKENS, sampled.for_sample(index), draft=draft))[0]
+        alone = collect(fp32_engine, GenerationRequest(prompt, NEW_TOKENS, sampled.for_sample(index), draft=draft))[0]
         assert ids == alone, index
-    assert_all_released(engine)
+    assert_all_released(fp32_engine)
 
 
-def test_greedy_speculative_samples_are_autos_tokens(engine, tokenizer):
+def test_greedy_speculative_samples_are_autos_tokens(fp32_engine, tokenizer):
     prompt = tokenizer(CODE_PROMPTS[3])["input_ids"]
-    auto = collect(engine, GenerationRequest(prompt, NEW_TOKENS))[0]
-    samples = run_samples(engine, GenerationRequest(prompt, NEW_TOKENS, draft=DraftOptions("chain", "8:0.0:4"), n=4))
+    auto = collect(fp32_engine, GenerationRequest(prompt, NEW_TOKENS))[0]
+    chain = DraftOptions("chain", "8:0.0:4")
+    samples = run_samples(fp32_engine, GenerationRequest(prompt, NEW_TOKENS, draft=chain, n=4))
     assert [samples[i] for i in range(4)] == [auto] * 4
-    assert_all_released(engine)
+    assert_all_released(fp32_engine)
 
 
-def test_samples_of_a_prompt_that_ends_at_once_still_run(engine, tokenizer):
+def test_samples_of_a_prompt_that_ends_at_once_still_run(fp32_engine, tokenizer):
     """Sample 0 ends at its first token and releases its session before the others open: they compute the
     prompt's last page themselves, with sample 0's features for their drafts."""
     prompt = tokenizer(CODE_PROMPTS[0])["input_ids"]
     sampled = SamplingParams(temperature=1.0, seed=4)
-    samples = run_samples(engine, GenerationRequest(prompt, 1, sampled, draft=DraftOptions("full"), n=3))
+    samples = run_samples(fp32_engine, GenerationRequest(prompt, 1, sampled, draft=DraftOptions("full"), n=3))
     for index in range(3):
-        assert samples[index] == collect(engine, GenerationRequest(prompt, 1, sampled.for_sample(index)))[0]
-    assert_all_released(engine)
+        assert samples[index] == collect(fp32_engine, GenerationRequest(prompt, 1, sampled.for_sample(index)))[0]
+    assert_all_released(fp32_engine)
 
 
 class RecordingTarget:
@@ -129,7 +107,7 @@ class RecordingTarget:
 
 
 @pytest.mark.parametrize("draft", [None, DraftOptions("full", "16:0.0:4")], ids=["auto", "speculative"])
-def test_a_fork_is_charged_only_the_position_it_computes(target, draft_runtime, tokenizer, draft):
+def test_a_fork_is_charged_only_the_position_it_computes(fp32_target, fp32_draft, tokenizer, draft):
     """Each fork computes its prompt's last position alone, and that is all it takes from the iteration's
     token budget (``max_batch_tokens``): both forks of an n = 3 request open in one iteration, beside a
     whole prompt chunk of another request. Charged the whole prompt, as before, the first fork took a whole
@@ -138,10 +116,10 @@ def test_a_fork_is_charged_only_the_position_it_computes(target, draft_runtime, 
     other = tokenizer(f"# beside {draft}\n" + CODE_PROMPTS[3] * 30)["input_ids"]  # prefills for 15 steps
     chunk = 32
     assert len(prompt) > chunk and len(other) > 12 * chunk
-    recording = RecordingTarget(target)
+    recording = RecordingTarget(fp32_target)
     # the budget is MIN_PREFILL_TOKENS (64) whatever the trees take: two chunks an iteration
     limits = EngineLimits(8, max_batch_tokens=64, prefill_chunk=chunk)
-    engine = SpeculativeEngine(recording, draft_runtime, tokenizer, limits)
+    engine = SpeculativeEngine(recording, fp32_draft, tokenizer, limits)
     sampled = SamplingParams(temperature=0.9, seed=8)
 
     async def run() -> None:
