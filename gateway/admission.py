@@ -8,6 +8,13 @@ preempted; a request that does not fit waits in the engine's queue (bounded by `
 rather than failing. This is the conservative end of vLLM's choice, whose scheduler admits by the
 prompt and preempts (recomputes) a stream when decoding runs out of pages.
 
+The n samples of one request (``gateway/samples.py``) hold their prompt once: every sample after the
+first forks the pages of the session that prefilled it (copy-on-write), so a fork needs only its own
+pages, its worst case less the full pages before its last prompt position (the page holding that
+position becomes its own when its forward writes it: a copy of the shared partial page, or a fresh
+one). As vLLM's block manager counts a shared block once, admission charges a fork only those; a
+sample whose source session is gone computes its prompt again and is charged all of it.
+
 The queue is served round robin over clients, the client with the fewest open sessions first and
 each client's requests in arrival order, so a client with many queued requests cannot hold back
 another client's one. Whoever is first in that order waits for pages rather than being overtaken
@@ -46,9 +53,15 @@ class KVGeometry:
         return self.pages(min(tokens, self.max_context))
 
     def pages_held(self, running: RunningRequest) -> int:
-        """A lower bound on what an open session holds: its whole prompt from the open on, then every
-        committed token (all emitted ones but the pending root)."""
+        """A lower bound on what an open session's block table holds, pages shared with a fork or its source
+        included: its whole prompt from the open on, then every committed token (all emitted ones but the
+        pending root)."""
         return self.pages(running.prompt_tokens + max(running.stats.new_tokens - 1, 0))
+
+    def shared_prompt_pages(self, request: GenerationRequest) -> int:
+        """Pages a fork of the request's prompt shares for good with the session that computed it: the full
+        pages before the last prompt position, whose page the fork's own forward writes."""
+        return (len(request.prompt_ids) - 1) // self.page_size
 
 
 class KVAdmission:
@@ -81,16 +94,34 @@ class KVAdmission:
 
     def admit(self, waiting: list[RunningRequest], open_requests: list[RunningRequest]) -> list[RunningRequest]:
         """The queued requests to open now, in fair order, until the next one does not fit (the first
-        always, when nothing is open)."""
+        always, when nothing is open); a fork is charged its own pages alone."""
         headroom = self.headroom(open_requests)
+        open_ids = {r.request_id for r in open_requests}
         admitted: list[RunningRequest] = []
         for running in fair_order(waiting, Counter(r.request.client for r in open_requests)):
             need = self.geometry.worst_case_pages(running.request)
+            if forks_held_prompt(running, open_ids, admitted):
+                need -= self.geometry.shared_prompt_pages(running.request)
             if need > headroom and (admitted or open_requests):
                 break
             headroom -= need
             admitted.append(running)
         return admitted
+
+
+def forks_held_prompt(running: RunningRequest, open_ids: set[str], admitted: list[RunningRequest]) -> bool:
+    """Whether the sample opens as a fork of pages that hold its prompt already: those of the open session
+    that prefilled it (``PromptShare.session_id``); those of the sample still prefilling it, which this one
+    waits for; or, while no sample of the request has opened, those of one admitted before it in this pass,
+    which opens first. ``open_ids``: the sessions open now."""
+    share = running.request.prompt_share
+    if share is None:
+        return False
+    if share.session_id:
+        return running.can_fork and share.session_id in open_ids
+    if share.source is not None:
+        return share.source.request_id in open_ids
+    return any(r.request.prompt_share is share for r in admitted)
 
 
 def fair_order(waiting: list[RunningRequest], open_by_client: Counter[str]) -> list[RunningRequest]:

@@ -114,13 +114,20 @@ class RunningRequest:
             return False
         return share.source.phase in (Phase.WAITING, Phase.PREFILLING)
 
+    @property
+    def can_fork(self) -> bool:
+        """A sample of its request has prefilled the prompt and kept the prompt features this one's draft
+        would start on, if it drafts: its session opens as a fork of that one's."""
+        share = self.request.prompt_share
+        return share is not None and bool(share.session_id) and (share.features is not None or not self.drafting)
+
     def session_open(self, feature_layers: tuple[int, ...]) -> SessionOpen:
         """The target session to open: a fork of the prompt of an earlier sample of the same request once
         one is prefilled (its pages, and its features for the draft), else one that computes the prompt."""
         share, request = self.request.prompt_share, self.request
         if share is not None and share.source is None:
             share.source = self
-        elif share is not None and share.session_id and (share.features is not None or not self.drafting):
+        elif share is not None and self.can_fork:
             self.forked, self.inherited_features = True, share.features if self.drafting else None
             share.forks_left -= 1
             if share.forks_left <= 0:
