@@ -61,7 +61,10 @@ async def _in_process(settings: DiffSpecSettings) -> AsyncIterator[Source]:
 
     async def generate(message: gateway_pb2.GenerateRequest) -> AsyncIterator[GenerationChunk]:
         prompt_ids = engine.tokenizer(prompt_text(message))["input_ids"]
-        request = generation_request(message, prompt_ids, settings, engine.draft is not None, engine.sampling_defaults)
+        request = generation_request(
+            message, prompt_ids, settings, engine.draft is not None, engine.sampling_defaults,
+            max_context=engine.core.info.max_context,
+        )  # fmt: skip
         async for chunk in generate_samples(engine, request):
             yield chunk
 

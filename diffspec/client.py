@@ -87,7 +87,7 @@ class Completion:
 class GenerateOptions(TypedDict, total=False):
     """What ``generate`` and ``complete`` accept beside the prompt (``generate_request``'s keywords)."""
 
-    max_new_tokens: int
+    max_new_tokens: int  # unset = the checkpoint's generation_config.json value, else the server's --max-new-tokens
     temperature: float  # 0 = greedy; unset = the checkpoint's generation_config.json value, else greedy
     top_p: float  # unset = the checkpoint's, else 1
     top_k: int  # 0 = all tokens; unset = the checkpoint's, else all

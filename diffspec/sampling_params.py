@@ -59,17 +59,20 @@ class SamplingParams:
 @dataclass(frozen=True)
 class SamplingDefaults:
     """The checkpoint's sampling defaults (its generation_config.json, as vLLM's ``--generation-config auto``
-    reads it): what a request's unset temperature, top_p and top_k become before the front end's own
-    defaults. A field the request sets wins; ``gateway/messages.py`` applies them, for every front end."""
+    reads it): what a request's unset temperature, top_p, top_k and max_new_tokens become before the
+    front end's own defaults. A field the request sets wins; ``gateway/messages.py`` applies them, for
+    every front end."""
 
     temperature: float | None = None  # None = the front end's default (gRPC and the CLI: 0, HTTP: 1)
     top_p: float | None = None  # None = 1
     top_k: int | None = None  # None = 0 (all tokens)
+    max_new_tokens: int | None = None  # tokens; None = the server's --max-new-tokens
 
     @staticmethod
     def of(config: GenerationConfig) -> SamplingDefaults:
-        """Those of a parsed generation_config.json (set only when its ``do_sample`` is true)."""
-        return SamplingDefaults(config.temperature, config.top_p, config.top_k)
+        """Those of a parsed generation_config.json (the sampling ones set only when its ``do_sample`` is
+        true, ``max_new_tokens`` whenever it is there, as vLLM reads it)."""
+        return SamplingDefaults(config.temperature, config.top_p, config.top_k, config.max_new_tokens)
 
 
 @dataclass(frozen=True)

@@ -70,13 +70,19 @@ class DiffSpecSettings(BaseSettings):
     salience_reselect_every: int = Field(8, ge=1, description="Draft steps between scheduled working-set re-selections.")
 
     # Generation defaults
-    max_new_tokens: int = Field(128, ge=1, description="Default number of tokens to generate.")
+    max_new_tokens: int = Field(
+        128,
+        ge=1,
+        description="Default number of tokens to generate, where the target checkpoint's generation_config.json "
+        "gives none (see generation_config).",
+    )
     generation_config: Literal["auto", "none"] = Field(
         "auto",
         description="auto = a request that leaves temperature, top_p or top_k unset takes the target "
-        "checkpoint's generation_config.json value (when that file sets do_sample: true), as vLLM's "
+        "checkpoint's generation_config.json value (when that file sets do_sample: true), and one that leaves "
+        "max_new_tokens unset the file's max_new_tokens within the context the prompt leaves, as vLLM's "
         "--generation-config auto; none = DiffSpec's own defaults (greedy over gRPC and the CLI, OpenAI's "
-        "temperature 1 over HTTP; top_p 1, top_k 0). The file's EOS list applies either way.",
+        "temperature 1 over HTTP; top_p 1, top_k 0, max_new_tokens). The file's EOS list applies either way.",
     )
 
     # Services

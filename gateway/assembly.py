@@ -41,7 +41,7 @@ def sampling_defaults(settings: DiffSpecSettings) -> SamplingDefaults:
     if defaults != SamplingDefaults():
         given = ", ".join(f"{name}={value}" for name, value in vars(defaults).items() if value is not None)
         log.warning(
-            "requests that leave them unset sample with %s from %s/generation_config.json "
+            "requests that leave them unset take %s from %s/generation_config.json "
             "(--generation-config none: DiffSpec's defaults)", given, settings.base_model,
         )  # fmt: skip
     return defaults

@@ -175,8 +175,9 @@ def create_app(
     ) -> GenerationRequest:
         """gRPC's conversion and defaults, with OpenAI's temperature 1 where neither request nor checkpoint sets one."""
         request = generation_request(
-            message, prompt_ids, settings, loaded.draft is not None, loaded.sampling_defaults, oai.DEFAULT_TEMPERATURE
-        )
+            message, prompt_ids, settings, loaded.draft is not None, loaded.sampling_defaults, oai.DEFAULT_TEMPERATURE,
+            loaded.core.info.max_context,
+        )  # fmt: skip
         return replace(request, client=client)
 
     async def _respond(

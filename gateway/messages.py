@@ -7,7 +7,9 @@ max_new_tokens, the draft options) is checked once for every front end by the en
 
 Defaults are applied here alone, for every front end: a sampling field the message leaves unset
 (temperature, top_p, top_k) takes the checkpoint's generation_config.json value
-(``SpeculativeEngine.sampling_defaults``), else the front end's own; one it sets wins.
+(``SpeculativeEngine.sampling_defaults``), else the front end's own; one it sets wins. An unset
+max_new_tokens takes the checkpoint's too, within what the prompt leaves of the target's context
+(vLLM's ``max_model_len - prompt``), else the server's ``--max-new-tokens``.
 """
 
 from __future__ import annotations
@@ -51,11 +53,13 @@ def generation_request(
     draft_available: bool = True,
     checkpoint: SamplingDefaults = SamplingDefaults(),
     default_temperature: float = 0.0,
+    max_context: int = 0,
 ) -> GenerationRequest:
     """The engine request for ``message``; unset fields take the server's defaults (without a draft, a
     request that names no policy is Auto whatever the default policy). ``checkpoint``: the engine's
-    ``sampling_defaults``; ``default_temperature``: the front end's own (HTTP: OpenAI's 1)."""
-    max_new_tokens = message.max_new_tokens if message.HasField("max_new_tokens") else defaults.max_new_tokens
+    ``sampling_defaults``; ``default_temperature``: the front end's own (HTTP: OpenAI's 1); ``max_context``:
+    the target's, in tokens, which caps the checkpoint's max_new_tokens (0 = no cap)."""
+    max_new_tokens = _max_new_tokens(message, len(prompt_ids), defaults, checkpoint, max_context)
     stops = tuple(message.stop)
     if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stops):
         raise InvalidRequest(f"at most {MAX_STOP_SEQUENCES} stop sequences of at most {MAX_STOP_CHARS} characters")
@@ -80,6 +84,25 @@ def generation_request(
         draft=_draft_options(message, request_defaults(defaults, len(prompt_ids)), draft_available),
         n=n,
     )
+
+
+def _max_new_tokens(
+    message: gateway_pb2.GenerateRequest,
+    prompt_tokens: int,
+    defaults: DiffSpecSettings,
+    checkpoint: SamplingDefaults,
+    max_context: int,
+) -> int:
+    """The request's value when it sets one, else the checkpoint's generation_config.json default within the
+    context the prompt leaves (at least 1: a prompt that fills the context is the engine's to refuse), else
+    the server's."""
+    if message.HasField("max_new_tokens"):
+        return message.max_new_tokens
+    if checkpoint.max_new_tokens is None:
+        return defaults.max_new_tokens
+    if max_context:
+        return min(checkpoint.max_new_tokens, max(max_context - prompt_tokens, 1))
+    return checkpoint.max_new_tokens
 
 
 def _sampling_field(

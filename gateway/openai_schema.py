@@ -42,7 +42,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None  # echoed; the server serves one model
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # unset = the server's max_new_tokens
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # unset = the checkpoint's, else the server's
     # unset sampling fields: the checkpoint's generation_config.json value, else temperature 1, top_p 1, top_k all
     temperature: float | None = None  # 0 = greedy
     top_p: float | None = None

@@ -62,8 +62,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             with engine.core.quotas.holding(client):
                 prompt_ids = await self._tokenize(engine, text)
         generation = generation_request(
-            request, prompt_ids, self.settings, engine.draft is not None, engine.sampling_defaults
-        )
+            request, prompt_ids, self.settings, engine.draft is not None, engine.sampling_defaults,
+            max_context=engine.core.info.max_context,
+        )  # fmt: skip
         generation = replace(generation, client=client)
         self.metrics.active_generations.inc()
         try:

@@ -64,6 +64,28 @@ def test_unset_sampling_fields_take_the_checkpoints_defaults_then_the_front_ends
 
 
 @pytest.mark.parametrize(
+    "fields, checkpoint, max_context, prompt_tokens, want",
+    [
+        ({}, None, 0, 2, 12),  # the server's --max-new-tokens
+        ({}, None, 30, 29, 12),  # the server's own default is not capped: past the context, the engine ends it
+        ({}, 40, 0, 2, 40),
+        ({}, 40, 4096, 2, 40),
+        ({}, 40, 30, 2, 28),  # what the prompt leaves of the context, as vLLM's max_model_len - prompt
+        ({}, 40, 30, 30, 1),  # a prompt that fills the context: the engine refuses the prompt
+        ({"max_new_tokens": 3}, 40, 30, 2, 3),  # a request that sets it wins
+        ({"max_new_tokens": 100}, 40, 30, 2, 100),  # and is the engine's to check
+    ],
+)
+def test_unset_max_new_tokens_takes_the_checkpoints_within_the_context(
+    fields, checkpoint, max_context, prompt_tokens, want
+):
+    message = gateway_pb2.GenerateRequest(text="x", **fields)
+    defaults = SamplingDefaults(max_new_tokens=checkpoint)
+    request = generation_request(message, [0] * prompt_tokens, DEFAULTS, True, defaults, max_context=max_context)
+    assert request.max_new_tokens == want
+
+
+@pytest.mark.parametrize(
     "fields, ids, message",
     [
         ({"stop": ["y" * 257]}, [0], "stop sequences"),
