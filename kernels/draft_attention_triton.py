@@ -117,7 +117,14 @@ def _attend_keys(
     return online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
 
 
-@triton.jit
+# Sizes are runtime values, not specialised: an online policy's widths and a growing context would
+# otherwise compile a variant per divisibility pattern, seconds each on the first proposals.
+@triton.jit(
+    do_not_specialize=[
+        "num_queries", "num_kv_heads", "group", "capacity", "num_new", "num_splits", "num_parts",
+        "mask_batch_stride", "mask_row_stride", "lengths_stride",
+    ]
+)  # fmt: skip
 def _draft_attention_partials_kernel(
     q_ptr,  # [batch, num_queries, num_kv_heads * group, HEAD_DIM]
     ctx_k_ptr,  # [batch, capacity, num_kv_heads, HEAD_DIM]

@@ -54,7 +54,7 @@ def finish_partial(acc, m_i, l_i):
     return out, lse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_parts"])  # one compile for every batch and width
 def _merge_partials_kernel(
     partial_out_ptr,  # [num_rows, num_parts, HEAD_DIM] fp32; a row is one (query, query head)
     partial_lse_ptr,  # [num_rows, num_parts] fp32, base 2

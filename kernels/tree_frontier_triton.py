@@ -25,8 +25,8 @@ MAX_SLOTS = 4096  # a slab wider than this is left to the reference (a sort), wh
 
 @triton.jit
 def _slot_keys(
-    slots, b, S: tl.constexpr, K: tl.constexpr,
-    frontier_log_probs_ptr, frontier_valid_ptr, top_log_probs_ptr, children, min_log_prob, R: tl.constexpr,
+    slots, b, S, K,
+    frontier_log_probs_ptr, frontier_valid_ptr, top_log_probs_ptr, children, min_log_prob, R,
     LOWEST: tl.constexpr,
 ):  # fmt: skip
     """Cumulative log-probs [BLOCK] float64, validity and rank keys of ``slots`` of session ``b``."""
@@ -42,7 +42,9 @@ def _slot_keys(
     return cumulative, valid, key
 
 
-@triton.jit
+# The widths are runtime values, not specialised: an online policy meets many of them, and a compile per
+# width would stall its first proposals for seconds each.
+@triton.jit(do_not_specialize=["first_slot", "children_stride", "expand_rows_stride", "R", "K", "next_rows"])
 def _frontier_kernel(
     frontier_log_probs_ptr,  # [B, R] float64
     frontier_valid_ptr,  # [B, R] uint8 (bool)
@@ -55,22 +57,23 @@ def _frontier_kernel(
     cumulative_ptr,  # [B, S] float64 out
     valid_ptr,  # [B, S] uint8 out
     parent_slots_ptr,  # [B, S] int64 out
-    next_tokens_ptr,  # [B, NEXT_ROWS] int64 out
-    next_parent_rows_ptr,  # [B, NEXT_ROWS] int64 out
-    next_log_probs_ptr,  # [B, NEXT_ROWS] float64 out
-    next_valid_ptr,  # [B, NEXT_ROWS] uint8 out
-    next_slots_ptr,  # [B, NEXT_ROWS] int64 out
+    next_tokens_ptr,  # [B, next_rows] int64 out
+    next_parent_rows_ptr,  # [B, next_rows] int64 out
+    next_log_probs_ptr,  # [B, next_rows] float64 out
+    next_valid_ptr,  # [B, next_rows] uint8 out
+    next_slots_ptr,  # [B, next_rows] int64 out
     first_slot,
     children_stride,
     expand_rows_stride,
-    R: tl.constexpr,  # frontier rows (a width bucket)
-    K: tl.constexpr,  # children per row (a width bucket)
-    NEXT_ROWS: tl.constexpr,  # 0: the last depth, no next frontier
+    R,  # frontier rows
+    K,  # children per row
+    next_rows,  # rows of the next frontier
+    HAS_NEXT: tl.constexpr,  # False at the last depth: no next frontier
     BLOCK: tl.constexpr,
     LOWEST: tl.constexpr,  # the lowest float64: a valid slot's key is at least this
 ):
     b = tl.program_id(0)
-    S: tl.constexpr = R * K
+    S = R * K
     children = tl.load(children_ptr + b * children_stride)
     min_log_prob = tl.load(min_log_prob_ptr + b)
     for start in range(0, S, BLOCK):
@@ -84,7 +87,7 @@ def _frontier_kernel(
         tl.store(valid_ptr + b * S + slots, valid.to(tl.uint8), mask=in_slab)
         parent_slot = tl.load(frontier_slots_ptr + b * R + slots // K, mask=in_slab, other=0)
         tl.store(parent_slots_ptr + b * S + slots, parent_slot, mask=in_slab)
-        if NEXT_ROWS > 0:
+        if HAS_NEXT:
             rank = tl.zeros([BLOCK], dtype=tl.int32)
             for other_start in range(0, S, BLOCK):
                 others = other_start + tl.arange(0, BLOCK)
@@ -96,9 +99,9 @@ def _frontier_kernel(
                     (other_key[None, :] == key[:, None]) & (others[None, :] < slots[:, None])
                 )
                 rank += tl.sum((ahead & (others[None, :] < S)).to(tl.int32), axis=1)
-            chosen = in_slab & (rank < NEXT_ROWS)
+            chosen = in_slab & (rank < next_rows)
             expand_rows = tl.load(expand_rows_ptr + b * expand_rows_stride)
-            out = b * NEXT_ROWS + rank
+            out = b * next_rows + rank
             token = tl.load(top_tokens_ptr + b * S + slots, mask=in_slab, other=0)
             tl.store(next_tokens_ptr + out, token, mask=chosen)
             tl.store(next_parent_rows_ptr + out, (slots // K).to(tl.int64), mask=chosen)
@@ -144,7 +147,7 @@ def frontier_step_triton(
             expand_rows, cumulative, valid, parent_slots,
             next_tokens, next_parent_rows, next_log_probs, next_valid, next_slots,
             first_slot, children.stride(0), expand_rows.stride(0),
-            R=rows, K=k, NEXT_ROWS=next_rows, BLOCK=min(128, triton.next_power_of_2(slots)), LOWEST=_LOWEST,
+            rows, k, next_rows, HAS_NEXT=next_rows > 0, BLOCK=min(128, triton.next_power_of_2(slots)), LOWEST=_LOWEST,
         )  # fmt: skip
     return (
         cumulative, valid.view(torch.bool), parent_slots,
