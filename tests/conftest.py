@@ -16,6 +16,15 @@ if not torch.cuda.is_available():
 
 from diffspec.settings import BUNDLED_TARGET, REPO_ROOT, SHARED_DIR, DiffSpecSettings
 
+# Short code prompts for generation tests; here, not in tests/gateway, so that GPU tests can take them
+# without importing the gateway's gRPC stubs (the device's grpcio refuses them).
+CODE_PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv):",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "def fibonacci(n):",
+    "import numpy as np\n\n\ndef normalize(x, axis=0):",
+]
+
 SHORT_PROMPTS = SHARED_DIR / "data" / "shortctx_eval.jsonl"
 
 

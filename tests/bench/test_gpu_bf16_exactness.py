@@ -30,8 +30,7 @@ from draft_service.options import DraftOptions
 from gateway.assembly import build_engine, load_tokenizer
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest
-from tests.conftest import short_prompts
-from tests.gateway.conftest import CODE_PROMPTS
+from tests.conftest import CODE_PROMPTS, short_prompts
 
 pytestmark = pytest.mark.gpu
 

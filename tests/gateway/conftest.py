@@ -19,14 +19,9 @@ from draft_service.runtime import DraftRuntime
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest, GenerationStats
 from target_service.runtime import TargetRuntime
+from tests.conftest import CODE_PROMPTS  # noqa: F401 (the gateway tests' prompts, imported from here)
 from tests.gateway.servers import ServerProcess, SplitDeployment
 
-CODE_PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(argv):",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
-    "def fibonacci(n):",
-    "import numpy as np\n\n\ndef normalize(x, axis=0):",
-]
 Generated = tuple[list[int], str, gateway_pb2.GenerationStats | None]
 Collected = tuple[list[int], str, GenerationStats | None]
 
