@@ -17,6 +17,7 @@ from diffspec.tree_nodes import TreeNodes
 from diffspec.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, tensor_pb2
 from draft_service.backend import DraftBatch
 from draft_service.grpc_client import RemoteDraft
+from tests.adversarial.conftest import DRAFT_TIMEOUT_S, STEP_TIMEOUT_S
 from tests.gateway.conftest import CODE_PROMPTS, generate
 from tests.gateway.servers import wait_all_released
 
@@ -92,10 +93,18 @@ def test_a_draft_behind_for_the_step_timeout_is_dropped(held_draft):
 
 
 MAX_NEW = 400
+STOPPED_CHUNKS = 11  # chunks the stream delivers while the draft is stopped
+MIN_STOP_S = 2 * DRAFT_TIMEOUT_S  # long enough that a step surely waited for the stopped draft's trees
+# The draft stays stopped until both, or at most this long: well inside the step timeout, past which the
+# gateway drops a draft that owes replies (the stream would finish with Auto, and the test see no resume).
+MAX_STOP_S = STEP_TIMEOUT_S - 1.5
 
 
 @pytest.mark.slow
 def test_a_sigstopped_draft_turns_steps_to_auto_at_once_and_is_used_again_after(bounded_deployment, auto_reference):
+    """One step waits DRAFT_TIMEOUT_S for the stopped draft's trees; the steps after it go on at once, so
+    STOPPED_CHUNKS chunks come well inside the step timeout even on a busy machine (a few hundred ms a step
+    would do), and the draft is resumed as soon as they have (and MIN_STOP_S has passed)."""
     deployment = bounded_deployment.trio
     try:
         with deployment.gateway.channel() as channel:
@@ -113,7 +122,11 @@ def test_a_sigstopped_draft_turns_steps_to_auto_at_once_and_is_used_again_after(
                 if state == "running" and len(ids) >= 20:
                     deployment.draft.process.send_signal(signal.SIGSTOP)
                     state, stopped_at = "stopped", time.monotonic()
-                elif state == "stopped" and time.monotonic() - stopped_at > 1.5:
+                elif state == "stopped" and (
+                    (sum(s == "stopped" for s, _ in chunk_sizes) >= STOPPED_CHUNKS
+                     and time.monotonic() - stopped_at > MIN_STOP_S)
+                    or time.monotonic() - stopped_at > MAX_STOP_S
+                ):  # fmt: skip
                     deployment.draft.process.send_signal(signal.SIGCONT)
                     state = "resumed"
                 if response.HasField("stats"):
@@ -121,7 +134,7 @@ def test_a_sigstopped_draft_turns_steps_to_auto_at_once_and_is_used_again_after(
         assert ids == auto_reference(CODE_PROMPTS[0], MAX_NEW)
         assert state == "resumed", "the stream ended before the draft was resumed"
         stopped = [n for s, n in chunk_sizes if s == "stopped"]
-        assert len(stopped) > 10  # tokens kept coming while the draft was stopped
+        assert len(stopped) >= STOPPED_CHUNKS  # tokens kept coming while the draft was stopped
         resumed = [n for s, n in chunk_sizes if s == "resumed"]
         assert max(resumed) > 1, "no step after the resume accepted a draft token"
         assert stats is not None and not stats.fell_back_to_auto
