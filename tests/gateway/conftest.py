@@ -114,8 +114,10 @@ def assert_all_released(engine: SpeculativeEngine, timeout: float = 10.0) -> Non
 
 @pytest.fixture(scope="session")
 def split_deployment(draft_head_dir, tmp_path_factory) -> Iterator[SplitDeployment]:
-    """Target, draft and gateway processes shared by the tests that leave them running."""
-    deployment = SplitDeployment(tmp_path_factory.mktemp("split-logs"), draft_head_dir)
+    """Target, draft and gateway processes shared by the tests that leave them running. The gateway admits
+    as many tokenizations at once as the tests send (16 concurrent text prompts in test_grpc_split.py): past
+    its default of 8, on a busy machine where each waits for a tokenizer thread, it refuses them."""
+    deployment = SplitDeployment(tmp_path_factory.mktemp("split-logs"), draft_head_dir, "--max-tokenizations", "16")
     yield deployment
     deployment.stop()
 
