@@ -34,7 +34,7 @@ COMMANDS: dict[str, Command] = {
     " __init__(self):\\n        self.items = []\\n\\n    def push(self, item):' --max-new-tokens 32 --vs-auto; kill %1"
     " 2>/dev/null; wait; }": Command(Kind.INSTALL, "tests/cli/test_readme.py runs it past its pip installs"),
     "pip install torch==2.13.0 && pip install -e '.[dev,bench]' && python -m pytest -q -p no:cacheprovider": Command(
-        Kind.INSTALL, ".ci/run runs it, coverage flags added"
+        Kind.INSTALL, ".ci/run runs it, coverage and worker flags added"
     ),
     # README.md, everyday commands
     "diffspec generate --policy online --salience on --prompt 'def f(x):' --json      # in process, no server": Command(
@@ -111,6 +111,8 @@ COMMANDS: dict[str, Command] = {
     "python -m pytest -q -p no:cacheprovider -m 'not slow'                   # all but the long CPU tests": Command(
         Kind.LONG, "the suite less its slow tests: minutes; .ci/run runs all of it"
     ),
+    "python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile            # everything, on two workers as CI does":
+        Command(Kind.LONG, "the whole suite: minutes; .ci/run runs it under coverage"),
     "bash .ci/run                                                            # what CI runs, on a clean clone":
         Command(Kind.INSTALL, "CI itself: pip installs, then the whole suite under coverage"),
     # docs/gpu.md
