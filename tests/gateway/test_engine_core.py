@@ -21,17 +21,16 @@ from diffspec.errors import DeadlineExceeded, InvalidRequest, ResourceExhausted
 from diffspec.sampling import SamplingParams
 from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
 from diffspec.tree import DraftTree
-from draft_service.backend import DraftBatch, DraftBatchResult
 from draft_service.inprocess import load_draft_runtime
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
 from gateway.engine import SpeculativeEngine
-from gateway.detokenizer import Tokenizer
 from gateway.engine_core import EngineCore, EngineLimits
 from gateway.request import GenerationChunk, GenerationRequest
-from target_service.backend import TargetBatch, TargetBatchResult, TargetInfo, VerifyStep
+from target_service.backend import TargetBatch, TargetBatchResult, VerifyStep
 from target_service.runtime import TargetRuntime
 from tests.gateway.conftest import CODE_PROMPTS, assert_all_released, collect, collect_async
+from tests.gateway.recording import RecordingTarget, recording_engine
 
 NEW_TOKENS = 24
 TEXTS = [
@@ -76,50 +75,6 @@ def target(tiny_target_dir) -> TargetRuntime:
 @pytest.fixture(scope="module")
 def draft(target) -> DraftRuntime:
     return load_draft_runtime(DiffSpecSettings(draft_model=BUNDLED_DRAFT), target)
-
-
-class RecordingTarget:
-    """The runtime, with every step's batch recorded beside the loop iteration that sent it, and a
-    gate: while it is shut, a step waits, so requests submitted meanwhile reach the same iteration."""
-
-    def __init__(self, inner: TargetRuntime) -> None:
-        self.inner = inner
-        self.core: EngineCore | None = None
-        self.batches: list[tuple[int, TargetBatch]] = []  # (iteration, batch)
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def info(self) -> TargetInfo:
-        return self.inner.info()
-
-    def step(self, batch: TargetBatch) -> TargetBatchResult:
-        assert self.gate.wait(timeout=30)
-        self.batches.append((self.core.timing.iterations if self.core else -1, batch))
-        return self.inner.step(batch)
-
-
-class RecordingDraft:
-    def __init__(self, inner: DraftRuntime) -> None:
-        self.inner = inner
-        self.core: EngineCore | None = None
-        self.batches: list[tuple[int, DraftBatch]] = []
-
-    @property
-    def sessions(self) -> dict:
-        return self.inner.sessions
-
-    def step(self, batch: DraftBatch) -> DraftBatchResult:
-        self.batches.append((self.core.timing.iterations if self.core else -1, batch))
-        return self.inner.step(batch)
-
-
-def recording_engine(
-    target: TargetRuntime, draft: DraftRuntime, tokenizer: Tokenizer, limits: EngineLimits
-) -> SpeculativeEngine:
-    recording_target, recording_draft = RecordingTarget(target), RecordingDraft(draft)
-    engine = SpeculativeEngine(recording_target, recording_draft, tokenizer, limits)
-    recording_target.core = recording_draft.core = engine.core
-    return engine
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ sample equals its lone run with its derived seed, Auto and speculative alike, an
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
@@ -14,9 +13,9 @@ from gateway.engine import SpeculativeEngine
 from gateway.engine_core import EngineLimits
 from gateway.request import GenerationRequest
 from gateway.samples import generate_samples
-from target_service.backend import TargetBatch, TargetBatchResult, TargetInfo
 from target_service.runtime import TargetRuntime
 from tests.gateway.conftest import CODE_PROMPTS, assert_all_released, collect, collect_async
+from tests.gateway.recording import recording_engine
 
 NEW_TOKENS = 10
 
@@ -88,24 +87,6 @@ def test_samples_of_a_prompt_that_ends_at_once_still_run(fp32_engine, tokenizer)
     assert_all_released(fp32_engine)
 
 
-class RecordingTarget:
-    """The target, with every step's batch recorded, and a gate that holds the loop's next step while it is shut."""
-
-    def __init__(self, inner: TargetRuntime) -> None:
-        self.inner = inner
-        self.batches: list[TargetBatch] = []
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def info(self) -> TargetInfo:
-        return self.inner.info()
-
-    def step(self, batch: TargetBatch) -> TargetBatchResult:
-        assert self.gate.wait(timeout=30)
-        self.batches.append(batch)
-        return self.inner.step(batch)
-
-
 @pytest.mark.parametrize("draft", [None, DraftOptions("full", "16:0.0:4")], ids=["auto", "speculative"])
 def test_a_fork_is_charged_only_the_position_it_computes(fp32_target, fp32_draft, tokenizer, draft):
     """Each fork computes its prompt's last position alone, and that is all it takes from the iteration's
@@ -116,10 +97,10 @@ def test_a_fork_is_charged_only_the_position_it_computes(fp32_target, fp32_draft
     other = tokenizer(f"# beside {draft}\n" + CODE_PROMPTS[3] * 30)["input_ids"]  # prefills for 15 steps
     chunk = 32
     assert len(prompt) > chunk and len(other) > 12 * chunk
-    recording = RecordingTarget(fp32_target)
     # the budget is MIN_PREFILL_TOKENS (64) whatever the trees take: two chunks an iteration
     limits = EngineLimits(8, max_batch_tokens=64, prefill_chunk=chunk)
-    engine = SpeculativeEngine(recording, fp32_draft, tokenizer, limits)
+    engine = recording_engine(fp32_target, fp32_draft, tokenizer, limits)
+    recording = engine.target
     sampled = SamplingParams(temperature=0.9, seed=8)
 
     async def run() -> None:
@@ -134,10 +115,11 @@ def test_a_fork_is_charged_only_the_position_it_computes(fp32_target, fp32_draft
 
     try:
         asyncio.run(run())
-        forking = [b for b in recording.batches if any(o.fork_of for o in b.opens)]
+        batches = [batch for _, batch in recording.batches]
+        forking = [b for b in batches if any(o.fork_of for o in b.opens)]
         assert len(forking) == 1  # both forks opened in one iteration
         forks = [o.session_id for o in forking[0].opens if o.fork_of]
-        other_session = next(o.session_id for b in recording.batches for o in b.opens if o.prompt_ids == other)
+        other_session = next(o.session_id for b in batches for o in b.opens if o.prompt_ids == other)
         charged = {w.session_id: w.num_tokens for w in forking[0].prefills}
         assert [charged[f] for f in forks] == [1, 1]
         assert charged[other_session] == chunk  # the other prompt's chunk in the same iteration
