@@ -68,20 +68,22 @@ def _skip_for_shared(report: pytest.TestReport) -> str | None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa: ANN201 - a hook wrapper
     report: pytest.TestReport = (yield).get_result()
     reason = _skip_for_shared(report)
-    if reason is None:
-        return
-    if shared_required():
+    if reason is not None and shared_required():
         report.outcome = "failed"
         report.longrepr = f"{reason}: {REQUIRE_SHARED_ENV}=1, so a data-driven test must find its data in {SHARED_DIR}"
-    else:
-        item.config.stash.setdefault(_SKIPPED_FOR_SHARED, []).append(item.nodeid)
 
 
-_SKIPPED_FOR_SHARED = pytest.StashKey[list]()
+_skipped_for_shared: list[str] = []  # node ids, in the process that reports (under pytest-xdist, the controller)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Every report comes here, the workers' too under pytest-xdist, so the summary below names them all."""
+    if _skip_for_shared(report) is not None:
+        _skipped_for_shared.append(report.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
-    skipped = config.stash.get(_SKIPPED_FOR_SHARED, [])
+    skipped = _skipped_for_shared
     if not skipped:
         return
     terminalreporter.section("WARNING: data-driven tests skipped", sep="!", red=True, bold=True)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from diffspec.settings import REPO_ROOT, SHARED_DIR
 
 MISSING = SHARED_DIR / "data" / "no-such-eval-file.jsonl"  # absent whether or not ../shared is there
@@ -27,7 +29,7 @@ def test_skipped_for_another_reason():
 '''
 
 
-def run_pytest(tmp_path: Path, require: str | None) -> subprocess.CompletedProcess:
+def run_pytest(tmp_path: Path, require: str | None, *options: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_data_driven.py").write_text(TESTS)
     env = {k: v for k, v in os.environ.items() if k != "DIFFSPEC_REQUIRE_SHARED"}
     if require is not None:
@@ -35,7 +37,7 @@ def run_pytest(tmp_path: Path, require: str | None) -> subprocess.CompletedProce
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env.pop("COV_CORE_SOURCE", None)  # no coverage of this inner run
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "-rs",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "-rs", *options,
          "--rootdir", str(tmp_path), str(tmp_path / "test_data_driven.py")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
@@ -49,8 +51,9 @@ def test_required_shared_data_fails_the_tests_that_miss_it(tmp_path):
     assert "data-driven tests skipped" not in run.stdout
 
 
-def test_without_the_requirement_they_skip_and_the_run_ends_with_a_warning(tmp_path):
-    run = run_pytest(tmp_path, None)
+@pytest.mark.parametrize("options", [(), ("-n", "2")], ids=["one-process", "two-workers"])  # -n 2: as .ci/run
+def test_without_the_requirement_they_skip_and_the_run_ends_with_a_warning(tmp_path, options):
+    run = run_pytest(tmp_path, None, *options)
     assert run.returncode == 0, run.stdout
     assert "3 skipped" in run.stdout, run.stdout
     warning = run.stdout[run.stdout.index("WARNING: data-driven tests skipped"):]
