@@ -177,11 +177,16 @@ def test_gateway_is_not_serving_until_its_target_answers(tmp_path):
 
 
 def test_a_gateway_waiting_for_its_target_stops_at_once_on_sigterm(tmp_path):
-    gateway = ServerProcess("gateway", tmp_path, "--target", f"127.0.0.1:{free_port()}", "--peer-wait-seconds", "60")
+    """It does not wait out its peer wait: it exits in a fraction of it (however slowly a busy machine runs
+    its shutdown), with status 0."""
+    peer_wait_s = 60
+    gateway = ServerProcess(
+        "gateway", tmp_path, "--target", f"127.0.0.1:{free_port()}", "--peer-wait-seconds", str(peer_wait_s)
+    )
     try:
         time.sleep(0.5)
         gateway.process.send_signal(signal.SIGTERM)
-        assert gateway.process.wait(timeout=5) == 0
+        assert gateway.process.wait(timeout=peer_wait_s / 4) == 0
     finally:
         gateway.kill()
         gateway.stop()
