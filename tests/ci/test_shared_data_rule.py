@@ -35,7 +35,8 @@ def run_pytest(tmp_path: Path, require: str | None, *options: str) -> subprocess
     if require is not None:
         env["DIFFSPEC_REQUIRE_SHARED"] = require
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    env.pop("COV_CORE_SOURCE", None)  # no coverage of this inner run
+    for coverage in ("COV_CORE_SOURCE", "COVERAGE_PROCESS_CONFIG"):  # no coverage of this inner run
+        env.pop(coverage, None)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "-rs", *options,
          "--rootdir", str(tmp_path), str(tmp_path / "test_data_driven.py")],
