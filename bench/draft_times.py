@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from bench.kernels import copy_bandwidth, median_ms
 from draft_service.drafter import Drafter, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.options import DraftOptions, validate_options
@@ -36,29 +37,7 @@ from draft_service.tree_plan import fixed_candidate
 from draft_service.working_set import WorkingSetConfig
 
 ACCEPTED_PER_STEP = 5  # entries an accept commits per session
-REPEATS = 20
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a large device-to-device copy (read + write counted), the floor's yardstick."""
-    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    seconds = _gpu_seconds(lambda: target.copy_(source))
-    return 2 * source.numel() / seconds
-
-
-def _gpu_seconds(work: Callable[[], object]) -> float:
-    """Median GPU seconds of ``work`` over ``REPEATS`` runs (after one untimed)."""
-    work()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        work()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+REPEATS = 20  # host-timed runs per figure
 
 
 def _host_seconds(work: Callable[[], object], sync: bool) -> float:
@@ -117,7 +96,7 @@ def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, b
         "accept_ms": round(1e3 * _host_seconds(accept, sync=True), 3),
         "propose_ms": round(1e3 * _host_seconds(lambda: drafter.propose_many(requests), sync=True), 3),
         "launch_ms": round(1e3 * _host_seconds(run.graph.replay, sync=False), 3),
-        "graph_gpu_ms": round(1e3 * _gpu_seconds(run.graph.replay), 3),
+        "graph_gpu_ms": round(median_ms(run.graph.replay), 3),
         "floor_ms": round(1e3 * floor, 3),
     }
 
@@ -171,7 +150,7 @@ def main() -> int:
     device, dtype = torch.device("cuda"), torch.bfloat16
     head = Eagle3Head.load(args.draft_model, load_target_embedding(args.base_model, device, dtype), device, dtype)
     head.eval()
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth()
     rows = []
     for context in args.contexts:
         for batch in args.batches:

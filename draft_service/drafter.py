@@ -24,7 +24,6 @@ import torch
 
 from diffspec.devices import upload
 from diffspec.tree import DraftTree
-from draft_service.draft_attention import draft_attention
 from draft_service.draft_context import DraftContext, refresh_all
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.tree_budget import DepthPlan, TreeBudget
@@ -117,15 +116,6 @@ class Drafter:
         refresh_all([e.session.context for e in extensions], last_queries)
         for extension, query, hidden in zip(extensions, last_queries, last_hiddens):
             extension.session.root_query, extension.session.root_hidden = query, hidden
-
-    def root_output(self, session: DraftSession) -> torch.Tensor:
-        """[hidden] the draft output of the session's last committed entry, over what it attends to (one
-        session, eagerly: the proposal computes the same for its whole batch on the device)."""
-        c = self.head.config
-        empty = session.root_query.new_zeros(0, c.num_kv_heads, c.head_dim)
-        no_new = torch.zeros(1, 0, dtype=torch.bool, device=empty.device)
-        attended = draft_attention(session.root_query[None], *session.context.view(), empty, empty, no_new, self.head.scale)
-        return self.head.attention_outputs(attended, session.root_hidden[None], self.fused)[0]
 
     def propose_many(self, requests: list[ProposalRequest]) -> list[DraftTree]:
         """One tree per session, all grown together; each follows its own plan and keeps its best

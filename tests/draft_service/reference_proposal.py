@@ -14,7 +14,18 @@ import torch
 
 from diffspec.tree import DraftTree
 from draft_service.draft_attention import draft_attention
-from draft_service.drafter import Drafter, ProposalRequest
+from draft_service.drafter import Drafter, DraftSession, ProposalRequest
+
+
+@torch.no_grad()
+def root_output(drafter: Drafter, session: DraftSession) -> torch.Tensor:
+    """[hidden] the draft output of the session's last committed entry over what it attends to: one
+    session, eagerly, as the proposal's root pass computes it for a batch."""
+    head, c = drafter.head, drafter.head.config
+    empty = session.root_query.new_zeros(0, c.num_kv_heads, c.head_dim)
+    no_new = torch.zeros(1, 0, dtype=torch.bool, device=empty.device)
+    attended = draft_attention(session.root_query[None], *session.context.view(), empty, empty, no_new, head.scale)
+    return head.attention_outputs(attended, session.root_hidden[None], drafter.fused)[0]
 
 
 @torch.no_grad()
@@ -25,8 +36,8 @@ def reference_tree(drafter: Drafter, request: ProposalRequest) -> DraftTree:
     tokens, parents, log_probs, own_probs = [session.root_token], [-1], [0.0], [1.0]
     ctx_k, ctx_v = session.context.view()
     entry_keys, entry_values, path_of = [], [], {0: []}  # path: the node's ancestors' entries and its own
-    root_output = drafter.root_output(session)
-    output_of = {0: root_output}
+    root = root_output(drafter, session)
+    output_of = {0: root}
     frontier = [0] if plan else []
     for depth, step in enumerate(plan):
         if not frontier:
@@ -48,7 +59,7 @@ def reference_tree(drafter: Drafter, request: ProposalRequest) -> DraftTree:
             )
             outputs = head.attention_outputs(attn, hidden, drafter.fused)
         else:
-            outputs = root_output[None]
+            outputs = root[None]
         for i, n in enumerate(frontier):
             output_of[n] = outputs[i]
         top_lp, top_ids = torch.log_softmax(head.draft_logits(outputs), dim=-1).topk(step.children, dim=-1)

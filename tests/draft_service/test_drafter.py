@@ -23,7 +23,7 @@ from draft_service.target_embedding import load_target_embedding
 from draft_service.tree_budget import DepthPlan, TreeBudget
 from draft_service.tree_proposal import ProposalShape
 from draft_service.working_set import WorkingSetConfig
-from tests.draft_service.reference_proposal import reference_tree
+from tests.draft_service.reference_proposal import reference_tree, root_output
 
 CONTEXT_LENGTHS = (5, 37, 150, 300)  # one batch, four contexts
 SALIENCE = WorkingSetConfig(chunk_size=16, budget_tokens=96, sink_chunks=1, recent_chunks=2)  # a strict subset at 300
@@ -296,7 +296,7 @@ def test_one_extension_pass_for_a_batch_equals_one_per_session(drafter, salience
         drafter.extend(session, features, tokens)
     for got, want in zip(together, alone):
         assert (got.num_entries, got.root_token) == (want.num_entries, want.root_token)
-        torch.testing.assert_close(drafter.root_output(got), drafter.root_output(want), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(root_output(drafter, got), root_output(drafter, want), rtol=1e-5, atol=1e-5)
         got_keys, want_keys = got.context.view()[0], want.context.view()[0]
         torch.testing.assert_close(got_keys, want_keys)
 
@@ -315,4 +315,4 @@ def test_a_prompt_longer_than_an_extension_chunk_starts_like_its_parts(drafter, 
         drafter.extend(pieces, features[start : start + 10], prompt[start + 1 : start + 11])
     assert (whole.num_entries, whole.root_token) == (pieces.num_entries, pieces.root_token) == (60, prompt[-1])
     torch.testing.assert_close(whole.context.view()[0], pieces.context.view()[0])
-    torch.testing.assert_close(drafter.root_output(whole), drafter.root_output(pieces), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(root_output(drafter, whole), root_output(drafter, pieces), rtol=1e-5, atol=1e-5)
