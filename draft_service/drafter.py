@@ -86,24 +86,28 @@ class Drafter:
             return
         device, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
         counts = [len(e.next_tokens) for e in extensions]
-        features = upload(torch.cat([e.features for e in extensions]), device).to(dtype)
-        tokens = upload(torch.tensor([t for e in extensions for t in e.next_tokens], dtype=torch.int64), device)
-        positions = upload(
-            torch.cat([torch.arange(e.session.num_entries, e.session.num_entries + n) for e, n in zip(extensions, counts)]),
-            device,
-        )
+        firsts = [e.session.num_entries for e in extensions]
+        total = sum(counts)
+        features = torch.cat([e.features for e in extensions]) if len(extensions) > 1 else extensions[0].features
+        features = upload(features, device).to(dtype)
+        # tokens, then positions, in one host-to-device copy
+        rows = [t for e in extensions for t in e.next_tokens] + [p for n, c in zip(firsts, counts) for p in range(n, n + c)]
+        tokens, positions = upload(torch.tensor(rows, dtype=torch.int64), device).split(total)
         ends = list(itertools.accumulate(counts))  # 1 past each session's last row
         keys, values, queries, hiddens = [], [], [], []
-        for start in range(0, len(tokens), EXTEND_CHUNK):
-            stop = min(start + EXTEND_CHUNK, len(tokens))
+        for start in range(0, total, EXTEND_CHUNK):
+            stop = min(start + EXTEND_CHUNK, total)
             hidden = self.head.fuse(features[start:stop])
-            q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, positions[start:stop], self.fused)
+            rope = self.head.rope(positions[start:stop])
+            q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, rope, self.fused)
             keys.append(k)
             values.append(v)
-            last = upload(torch.tensor([end - 1 - start for end in ends if start < end <= stop], dtype=torch.int64), device)
-            queries.append(q[last])
-            hiddens.append(hidden[last])
-        keys_all, values_all = torch.cat(keys), torch.cat(values)
+            last = [end - 1 - start for end in ends if start < end <= stop]
+            if last:
+                index = upload(torch.tensor(last, dtype=torch.int64), device)
+                queries.append(q[index])
+                hiddens.append(hidden[index])
+        keys_all, values_all = _joined(keys), _joined(values)  # no copy for one chunk, as an accept always is
         targets, sources = [], []
         for extension, first, n in zip(extensions, itertools.accumulate([0, *counts]), counts):
             session = extension.session
@@ -112,7 +116,7 @@ class Drafter:
             session.num_entries += n
             session.root_token = extension.next_tokens[-1]
         torch._foreach_copy_(targets, sources)
-        last_queries, last_hiddens = torch.cat(queries), torch.cat(hiddens)  # [sessions, heads, hd], [sessions, hidden]
+        last_queries, last_hiddens = _joined(queries), _joined(hiddens)  # [sessions, heads, hd], [sessions, hidden]
         refresh_all([e.session.context for e in extensions], last_queries)
         for extension, query, hidden in zip(extensions, last_queries, last_hiddens):
             extension.session.root_query, extension.session.root_hidden = query, hidden
@@ -137,3 +141,8 @@ class ProposalRequest:
     session: DraftSession
     plan: list[DepthPlan]  # per depth: frontier nodes expanded, children each
     budget: TreeBudget
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+

@@ -71,28 +71,31 @@ class Eagle3Head(nn.Module):
         """Target features [..., 3 * target_hidden] -> [..., hidden]; the draft's own outputs skip this."""
         return self.fc(features)
 
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] int64 -> cos, sin [..., hd] in the head's dtype (``attention_inputs``' ``rope``)."""
+        return self.rotary.cos_sin(positions, self.fc.weight.dtype)
+
     def attention_inputs(
         self,
         token_ids: torch.Tensor,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         fused: FusedProjections | None = None,
+        kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """token_ids [..., T], hidden [..., T, hidden], positions [..., T]
-        -> roped q [..., T, heads, hd], roped k [..., T, kv_heads, hd], v [..., T, kv_heads, hd].
+        """token_ids [..., T], hidden [..., T, hidden], rope: cos, sin [..., T, hd] of the rows' positions
+        (``rope``; they may be broadcast views) -> roped q [..., T, heads, hd], roped k [..., T, kv_heads, hd],
+        v [..., T, kv_heads, hd].
 
         ``fused``: the serving path's concatenated weights; None uses the separate layers (training).
+        ``kv_out``: where k and v are written (a tree's entry slots), returned in their place.
         """
         c, layer = self.config, self.midlayer
-        token = layer.input_layernorm(F.embedding(token_ids, self.embed_tokens))
-        x = torch.cat([token, layer.hidden_norm(hidden)], dim=-1)
-        q, k, v = layer.self_attn.qkv(x, fused)
-        q = q.unflatten(-1, (c.num_heads, c.head_dim))
-        k = k.unflatten(-1, (c.num_kv_heads, c.head_dim))
-        v = v.unflatten(-1, (c.num_kv_heads, c.head_dim))
-        cos, sin = self.rotary.cos_sin(positions, q.dtype)
-        rotate = layer_ops(q.device).apply_rotary
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        ops = layer_ops(hidden.device)
+        norms = layer.input_layernorm, layer.hidden_norm
+        x = ops.head_input(token_ids, self.embed_tokens, hidden, norms[0].weight, norms[1].weight, norms[0].eps)
+        qkv = layer.self_attn.qkv(x, fused)
+        return ops.qkv_rope(qkv, *rope, c.num_heads, c.num_kv_heads, kv_out)
 
     def attention_outputs(
         self, attn: torch.Tensor, hidden: torch.Tensor, fused: FusedProjections | None = None
@@ -105,8 +108,11 @@ class Eagle3Head(nn.Module):
         """
         layer = self.midlayer
         residual = layer.hidden_norm(hidden) if self.config.norm_before_residual else hidden
-        x = residual + layer.self_attn.o_proj(attn.flatten(-2))
-        return x + layer.mlp(layer.post_attention_layernorm(x), fused)
+        post_norm = layer.post_attention_layernorm
+        x, normed = layer_ops(attn.device).add_rms_norm(
+            residual, layer.self_attn.o_proj(attn.flatten(-2)), post_norm.weight, post_norm.eps
+        )
+        return x + layer.mlp(normed, fused)
 
     @torch.no_grad()
     def fused_projections(self) -> FusedProjections:
@@ -121,13 +127,17 @@ class Eagle3Head(nn.Module):
         """[..., hidden] -> float32 [..., draft_vocab]."""
         return self.lm_head(self.norm(output)).float()
 
+    def draft_log_probs(self, output: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> float32 [..., draft_vocab] log-softmax of ``draft_logits`` (cast inside the softmax)."""
+        return torch.log_softmax(self.lm_head(self.norm(output)), dim=-1, dtype=torch.float32)
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
     def forward_dense(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Causal self-attention over whole sequences: token_ids [B, S], hidden [B, S, h], positions [B, S]
         -> output [B, S, h]."""
-        q, k, v = self.attention_inputs(token_ids, hidden, positions)
+        q, k, v = self.attention_inputs(token_ids, hidden, self.rope(positions))
         group = self.config.num_heads // self.config.num_kv_heads
         q, k, v = (t.transpose(-3, -2) for t in (q, k, v))  # [B, heads, S, hd]
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)

@@ -55,15 +55,11 @@ class AttentionProjections(nn.Module):
         self.v_proj = nn.Linear(wide, kv_out, bias=False, **factory)
         self.o_proj = nn.Linear(q_out, c.hidden_size, bias=False, **factory)
 
-    def qkv(
-        self, x: torch.Tensor, fused: FusedProjections | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., 2 * hidden] -> flat q [..., heads * hd], k and v [..., kv_heads * hd]."""
+    def qkv(self, x: torch.Tensor, fused: FusedProjections | None) -> torch.Tensor:
+        """x [..., 2 * hidden] -> q|k|v [..., (heads + 2 * kv_heads) * hd]."""
         if fused is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        widths = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
-        q, k, v = F.linear(x, fused.qkv).split(widths, dim=-1)
-        return q, k, v
+            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return F.linear(x, fused.qkv)
 
 
 class MLP(nn.Module):

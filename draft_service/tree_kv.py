@@ -2,7 +2,7 @@
 
 Depth d >= 1 of a proposal runs the head once on a fixed number of frontier rows per session
 (``layer_rows[d - 1]``); each row's entry goes to a fixed place, layer after layer, so the
-buffers are sized once per proposal shape and a depth writes its rows in place: no concat,
+buffers are sized once per proposal shape and a depth writes its rows in place (``entries``): no concat,
 no host loop, the same addresses on every replay of a CUDA graph. An entry sees its
 ancestors' entries and itself; its row of ``sees`` is its parent's row plus itself (the root
 has no entry, so depth-1 rows see only themselves). Entries of layers not written yet hold
@@ -37,20 +37,21 @@ class TreeKV:
     def num_entries(self) -> int:
         return self.keys.shape[1]
 
-    def write(
-        self, depth: int, k: torch.Tensor, v: torch.Tensor, parent_rows: torch.Tensor
-    ) -> torch.Tensor:
-        """Store depth ``depth``'s entries k, v [B, rows, kv_heads, hd]; ``parent_rows`` [B, rows] int64 are
-        their parents' rows at the previous depth (ignored at depth 1: the root has no entry)
-        -> [B, rows, E] bool: the entries each new one sees."""
+    def entries(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depth ``depth``'s entry slots: keys, values [B, rows, kv_heads, hd], views to write in place."""
         start, stop = self.starts[depth - 1], self.starts[depth]
-        self.keys[:, start:stop] = k
-        self.values[:, start:stop] = v
-        own = self._own[start:stop].expand(k.shape[0], -1, -1)  # [B, rows, E]
+        return self.keys[:, start:stop], self.values[:, start:stop]
+
+    def link(self, depth: int, parent_rows: torch.Tensor) -> torch.Tensor:
+        """Record who depth ``depth``'s entries see; ``parent_rows`` [B, rows] int64 are their parents' rows at
+        the previous depth (ignored at depth 1: the root has no entry) -> [B, rows, E] bool, a view."""
+        start, stop = self.starts[depth - 1], self.starts[depth]
+        sees = self.sees[:, start:stop]
+        own = self._own[start:stop]  # [rows, E]
         if depth == 1:
-            sees = own
+            sees.copy_(own.expand_as(sees))
         else:
             previous = self.sees[:, self.starts[depth - 2] : start]  # [B, parent rows, E]
-            sees = previous.gather(1, parent_rows[..., None].expand(-1, -1, self.num_entries)) | own
-        self.sees[:, start:stop] = sees
-        return self.sees[:, start:stop]
+            ancestors = previous.gather(1, parent_rows[..., None].expand(-1, -1, self.num_entries))
+            torch.bitwise_or(ancestors, own, out=sees)
+        return sees

@@ -100,6 +100,8 @@ class TreeProposer:
 
     def __init__(self, head: Eagle3Head, fused: FusedProjections, capture: bool) -> None:
         self.head, self.fused, self.capture = head, fused, capture
+        draft_ids = torch.arange(head.config.draft_vocab_size, device=head.fc.weight.device)
+        self.target_ids = head.to_target_ids(draft_ids)  # [draft_vocab] int64: one gather per depth, not two ops
         self._contexts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._runs: dict[ProposalShape, _Run] = {}
         self._sightings: collections.Counter[ProposalShape] = collections.Counter()
@@ -187,11 +189,14 @@ class TreeProposer:
         depth_count = shape.depth
         expand_rows, children = facts[:, FACTS : FACTS + depth_count], facts[:, FACTS + depth_count :]  # [B, depth]
         frontier = root_frontier(facts[:, ROOT_TOKEN], expand_rows[:, 0] > 0)
+        # a depth-d entry sits at position num_entries - 1 + d: every depth's cos/sin at once, [B, depth, hd]
+        depths = torch.arange(depth_count, device=facts.device)
+        rope = self.head.rope(facts[:, NUM_ENTRIES, None] - 1 + depths)
         outputs = self._root_pass(run)  # [B, 1, hidden]: depth 0's one row per session
         slabs, first_slot = [], 0
         for depth, (rows, k) in enumerate(shape.widths):
             if depth > 0:
-                outputs = self._head_pass(run, depth, frontier, outputs)
+                outputs = self._head_pass(run, depth, frontier, outputs, [t[:, depth, None] for t in rope])
             top_log_probs, top_tokens = self._top_children(outputs, k)
             last = depth + 1 == depth_count
             next_rows = 0 if last else shape.widths[depth + 1][0]
@@ -214,26 +219,28 @@ class TreeProposer:
         attn = draft_attention(run.root_queries[:, None], *run.context, empty, empty, no_new, head.scale, lengths)
         return head.attention_outputs(attn, run.root_hiddens[:, None], self.fused)
 
-    def _head_pass(self, run: _Run, depth: int, frontier: Frontier, previous: torch.Tensor) -> torch.Tensor:
+    def _head_pass(
+        self, run: _Run, depth: int, frontier: Frontier, previous: torch.Tensor, rope: list[torch.Tensor]
+    ) -> torch.Tensor:
         """Depth ``depth`` >= 1: the head on every frontier row, each over its session's context and its
-        ancestors' entries; ``previous`` [B, parent rows, hidden] -> this depth's outputs [B, rows, hidden]."""
+        ancestors' entries; ``previous`` [B, parent rows, hidden] -> this depth's outputs [B, rows, hidden].
+        ``rope``: cos, sin [B, 1, hd] of the depth's position in each session, shared by its rows."""
         head = self.head
         batch, rows = frontier.tokens.shape
         index = frontier.parent_rows[..., None].expand(batch, rows, previous.shape[-1])
-        hidden = previous.gather(1, index).flatten(0, 1)  # [B * rows, hidden]: the parents' outputs
-        positions = (run.facts[:, NUM_ENTRIES, None] - 1 + depth).expand(batch, rows)  # [B, rows]
-        q, k, v = head.attention_inputs(frontier.tokens.flatten(), hidden, positions.flatten(), self.fused)
-        q, k, v = (t.unflatten(0, (batch, rows)) for t in (q, k, v))  # [B, rows, heads or kv_heads, hd]
-        sees = run.tree.write(depth, k, v, frontier.parent_rows)  # [B, rows, entries]
+        hidden = previous.gather(1, index)  # [B, rows, hidden]: the parents' outputs
+        cos, sin = (t.expand(batch, rows, -1) for t in rope)
+        entries = run.tree.entries(depth)  # k and v go straight to the tree's slots
+        q, _, _ = head.attention_inputs(frontier.tokens, hidden, (cos, sin), self.fused, entries)
+        sees = run.tree.link(depth, frontier.parent_rows)  # [B, rows, entries]
         lengths = run.facts[:, CONTEXT_LENGTH]  # [B]
         attn = draft_attention(q, *run.context, run.tree.keys, run.tree.values, sees, head.scale, lengths)
-        return head.attention_outputs(attn.flatten(0, 1), hidden, self.fused).unflatten(0, (batch, rows))
+        return head.attention_outputs(attn, hidden, self.fused)
 
     def _top_children(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """outputs [B, rows, hidden] -> each row's top ``k`` draft log-probs [B, rows, k] float32, target ids int64."""
-        log_probs = torch.log_softmax(self.head.draft_logits(outputs), dim=-1)
-        top_log_probs, top_ids = log_probs.topk(k, dim=-1)
-        return top_log_probs, self.head.to_target_ids(top_ids)
+        top_log_probs, top_ids = self.head.draft_log_probs(outputs).topk(k, dim=-1)
+        return top_log_probs, self.target_ids[top_ids]
 
 
 def _trees(out: TreeTensors, count: int, copy_device: bool) -> list[DraftTree]:

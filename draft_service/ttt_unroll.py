@@ -56,7 +56,7 @@ def ttt_forward(
     for k in range(ttt_steps):
         length = seq - 1 - k
         hidden = hidden[:, :length]
-        q, key, value = head.attention_inputs(token_ids[:, 1 + k :], hidden, positions[:, :length] + k)
+        q, key, value = head.attention_inputs(token_ids[:, 1 + k :], hidden, head.rope(positions[:, :length] + k))
         if k == 0:
             k0, v0 = key, value
         else:

@@ -19,6 +19,8 @@ class LayerOps:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # (x + delta, its norm)
     silu_mul: Callable[[Tensor, Tensor], Tensor]
     apply_rotary: Callable[[Tensor, Tensor, Tensor], Tensor]
+    qkv_rope: Callable[..., tuple[Tensor, Tensor, Tensor]]  # (qkv, cos, sin, heads, kv_heads, kv_out) -> q, k, v
+    head_input: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]  # EAGLE-3's (token, feature) input
 
 
 REFERENCE_OPS = LayerOps(
@@ -26,6 +28,8 @@ REFERENCE_OPS = LayerOps(
     add_rms_norm=layer_ops_ref.add_rms_norm,
     silu_mul=layer_ops_ref.silu_mul,
     apply_rotary=layer_ops_ref.apply_rotary,
+    qkv_rope=layer_ops_ref.qkv_rope,
+    head_input=layer_ops_ref.head_input,
 )
 
 
@@ -40,4 +44,6 @@ def layer_ops_for(device: torch.device) -> LayerOps:
         add_rms_norm=layer_ops_triton.add_rms_norm_triton,
         silu_mul=layer_ops_triton.silu_mul_triton,
         apply_rotary=layer_ops_triton.apply_rotary_triton,
+        qkv_rope=layer_ops_triton.qkv_rope_triton,
+        head_input=layer_ops_triton.head_input_triton,
     )

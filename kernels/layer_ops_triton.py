@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layer_ops_ref import apply_rotary
+from kernels.layer_ops_ref import apply_rotary, qkv_rope
 
 
 @triton.jit
@@ -61,20 +61,28 @@ def add_rms_norm_triton(
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, width, gate_row_stride, up_row_stride, BLOCK: tl.constexpr):
+    """out [rows, width] = silu(gate) * up over rows of a given stride (gate and up may be halves of one
+    gate|up projection)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
-    gate = tl.load(gate_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    row, col = offsets // width, offsets % width
+    gate = tl.load(gate_ptr + row * gate_row_stride + col, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * up_row_stride + col, mask=inside, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)  # rounded like F.silu's output
     tl.store(out_ptr + offsets, (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    """gate, up [..., width]: rows may be strided (the halves of a gate|up output), the last dim contiguous."""
+    width = gate.shape[-1]
+    gate, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
+    gate_rows, up_rows = gate.reshape(-1, width), up.reshape(-1, width)  # views when the leading dims are regular
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
-    _silu_mul_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(triton.cdiv(out.numel(), block),)](
+        gate_rows, up_rows, out, out.numel(), width, gate_rows.stride(0), up_rows.stride(0), BLOCK=block, num_warps=4
+    )
     return out
 
 
@@ -108,3 +116,127 @@ def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     tokens = x.numel() // (heads * head_dim)
     _rotate_kernel[(tokens, heads)](x, cos.contiguous(), sin.contiguous(), out, heads, HALF=half, num_warps=1)
     return out
+
+
+@triton.jit
+def _head_input_kernel(
+    token_ids_ptr,  # [rows] int64
+    embedding_ptr,  # [vocab, hidden]
+    hidden_ptr,  # [rows, hidden] (row stride hidden_row_stride)
+    token_weight_ptr, hidden_weight_ptr,  # [hidden] each
+    out_ptr,  # [rows, 2 * hidden]
+    hidden, hidden_row_stride, eps,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One row: the token's embedding and the hidden row, each normalised as ``_rms_norm_kernel`` does,
+    side by side in the output."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < hidden
+    dtype = out_ptr.dtype.element_ty
+    token = tl.load(token_ids_ptr + row)
+    for half in tl.static_range(2):
+        if half == 0:
+            x = tl.load(embedding_ptr + token * hidden + cols, mask=inside, other=0.0).to(tl.float32)
+            weight = tl.load(token_weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(hidden_ptr + row * hidden_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
+            weight = tl.load(hidden_weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / hidden + eps)
+        normed = (x * inv_rms).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * 2 * hidden + half * hidden + cols, (weight * normed).to(dtype), mask=inside)
+
+
+def head_input_triton(
+    token_ids: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor,
+    token_weight: torch.Tensor, hidden_weight: torch.Tensor, eps: float,
+) -> torch.Tensor:  # fmt: skip
+    size = hidden.shape[-1]
+    rows = hidden.reshape(-1, size)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*hidden.shape[:-1], 2 * size, dtype=hidden.dtype, device=hidden.device)
+    block = triton.next_power_of_2(size)
+    _head_input_kernel[(rows.shape[0],)](
+        token_ids.reshape(-1), embedding, rows, token_weight, hidden_weight, out, size, rows.stride(0), eps,
+        BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    qkv_ptr,  # [B, R, (heads + 2 * kv_heads) * hd], strides qkv_b, qkv_r
+    cos_ptr, sin_ptr,  # [B, R, hd], strides cos_b, cos_r (0 where a position is shared)
+    q_ptr,  # [B, R, heads, hd] contiguous, written
+    k_ptr, v_ptr,  # [B, R, kv_heads, hd], strides kv_b, kv_r, written
+    rows, heads, kv_heads, qkv_b, qkv_r, cos_b, cos_r, k_b, k_r, v_b, v_r,
+    HALF: tl.constexpr,
+):  # fmt: skip
+    """One (row, head slot): slots below ``heads`` are q heads, then k heads (both rotated as
+    ``_rotate_kernel`` does), then v heads (copied)."""
+    flat = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(1)
+    b, r = flat // rows, flat % rows
+    dims = tl.arange(0, HALF)
+    dtype = q_ptr.dtype.element_ty
+    source = qkv_ptr + b * qkv_b + r * qkv_r + slot * (2 * HALF)
+    x1 = tl.load(source + dims)
+    x2 = tl.load(source + HALF + dims)
+    if slot >= heads + kv_heads:
+        v_out = v_ptr + b * v_b + r * v_r + (slot - heads - kv_heads) * (2 * HALF)
+        tl.store(v_out + dims, x1)
+        tl.store(v_out + HALF + dims, x2)
+    else:
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        angles = b * cos_b + r * cos_r
+        cos1 = tl.load(cos_ptr + angles + dims).to(tl.float32)
+        cos2 = tl.load(cos_ptr + angles + HALF + dims).to(tl.float32)
+        sin1 = tl.load(sin_ptr + angles + dims).to(tl.float32)
+        sin2 = tl.load(sin_ptr + angles + HALF + dims).to(tl.float32)
+        first = (a1 * cos1).to(dtype).to(tl.float32) + (-a2 * sin1).to(dtype).to(tl.float32)
+        second = (a2 * cos2).to(dtype).to(tl.float32) + (a1 * sin2).to(dtype).to(tl.float32)
+        if slot < heads:
+            out = q_ptr + flat * heads * (2 * HALF) + slot * (2 * HALF)
+        else:
+            out = k_ptr + b * k_b + r * k_r + (slot - heads) * (2 * HALF)
+        tl.store(out + dims, first.to(dtype))
+        tl.store(out + HALF + dims, second.to(dtype))
+
+
+def qkv_rope_triton(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.layer_ops_ref.qkv_rope`` in one launch, for one or two leading dims. Leading dims may be
+    strided (cos/sin broadcast over rows that share a position; ``kv_out`` slices of a cache); each
+    row's last dims are contiguous."""
+    head_dim = cos.shape[-1]
+    half = head_dim // 2
+    lead = qkv.shape[:-1]
+    if half & (half - 1) or len(lead) > 2:  # the kernel tiles a half head dim as one power-of-two block
+        return qkv_rope(qkv, cos, sin, num_heads, num_kv_heads, kv_out)
+    kv_shape = (*lead, num_kv_heads, head_dim)
+    if kv_out is None:
+        kv_out = (qkv.new_empty(kv_shape), qkv.new_empty(kv_shape))
+    q = qkv.new_empty(*lead, num_heads, head_dim)
+    cos, sin = cos.expand(*lead, head_dim), sin.expand(*lead, head_dim)
+    if len(lead) == 1:  # one batch of rows
+        qkv, cos, sin = qkv[None], cos[None], sin[None]
+        k_out, v_out = kv_out[0][None], kv_out[1][None]
+    else:
+        k_out, v_out = kv_out
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1 or qkv.stride(-1) != 1:
+        raise ValueError("cos and sin must share strides, and cos, sin and qkv rows must be contiguous")
+    batch, rows = qkv.shape[:2]
+    if batch * rows:
+        _qkv_rope_kernel[(batch * rows, num_heads + 2 * num_kv_heads)](
+            qkv, cos, sin, q, k_out, v_out, rows, num_heads, num_kv_heads, qkv.stride(0), qkv.stride(1),
+            cos.stride(0), cos.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
+            HALF=half, num_warps=1,
+        )  # fmt: skip
+    return q, *kv_out

@@ -46,7 +46,7 @@ def reference_tree(drafter: Drafter, request: ProposalRequest) -> DraftTree:
             hidden = torch.stack([output_of[parents[n]] for n in frontier])
             node_tokens = torch.tensor([tokens[n] for n in frontier], device=hidden.device)
             positions = torch.full_like(node_tokens, session.num_entries - 1 + depth)
-            q, k, v = head.attention_inputs(node_tokens, hidden, positions, drafter.fused)
+            q, k, v = head.attention_inputs(node_tokens, hidden, head.rope(positions), drafter.fused)
             for i, n in enumerate(frontier):
                 path_of[n] = [*path_of[parents[n]], len(entry_keys)]
                 entry_keys.append(k[i])
@@ -62,7 +62,7 @@ def reference_tree(drafter: Drafter, request: ProposalRequest) -> DraftTree:
             outputs = root[None]
         for i, n in enumerate(frontier):
             output_of[n] = outputs[i]
-        top_lp, top_ids = torch.log_softmax(head.draft_logits(outputs), dim=-1).topk(step.children, dim=-1)
+        top_lp, top_ids = head.draft_log_probs(outputs).topk(step.children, dim=-1)
         top_tokens = head.to_target_ids(top_ids)
         first_new = len(tokens)
         for i, n in enumerate(frontier):

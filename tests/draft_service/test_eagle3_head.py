@@ -168,7 +168,7 @@ def test_split_attention_matches_forward_dense() -> None:
     hidden = head.fuse(features)
     with torch.no_grad():
         dense = head.forward_dense(token_ids, hidden, positions)
-        q, k, v = head.attention_inputs(token_ids[0], hidden[0], positions[0])
+        q, k, v = head.attention_inputs(token_ids[0], hidden[0], head.rope(positions[0]))
         attn = torch.stack([reference_attention(q, k, v, t, head.scale) for t in range(seq)])
         split = head.attention_outputs(attn, hidden[0])
         shifted = head.forward_dense(token_ids, hidden, positions + 3)
@@ -190,8 +190,8 @@ def test_fused_serving_projections_equal_the_separate_layers() -> None:
     positions = torch.arange(40, 47)
     fused = head.fused_projections()
     with torch.no_grad():
-        for got, want in zip(head.attention_inputs(tokens, hidden, positions, fused),
-                             head.attention_inputs(tokens, hidden, positions)):  # fmt: skip
+        for got, want in zip(head.attention_inputs(tokens, hidden, head.rope(positions), fused),
+                             head.attention_inputs(tokens, hidden, head.rope(positions))):  # fmt: skip
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         attn = torch.randn(7, 4, 8, generator=gen)
         torch.testing.assert_close(

@@ -90,8 +90,8 @@ def test_ttt_forward_pairs_and_shifts_like_inference() -> None:
     with torch.no_grad():
         outputs = ttt_forward(head, token_ids, features, ttt_steps=3)
         step0 = head.forward_dense(token_ids[:, 1:], head.fuse(features[:, :-1]), torch.arange(seq - 1)[None])
-        q, k, v = head.attention_inputs(token_ids[0, 2:], outputs[0][0, : seq - 2], torch.arange(1, seq - 1))
-        k0, v0 = head.attention_inputs(token_ids[0, 1:], head.fuse(features[0, :-1]), torch.arange(seq - 1))[1:]
+        q, k, v = head.attention_inputs(token_ids[0, 2:], outputs[0][0, : seq - 2], head.rope(torch.arange(1, seq - 1)))
+        k0, v0 = head.attention_inputs(token_ids[0, 1:], head.fuse(features[0, :-1]), head.rope(torch.arange(seq - 1)))[1:]
     assert [tuple(o.shape) for o in outputs] == [(1, 6, HIDDEN), (1, 5, HIDDEN), (1, 4, HIDDEN)]
     torch.testing.assert_close(outputs[0], step0, rtol=1e-5, atol=1e-5)
     group = head.config.num_heads // head.config.num_kv_heads

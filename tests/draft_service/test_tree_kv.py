@@ -26,7 +26,10 @@ def test_rows_see_their_ancestor_paths_depth_by_depth():
                 parent_rows[b, row] = row_of[b][int(trees[b].parents[n])]
                 row_of[b][n], entry_of[b][n] = row, kv.starts[depth - 1] + row
         k = torch.randn(2, rows, 2, 4)
-        sees = kv.write(depth, k, -k, parent_rows)
+        keys, values = kv.entries(depth)
+        keys.copy_(k)
+        values.copy_(-k)
+        sees = kv.link(depth, parent_rows)
         assert torch.equal(kv.keys[:, kv.starts[depth - 1] : kv.starts[depth]], k)
         for b, nodes in enumerate(layer):
             want = trees[b].ancestor_mask()
@@ -39,9 +42,8 @@ def test_rows_see_their_ancestor_paths_depth_by_depth():
 
 def test_a_rewritten_layer_forgets_the_last_tree():
     kv = TreeKV(1, [2, 2], num_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"))
-    k = torch.ones(1, 2, 1, 2)
-    kv.write(1, k, k, torch.zeros(1, 2, dtype=torch.int64))
+    kv.link(1, torch.zeros(1, 2, dtype=torch.int64))
     no, yes = False, True
     # layer 2's rows (entries 2, 3) under parent row 1 (entry 1), then both under parent row 0 (entry 0)
-    assert kv.write(2, k, k, torch.tensor([[1, 1]]))[0].tolist() == [[no, yes, yes, no], [no, yes, no, yes]]
-    assert kv.write(2, k, k, torch.tensor([[0, 0]]))[0].tolist() == [[yes, no, yes, no], [yes, no, no, yes]]
+    assert kv.link(2, torch.tensor([[1, 1]]))[0].tolist() == [[no, yes, yes, no], [no, yes, no, yes]]
+    assert kv.link(2, torch.tensor([[0, 0]]))[0].tolist() == [[yes, no, yes, no], [yes, no, no, yes]]

@@ -61,6 +61,8 @@ def fused_ops(device: str) -> LayerOps:
         add_rms_norm=layer_ops_triton.add_rms_norm_triton,
         silu_mul=layer_ops_triton.silu_mul_triton,
         apply_rotary=layer_ops_triton.apply_rotary_triton,
+        qkv_rope=layer_ops_triton.qkv_rope_triton,
+        head_input=layer_ops_triton.head_input_triton,
     )
     if triton_kernels_on(torch.device(device)):
         assert layer_ops_for(torch.device(device)) == ops
@@ -102,9 +104,67 @@ def test_fused_silu_mul_and_rotation_match_reference(kernel_device, dtype, token
     gate = torch.randn(tokens, intermediate, device=kernel_device, dtype=dtype, generator=gen) * 4
     up = torch.randn(tokens, intermediate, device=kernel_device, dtype=dtype, generator=gen)
     _close(ops.silu_mul(gate, up), REFERENCE_OPS.silu_mul(gate, up))
+    gate_up = torch.cat([gate, up], dim=-1)  # the halves of one gate|up projection: strided rows
+    assert torch.equal(ops.silu_mul(*gate_up.chunk(2, dim=-1)), ops.silu_mul(gate, up))
     for heads, head_dim in rotations:
         q = torch.randn(tokens, heads, head_dim, device=kernel_device, dtype=dtype, generator=gen)
         rope = RotaryEmbedding(RopeConfig(theta=500000.0), head_dim, torch.device(kernel_device))
         positions = torch.randint(0, 131072, (tokens,), device=kernel_device, generator=gen)
         cos, sin = rope.cos_sin(positions, dtype)
         _close(ops.apply_rotary(q, cos, sin), apply_rotary(q, cos, sin))
+
+
+# (dtype, heads, kv_heads, head_dim); head_dim 96: a half that is not a power of two takes the reference
+QKV_ROPE_CASES = kernel_cases(
+    gpu=[(dtype, 32, 8, 128) for dtype in DTYPES] + [(torch.bfloat16, 4, 2, 96)],
+    interpreted=[(dtype, 4, 2, 16) for dtype in INTERPRETED_DTYPES] + [(torch.float32, 2, 1, 24)],
+)
+
+
+@pytest.mark.parametrize("dtype, heads, kv_heads, head_dim", QKV_ROPE_CASES)
+def test_fused_qkv_rope_matches_reference_with_shared_positions_and_cache_slots(
+    kernel_device, dtype, heads, kv_heads, head_dim
+):
+    """Rows of a batch of trees: one position per (session, depth), broadcast over the rows; k and v land in a
+    slice of a larger cache. One leading dim (an accept's rows) gives the same rows."""
+    ops = fused_ops(kernel_device)
+    gen = torch.Generator(device=kernel_device).manual_seed(head_dim)
+    batch, rows, entries, start = 3, 5, 9, 2
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(batch, rows, width, device=kernel_device, dtype=dtype, generator=gen)
+    rope = RotaryEmbedding(RopeConfig(theta=500000.0), head_dim, torch.device(kernel_device))
+    positions = torch.randint(0, 131072, (batch, 1), device=kernel_device, generator=gen)
+    cos, sin = (t.expand(batch, rows, head_dim) for t in rope.cos_sin(positions, dtype))  # stride 0 over rows
+    cache = [torch.zeros(batch, entries, kv_heads, head_dim, device=kernel_device, dtype=dtype) for _ in range(2)]
+    slots = tuple(c[:, start : start + rows] for c in cache)
+    q, k, v = ops.qkv_rope(qkv, cos, sin, heads, kv_heads, slots)
+    want_q, want_k, want_v = REFERENCE_OPS.qkv_rope(qkv, cos, sin, heads, kv_heads)
+    _close(q, want_q)
+    _close(cache[0][:, start : start + rows], want_k)
+    assert torch.equal(cache[1][:, start : start + rows], want_v)
+    assert k.data_ptr() == slots[0].data_ptr() and v.data_ptr() == slots[1].data_ptr()
+    untouched = torch.cat([cache[0][:, :start], cache[0][:, start + rows :], cache[1][:, :start]], dim=1)
+    assert not untouched.any()
+    flat_q, flat_k, flat_v = ops.qkv_rope(qkv[1], cos[1], sin[1], heads, kv_heads)  # one leading dim
+    assert torch.equal(flat_q, q[1]) and torch.equal(flat_k, k[1]) and torch.equal(flat_v, v[1])
+
+
+HEAD_INPUT_CASES = kernel_cases(
+    gpu=[(dtype, hidden) for hidden in [256, 4096, 5000] for dtype in DTYPES],
+    interpreted=[(dtype, hidden) for hidden in [48, 100] for dtype in INTERPRETED_DTYPES],
+)
+
+
+@pytest.mark.parametrize("dtype, hidden", HEAD_INPUT_CASES)
+def test_fused_head_input_matches_two_norms_side_by_side(kernel_device, dtype, hidden):
+    ops = fused_ops(kernel_device)
+    gen = torch.Generator(device=kernel_device).manual_seed(hidden)
+    embedding = torch.randn(50, hidden, device=kernel_device, dtype=dtype, generator=gen)
+    tokens = torch.randint(0, 50, (2, 3), device=kernel_device, generator=gen)
+    hidden_rows = torch.randn(2, 3, hidden, device=kernel_device, dtype=dtype, generator=gen) * 5
+    weights = [torch.randn(hidden, device=kernel_device, dtype=dtype, generator=gen) for _ in range(2)]
+    got = ops.head_input(tokens, embedding, hidden_rows, *weights, 1e-5)
+    assert got.shape == (2, 3, 2 * hidden)
+    _close(got, REFERENCE_OPS.head_input(tokens, embedding, hidden_rows, *weights, 1e-5))
+    # the same rounding as the fused norm on each half
+    assert torch.equal(got[..., hidden:], ops.rms_norm(hidden_rows, weights[1], 1e-5))

@@ -203,7 +203,20 @@ def kernel_cases() -> list[Case]:
         ],
         Case(
             "silu_mul", "kernels.layer_ops_triton", "_silu_mul_kernel",
-            {**pointers("gate_ptr up_ptr out_ptr", DTYPE), "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024},
+            {**pointers("gate_ptr up_ptr out_ptr", DTYPE),
+             **scalars("n width gate_row_stride up_row_stride", "i32"), "BLOCK": "constexpr"}, {"BLOCK": 1024},
+        ),
+        Case(
+            "head_input", "kernels.layer_ops_triton", "_head_input_kernel",
+            {"token_ids_ptr": "*i64", **pointers("embedding_ptr hidden_ptr token_weight_ptr hidden_weight_ptr out_ptr", DTYPE),
+             **scalars("hidden hidden_row_stride", "i32"), "eps": "fp32", "BLOCK": "constexpr"},
+            {"BLOCK": norm_block}, num_warps=min(16, max(1, norm_block // 256)),
+        ),
+        Case(
+            "qkv_rope", "kernels.layer_ops_triton", "_qkv_rope_kernel",
+            {**pointers("qkv_ptr cos_ptr sin_ptr q_ptr k_ptr v_ptr", DTYPE),
+             **scalars("rows heads kv_heads qkv_b qkv_r cos_b cos_r k_b k_r v_b v_r", "i32"), "HALF": "constexpr"},
+            {"HALF": HEAD_DIM // 2}, num_warps=1,
         ),
         Case(
             "rotate", "kernels.layer_ops_triton", "_rotate_kernel",
