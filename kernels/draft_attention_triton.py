@@ -13,39 +13,24 @@ Same function as ``kernels.draft_attention_ref.draft_attention_reference``. Two 
 2. ``kernels.split_kv_triton.merge_partials`` merges the parts of every (query, query head) row in fp32
    and writes q's dtype.
 
-The launch plan depends only on the shapes (batch, heads, n, context capacity, m, dtype), never on the
-lengths, which are read on the device: one plan per padded bucket, no host sync, so a CUDA graph can
-capture the call. A query that sees no key at all gets 0 (the reference gets NaN).
+The launch plan (``kernels.split_plan``) depends only on the shapes (batch, heads, n, context capacity, m,
+dtype), never on the lengths, which are read on the device: one plan per padded bucket, no host sync, so a
+CUDA graph can capture the call. A query that sees no key at all gets 0 (the reference gets NaN).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update, sm_count
+from kernels.attention_checks import check_draft_attention_inputs, check_triton_head_dim
+from kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update
+from kernels.split_plan import SplitKVPlan, plan_split_kv, sm_count
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Split heuristic, as tree attention's: enough programs to fill the chip, no split shorter than this many keys.
-_PROGRAMS_PER_SM = 2
-_MIN_KEYS_PER_SPLIT = 256
-_MAX_SPLITS = 64
-_TUNED_ROW_BYTES = 256  # tiles below were measured (for tree attention) at bf16 x head_dim 128; wider rows shrink them
-
-
-@dataclass(frozen=True)
-class DraftAttentionPlan:
-    """How the partials kernel is launched; fixed for a padded (batch, n, capacity, m) bucket."""
-
-    block_m: int  # query rows (queries x query heads of one kv head) per program, >= 16 for tl.dot
-    block_n: int  # keys per inner-loop tile, >= 16 for tl.dot
-    num_splits: int  # programs along the context per (session, kv head, row tile)
-    num_warps: int
-    num_stages: int
 
 
 def plan_draft_attention(
@@ -58,32 +43,18 @@ def plan_draft_attention(
     head_dim: int,
     element_size: int,  # bytes per q/k/v element
     num_sms: int,
-) -> DraftAttentionPlan:
-    """Tree attention's tiles (the same loop over the same 8B shapes), shrunk for rows wider than 256 bytes
-    (fp32, or head_dim > 128) so the q tile and two stages of key/value tiles fit 227 KB of shared memory."""
-    rows = num_queries * group
-    shrink = max(1, head_dim * element_size // _TUNED_ROW_BYTES)
-    # Past 128 rows, one 256-row tile over 16 warps reads the context once instead of twice; it fills an
-    # SM's registers, so one program per SM.
-    wide = rows > 128 and shrink == 1
-    block_m = 256 if wide else max(16, min(128 // max(1, shrink // 2), triton.next_power_of_2(rows)))
-    if shrink == 1:
-        block_n = 64 if (block_m == 64 and head_dim >= 128) or wide else 128
-    else:
-        block_n = max(16, 64 // shrink)
-    programs_per_split = max(1, batch * num_kv_heads * triton.cdiv(rows, block_m))
-    new_entry_splits = 1 if num_new > 0 else 0  # the new-entry programs are one more such set
-    num_splits = min(
-        ((1 if wide else _PROGRAMS_PER_SM) * num_sms) // programs_per_split - new_entry_splits,  # no straggler wave
-        triton.cdiv(max(capacity, 1), _MIN_KEYS_PER_SPLIT),
-        _MAX_SPLITS,
-    )
-    return DraftAttentionPlan(
-        block_m=block_m,
-        block_n=block_n,
-        num_splits=max(1, num_splits),
-        num_warps=16 if wide else 8 if block_m >= 128 else 4,
-        num_stages=2,
+) -> SplitKVPlan:
+    """The split-KV plan over each session's context (tree attention's tiles: the same loop over the same 8B
+    shapes), its masked part the new entries when there are any, the tiles sized for the rows' real width."""
+    return plan_split_kv(
+        num_seqs=batch,
+        num_kv_heads=num_kv_heads,
+        rows=num_queries * group,
+        num_keys=capacity,
+        masked_parts=1 if num_new > 0 else 0,
+        head_dim=head_dim,
+        row_bytes=head_dim * element_size,
+        num_sms=num_sms,
     )
 
 
@@ -226,7 +197,7 @@ def run_draft_attention(
     new_mask: torch.Tensor,  # [batch, n, m] bool, last dim contiguous
     scale: float,
     ctx_lengths: torch.Tensor | None,  # [batch] int64, or None: all capacity keys valid
-    plan: DraftAttentionPlan,
+    plan: SplitKVPlan,
     out: torch.Tensor,  # [batch, n, heads, hd], q's dtype, contiguous, written
 ) -> torch.Tensor:  # out
     """Launch with an explicit plan and output buffer (tests and benchmarks); inputs are assumed checked."""
@@ -251,7 +222,7 @@ def run_draft_attention(
     return out
 
 
-def default_plan(q: torch.Tensor, ctx_k: torch.Tensor, new_k: torch.Tensor) -> DraftAttentionPlan:
+def default_plan(q: torch.Tensor, ctx_k: torch.Tensor, new_k: torch.Tensor) -> SplitKVPlan:
     """The plan for batch-flattened inputs (q [batch, n, heads, hd], ctx_k and new_k [batch, keys, kv_heads, hd])."""
     batch, num_queries, num_heads, head_dim = q.shape
     return plan_draft_attention(
@@ -267,47 +238,6 @@ def default_plan(q: torch.Tensor, ctx_k: torch.Tensor, new_k: torch.Tensor) -> D
     )
 
 
-def _check_inputs(
-    q: torch.Tensor,
-    ctx_k: torch.Tensor,
-    ctx_v: torch.Tensor,
-    new_k: torch.Tensor,
-    new_v: torch.Tensor,
-    new_mask: torch.Tensor,
-    ctx_lengths: torch.Tensor | None,
-) -> None:
-    """Shapes, dtypes, devices and contiguity the kernel relies on, so a bad call fails here and not in the kernel."""
-    tensors = {"q": q, "ctx_k": ctx_k, "ctx_v": ctx_v, "new_k": new_k, "new_v": new_v}
-    for name, tensor in tensors.items():
-        if tensor.dtype != q.dtype or q.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"{name} is {tensor.dtype}; q, ctx_k/v and new_k/v must share one of {_SUPPORTED_DTYPES}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if q.dim() < 3:
-        raise ValueError(f"q must be [..., n, heads, hd], got {tuple(q.shape)}")
-    *lead, num_queries, num_heads, head_dim = q.shape
-    lead = tuple(lead)
-    capacity, num_kv_heads = ctx_k.shape[-3], ctx_k.shape[-2]
-    num_new = new_k.shape[-3] if new_k.dim() >= 3 else -1
-    if ctx_k.shape != (*lead, capacity, num_kv_heads, head_dim) or ctx_v.shape != ctx_k.shape:
-        raise ValueError(f"ctx_k/ctx_v must be [{lead}, ctx, kv_heads, {head_dim}], got {ctx_k.shape}, {ctx_v.shape}")
-    if new_k.shape != (*lead, num_new, num_kv_heads, head_dim) or new_v.shape != new_k.shape:
-        raise ValueError(f"new_k/new_v must be [{lead}, m, {num_kv_heads}, {head_dim}], got {new_k.shape}, {new_v.shape}")
-    if new_mask.dtype != torch.bool or new_mask.shape != (*lead, num_queries, num_new):
-        raise ValueError(f"new_mask must be bool [{lead}, {num_queries}, {num_new}], got {new_mask.dtype} {new_mask.shape}")
-    if num_new > 1 and new_mask.stride(-1) != 1:
-        raise ValueError("new_mask's last dim must be contiguous")
-    if ctx_lengths is not None and (ctx_lengths.dtype != torch.int64 or ctx_lengths.shape != lead):
-        raise ValueError(f"ctx_lengths must be int64 [{lead}], got {ctx_lengths.dtype} {tuple(ctx_lengths.shape)}")
-    others = [ctx_k, ctx_v, new_k, new_v, new_mask] + ([] if ctx_lengths is None else [ctx_lengths])
-    if any(tensor.device != q.device for tensor in others):
-        raise ValueError(f"every input must be on q's device, {q.device}")
-    if num_queries < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"need n >= 1 queries and heads ({num_heads}) a multiple of kv heads ({num_kv_heads})")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-
-
 def draft_attention_triton(
     q: torch.Tensor,  # [..., n, heads, hd]
     ctx_k: torch.Tensor,  # [..., ctx, kv_heads, hd] committed keys (whole context or working set)
@@ -318,7 +248,8 @@ def draft_attention_triton(
     scale: float,
     ctx_lengths: torch.Tensor | None = None,  # [...] int64: keys at index >= length are padding; None: all valid
 ) -> torch.Tensor:  # [..., n, heads, hd] in q's dtype
-    _check_inputs(q, ctx_k, ctx_v, new_k, new_v, new_mask, ctx_lengths)
+    check_draft_attention_inputs(q, ctx_k, ctx_v, new_k, new_v, new_mask, ctx_lengths, _SUPPORTED_DTYPES)
+    check_triton_head_dim(q.shape[-1])
     *lead, n, heads, hd = q.shape
     batch = math.prod(lead)  # the leading dims flatten to one batch dim (views: the tensors are contiguous)
     q, ctx_k, ctx_v, new_k, new_v = (t.reshape(batch, *t.shape[len(lead) :]) for t in (q, ctx_k, ctx_v, new_k, new_v))

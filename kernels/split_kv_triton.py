@@ -6,11 +6,10 @@ A partials kernel cuts the keys of each query row into parts; each part folds it
 softmax sum, and that sum's log (base 2, of scores already scaled by ``softmax scale * log2(e)``).
 ``merge_partials`` weighs each part by exp2(its lse - the row's largest) and writes the output dtype.
 A part that saw no key (empty, or every key masked) has lse -inf and weight 0, and its output is not read.
+How the keys are cut into parts, and the tiles, is ``kernels.split_plan``'s.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -18,14 +17,6 @@ import triton.language as tl
 
 LOG2_E = 1.4426950408889634
 _MERGE_ELEMENTS = 32  # rows x parts a merge program holds at once (times HEAD_DIM fp32 values)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors (CUs on ROCm) a plan fills; any value is correct, it only sizes the splits."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the Triton interpreter on CPU
 
 
 @triton.jit

@@ -12,40 +12,27 @@ Same function as ``kernels.tree_attention_ref.tree_attention_reference``. Two la
 2. ``kernels.split_kv_triton.merge_partials``: each program merges the num_splits + 1 partials of a block of
    (new token, query head) rows in fp32 and writes the output dtype.
 
-The launch plan (tile sizes, split count) depends only on batch size, head counts, max_q_len and the
-block-table width, never on the context lengths, so a padded bucket keeps one plan and a CUDA graph
-can capture it; each program reads its sequence's context length on the device and takes an equal
-share of it (a split past the end is empty and merges with weight 0).
+The launch plan (``kernels.split_plan``: tile sizes, split count) depends only on batch size, head counts,
+max_q_len and the block-table width, never on the context lengths, so a padded bucket keeps one plan and a
+CUDA graph can capture it; each program reads its sequence's context length on the device and takes an
+equal share of it (a split past the end is empty and merges with weight 0).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_checks import check_attention_inputs
+from kernels.attention_checks import check_attention_inputs, check_triton_head_dim
 from kernels.attention_metadata import AttentionMetadata
-from kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update, sm_count
+from kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update
+from kernels.split_plan import SplitKVPlan, plan_split_kv, sm_count
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Split heuristic: enough programs to fill the chip, no split shorter than this many keys.
-_PROGRAMS_PER_SM = 2
-_MIN_KEYS_PER_SPLIT = 256
-_MAX_SPLITS = 64
+_TUNED_HEAD_DIM = 128  # narrower heads keep this head_dim's tiles (the fp32 ones: 32 keys)
 
-
-@dataclass(frozen=True)
-class TreeAttentionPlan:
-    """How the partials kernel is launched; fixed for a padded batch bucket."""
-
-    block_m: int  # query rows (new tokens x query heads of one kv head) per program, >= 16 for tl.dot
-    block_n: int  # keys per inner-loop tile
-    num_splits: int  # programs along the committed prefix per (sequence, kv head, row tile)
-    num_warps: int
-    num_stages: int
+TreeAttentionPlan = SplitKVPlan  # the name bench/kernels.py tunes
 
 
 def plan_tree_attention(
@@ -57,30 +44,17 @@ def plan_tree_attention(
     head_dim: int,
     num_sms: int,
     element_size: int = 2,  # bytes per q/k/v element: 4 (fp32, the exactness replays) halves the tiles
-) -> TreeAttentionPlan:
-    rows = max_q_len * group
-    # Past 128 rows, one 256-row tile over 16 warps reads the KV once instead of once per 128-row
-    # tile; it fills an SM's registers, so one program per SM. Measured on an H200 at L = 64K,
-    # Llama-3.1-8B shape, T = 64 (bench/kernels.py --sweep): 221 us against 263 us for two 128-row tiles.
-    # In fp32 that tile and its key tiles need 257 KB of shared memory (an H200 has 227 KB).
-    narrow_elements = element_size <= 2
-    wide = rows > 128 and narrow_elements
-    block_m = 256 if wide else min(128, max(16, triton.next_power_of_2(rows)))
-    row_tiles = triton.cdiv(rows, block_m)
-    programs_per_split = num_seqs * num_kv_heads * row_tiles  # the new-token programs are one more such set
-    num_splits = min(
-        ((1 if wide else _PROGRAMS_PER_SM) * num_sms) // programs_per_split - 1,  # rounded down: no straggler wave
-        triton.cdiv(max(max_context_len, 1), _MIN_KEYS_PER_SPLIT),
-        _MAX_SPLITS,
-    )
-    # Measured as above: two stages beat three or four everywhere (less shared memory, more programs
-    # resident); 128-key tiles beat 64 except at 64 rows and in the 256-row tile.
-    return TreeAttentionPlan(
-        block_m=block_m,
-        block_n=(64 if (block_m == 64 and head_dim >= 128) or wide else 128) if narrow_elements else 32,
-        num_splits=max(1, num_splits),
-        num_warps=16 if wide else 8 if block_m >= 128 else 4,
-        num_stages=2,
+) -> SplitKVPlan:
+    """The shared split-KV plan, its masked part the new tokens (a sequence always has at least one)."""
+    return plan_split_kv(
+        num_seqs=num_seqs,
+        num_kv_heads=num_kv_heads,
+        rows=max_q_len * group,
+        num_keys=max_context_len,
+        masked_parts=1,
+        head_dim=head_dim,
+        row_bytes=max(head_dim, _TUNED_HEAD_DIM) * element_size,
+        num_sms=num_sms,
     )
 
 
@@ -217,9 +191,7 @@ def _tree_attention_partials_kernel(
 
 def _check_inputs(q, k_new, v_new, k_pages, v_pages, meta: AttentionMetadata) -> None:
     check_attention_inputs(q, k_new, v_new, k_pages, v_pages, meta, _SUPPORTED_DTYPES)
-    head_dim = q.shape[2]
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    check_triton_head_dim(q.shape[2])
     if meta.page_size & (meta.page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {meta.page_size}")
 
@@ -232,7 +204,7 @@ def run_tree_attention(
     v_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
-    plan: TreeAttentionPlan,
+    plan: SplitKVPlan,
     out: torch.Tensor,  # [total_q, num_heads, head_dim], q's dtype, written
 ) -> torch.Tensor:  # out
     """Launch with an explicit plan and output buffer (tests and benchmarks); inputs are assumed checked."""
@@ -258,7 +230,7 @@ def run_tree_attention(
     return out
 
 
-def default_plan(q: torch.Tensor, k_new: torch.Tensor, meta: AttentionMetadata) -> TreeAttentionPlan:
+def default_plan(q: torch.Tensor, k_new: torch.Tensor, meta: AttentionMetadata) -> SplitKVPlan:
     return plan_tree_attention(
         num_seqs=meta.batch_size,
         num_kv_heads=k_new.shape[1],

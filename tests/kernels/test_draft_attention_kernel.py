@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels.draft_attention_ref import draft_attention_reference
+from kernels.split_plan import SplitKVPlan
 from tests.kernels.kernel_cases import kernel_cases
 from tests.kernels.test_tree_attention import interpreter_loop_warning, relative_error, skip_if_interpreter_breaks_loops
 
@@ -177,9 +178,7 @@ def test_any_split_count_matches_reference(kernel_device: str, case: Case, block
     past a session's length (most of them at the largest count, and all of a 0-length session's) all work."""
     skip_if_interpreter_breaks_loops(kernel_device)
     inputs = make_inputs(case, kernel_device, seed=num_splits)
-    plan = triton_attention.DraftAttentionPlan(
-        block_m=16, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2
-    )
+    plan = SplitKVPlan(block_m=16, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2)
     out = torch.full_like(inputs.q, float("nan"))
     triton_attention.run_draft_attention(*inputs.tensors(), 0.25, inputs.ctx_lengths, plan, out)
     assert relative_error(out, inputs.reference(0.25)) < TOLERANCE[case.dtype]
@@ -221,23 +220,7 @@ def test_strided_mask_and_lengths_are_read_in_place(kernel_device: str) -> None:
     assert relative_error(out, inputs.reference(0.5)) < 1e-4
 
 
-# -- The launch plan ----------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "batch, n, capacity, m, element_size, expected",
-    [
-        (1, 10, 65536, 64, 2, (64, 64, 32, 4)),  # 8 programs a split: 2 x 132 SMs / 8, less the new-entry set
-        (16, 10, 65536, 64, 2, (64, 64, 1, 4)),  # 128 programs a split: one split and the new entries fill the chip
-        (1, 64, 65536, 64, 2, (256, 64, 15, 16)),  # 256 rows: one wide tile, one program per SM
-        (1, 64, 65536, 64, 4, (128, 32, 15, 8)),  # fp32: no wide tile, 32-key tiles
-        (1, 1, 65536, 0, 2, (16, 128, 33, 4)),  # no new entries: no new-entry set to leave room for
-        (1, 1, 300, 4, 2, (16, 128, 2, 4)),  # a short context: splits of >= 256 keys
-    ],
-)
-def test_plan_at_the_8b_head_shape(batch, n, capacity, m, element_size, expected):
-    plan = triton_attention.plan_draft_attention(batch, 8, 4, n, capacity, m, 128, element_size, num_sms=132)
-    assert (plan.block_m, plan.block_n, plan.num_splits, plan.num_warps) == expected
+# -- The launch plan (pinned shape by shape in tests/kernels/test_split_plan.py) ------------------------------
 
 
 def test_plan_fits_hopper_shared_memory():
@@ -272,8 +255,14 @@ BAD_INPUTS = [
     ("new_k", torch.zeros(2, 5, 1, 16), ValueError),
     ("new_mask", torch.ones(2, 3, 4, dtype=torch.bool), ValueError),
     ("new_mask", torch.ones(2, 5, 3, dtype=torch.bool).transpose(1, 2), ValueError),  # last dim strided
-    ("ctx_lengths", torch.tensor([10, 3], dtype=torch.int32), ValueError),
+    ("new_mask", torch.ones(2, 3, 5, dtype=torch.uint8), TypeError),
+    ("new_mask", torch.ones(2, 3, 5, dtype=torch.bool, device="meta"), ValueError),
+    ("ctx_lengths", torch.tensor([10, 3], dtype=torch.int32), TypeError),
     ("ctx_lengths", torch.tensor([10, 3], device="meta"), ValueError),
+    ("ctx_lengths", torch.tensor([10]), ValueError),
+    ("ctx_k", torch.zeros(2, 10, 2, 16, device="meta"), ValueError),
+    ("new_v", torch.zeros(2, 2, 5, 16).transpose(1, 2), ValueError),  # not contiguous
+    ("ctx_k", torch.zeros(20, 2, 16), ValueError),  # no batch dim
     ("q", torch.zeros(2, 3, 3, 16), ValueError),  # 3 heads over 2 kv heads
     ("q", torch.zeros(2, 0, 4, 16), ValueError),  # no query
 ]

@@ -1,6 +1,6 @@
-"""The split-KV launch plans of tree attention and draft attention, pinned shape by shape: the tuned tiles at the
-8B shapes, the shrunk tiles of wide rows, split counts bounded by the chip, by the keys and by the cap, and the
-small shapes the interpreted kernel tests run."""
+"""The split-KV launch plans (``kernels.split_plan``) of tree attention and draft attention, pinned shape by shape:
+the tuned tiles at the 8B shapes, the shrunk tiles of wide rows, split counts bounded by the chip, by the keys and
+by the cap, and the small shapes the interpreted kernel tests run."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ TREE_PLANS = [
     ((1, 8, 4, 64, 65536, 128, 132, 2), (256, 64, 15, 16)),  # 256 rows: one wide tile, one program per SM
     ((1, 8, 4, 64, 65536, 128, 132, 4), (128, 32, 15, 8)),  # fp32: no wide tile, 32-key tiles
     ((1, 8, 4, 64, 65536, 64, 132, 4), (128, 32, 15, 8)),  # fp32 keeps head_dim 128's tiles below it
+    ((1, 8, 4, 64, 65536, 256, 132, 2), (128, 32, 15, 8)),  # bf16 at head_dim 256: rows twice as wide
+    ((1, 8, 4, 64, 65536, 256, 132, 4), (64, 16, 7, 4)),  # fp32 at head_dim 256: four times as wide
     ((1, 8, 4, 64, 131072, 128, 304, 2), (256, 64, 37, 16)),  # an MI300X's 304 CUs
     ((1, 8, 8, 8, 4096, 64, 132, 2), (64, 128, 16, 4)),  # 64 rows at head_dim 64: 128-key tiles; 16 x 256 keys
     ((1, 8, 4, 16, 300, 128, 132, 2), (64, 64, 2, 4)),  # a short block table: splits of >= 256 keys
@@ -39,6 +41,7 @@ def test_tree_attention_plan(shape: tuple[int, ...], expected: tuple[int, int, i
 #   -> (block_m, block_n, num_splits, num_warps)
 DRAFT_PLANS = [
     ((1, 8, 4, 10, 65536, 64, 128, 2, 132), (64, 64, 32, 4)),  # 2 x 132 SMs / 8 programs, less the new-entry set
+    ((16, 8, 4, 10, 65536, 64, 128, 2, 132), (64, 64, 1, 4)),  # 128 programs: one split and the new entries fill it
     ((1, 8, 4, 1, 65536, 0, 128, 2, 132), (16, 128, 33, 4)),  # no new entries: no new-entry set to leave room for
     ((1, 8, 4, 64, 65536, 64, 128, 2, 132), (256, 64, 15, 16)),  # the wide tile
     ((1, 8, 4, 64, 65536, 64, 128, 4, 132), (128, 32, 15, 8)),  # fp32 at head_dim 128: rows twice as wide

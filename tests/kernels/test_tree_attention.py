@@ -1,8 +1,9 @@
 """Tree attention: the PyTorch reference against a naive softmax (CPU), the Triton kernel against the reference
-(GPU, and small cases on CPU under the Triton interpreter)."""
+(GPU, and small cases on CPU under the Triton interpreter), its launch plan's shared memory, and its input checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import torch
 
 from diffspec.tree import DraftTree
 from kernels.attention_metadata import AttentionMetadata, causal_mask
+from kernels.split_plan import SplitKVPlan
 from kernels.tree_attention_ref import tree_attention_reference
 from tests.kernels.kernel_cases import kernel_cases
 
@@ -239,9 +241,7 @@ def test_triton_any_split_count_matches_reference(
     skip_if_interpreter_breaks_loops(kernel_device)
     inputs = make_inputs(case, kernel_device, seed=num_splits)
     ref = tree_attention_reference(*(t.float() for t in inputs.tensors()), inputs.meta, 0.125)
-    plan = triton_attention.TreeAttentionPlan(
-        block_m=16, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2
-    )
+    plan = SplitKVPlan(block_m=16, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2)
     out = torch.full_like(inputs.q, float("nan"))
     triton_attention.run_tree_attention(*inputs.tensors(), inputs.meta, 0.125, plan, out)
     assert relative_error(out, ref) < 1e-2
@@ -250,12 +250,56 @@ def test_triton_any_split_count_matches_reference(
 HOPPER_SHARED_MEMORY = 232448  # bytes per block on an H100/H200
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("element_size", [2, 4])
 @pytest.mark.parametrize("max_q_len", [1, 16, 64, 256, 2048])
-def test_every_plan_fits_hoppers_shared_memory(element_size: int, max_q_len: int) -> None:
+def test_every_plan_fits_hoppers_shared_memory(head_dim: int, element_size: int, max_q_len: int) -> None:
     """The q tile plus two pipelined key and value tiles of a plan fit one block's shared memory (fp32, as the
     exactness replays run the target, once asked for a 256-row tile that needed 257 KB)."""
     triton_attention = pytest.importorskip("kernels.tree_attention_triton")
-    plan = triton_attention.plan_tree_attention(1, 8, 4, max_q_len, 65536, 128, 132, element_size)
-    tile_bytes = (plan.block_m + plan.num_stages * 2 * plan.block_n) * 128 * element_size
+    plan = triton_attention.plan_tree_attention(1, 8, 4, max_q_len, 65536, head_dim, 132, element_size)
+    tile_bytes = (plan.block_m + plan.num_stages * 2 * plan.block_n) * head_dim * element_size
     assert tile_bytes <= HOPPER_SHARED_MEMORY
+
+
+# -- Input checks ---------------------------------------------------------------------------------------
+
+CHECKED_CASE = Case((3, 2), (20, 5), num_heads=4, num_kv_heads=2, head_dim=16, page_size=8)
+BAD_INPUTS = [
+    ("q", lambda q: q.double(), TypeError),
+    ("v_new", lambda v: v.half(), TypeError),
+    ("k_pages", lambda k: k.transpose(1, 2).contiguous().transpose(1, 2), ValueError),  # not contiguous
+    ("v_new", lambda v: v.to("meta"), ValueError),
+    ("q", lambda q: q.flatten(1), ValueError),
+    ("k_new", lambda k: k[:, :, :8].contiguous(), ValueError),  # head_dim differs from q's
+    ("k_pages", lambda k: k[:, :4].contiguous(), ValueError),  # not meta.page_size tokens a page
+    ("q", lambda q: q[:, :3].contiguous(), ValueError),  # 3 heads over 2 kv heads
+    ("meta.block_tables", lambda t: t.long(), TypeError),
+    ("meta.cu_q_lens", lambda t: t.repeat_interleave(2)[::2], ValueError),  # not contiguous
+    ("meta.context_lens_t", lambda t: t.to("meta"), ValueError),
+    ("meta.new_token_mask", lambda m: m.to(torch.uint8), TypeError),
+    ("meta.q_lens", lambda q_lens: [3, 3], ValueError),
+]
+
+
+@pytest.mark.parametrize("name, corrupt, error", BAD_INPUTS, ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_inputs_fail_before_the_kernel(name: str, corrupt, error: type[Exception]) -> None:
+    triton_attention = pytest.importorskip("kernels.tree_attention_triton")
+    inputs = make_inputs(CHECKED_CASE, "cpu", seed=0)
+    args = dict(zip(("q", "k_new", "v_new", "k_pages", "v_pages"), inputs.tensors()), meta=inputs.meta, scale=0.25)
+    if name.startswith("meta."):
+        field = name.removeprefix("meta.")
+        args["meta"] = dataclasses.replace(inputs.meta, **{field: corrupt(getattr(inputs.meta, field))})
+    else:
+        args[name] = corrupt(args[name])
+    with pytest.raises(error):
+        triton_attention.tree_attention_triton(**args)
+
+
+@pytest.mark.parametrize("head_dim, page_size", [(24, 8), (8, 8), (16, 12)])
+def test_head_dim_and_page_size_must_be_powers_of_two(head_dim: int, page_size: int) -> None:
+    triton_attention = pytest.importorskip("kernels.tree_attention_triton")
+    case = dataclasses.replace(CHECKED_CASE, head_dim=head_dim, page_size=page_size)
+    inputs = make_inputs(case, "cpu", seed=0)
+    with pytest.raises(ValueError, match="power of two"):
+        triton_attention.tree_attention_triton(*inputs.tensors(), inputs.meta, scale=0.25)
