@@ -101,6 +101,7 @@ def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, b
     }
 
 
+@torch.no_grad()  # as the graph was recorded: with autograd on, the head would take the reference ops
 def _kernel_count(work: Callable[[], object]) -> int:
     """GPU kernels ``work`` launches when run eagerly: the nodes of its graph, each a launch gap."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:

@@ -123,13 +123,13 @@ class Eagle3Head(nn.Module):
             gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
         )
 
+    def vocab_logits(self, output: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., draft_vocab] in the head's dtype (the tree search casts inside its softmax)."""
+        return self.lm_head(self.norm(output))
+
     def draft_logits(self, output: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., draft_vocab]."""
-        return self.lm_head(self.norm(output)).float()
-
-    def draft_log_probs(self, output: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> float32 [..., draft_vocab] log-softmax of ``draft_logits`` (cast inside the softmax)."""
-        return torch.log_softmax(self.lm_head(self.norm(output)), dim=-1, dtype=torch.float32)
+        return self.vocab_logits(output).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

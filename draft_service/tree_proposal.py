@@ -35,7 +35,7 @@ from draft_service.draft_attention import draft_attention
 from draft_service.draft_context import DraftContext, copy_contexts
 from draft_service.eagle3_head import Eagle3Head, FusedProjections
 from draft_service.tree_kv import TreeKV
-from draft_service.tree_search import Candidates, Frontier, TreeTensors, grow, rerank, root_frontier
+from draft_service.tree_search import Candidates, Frontier, TreeTensors, grow, rerank, root_frontier, top_children
 
 if TYPE_CHECKING:
     from draft_service.drafter import ProposalRequest
@@ -101,7 +101,7 @@ class TreeProposer:
     def __init__(self, head: Eagle3Head, fused: FusedProjections, capture: bool) -> None:
         self.head, self.fused, self.capture = head, fused, capture
         draft_ids = torch.arange(head.config.draft_vocab_size, device=head.fc.weight.device)
-        self.target_ids = head.to_target_ids(draft_ids)  # [draft_vocab] int64: one gather per depth, not two ops
+        self.target_ids = head.to_target_ids(draft_ids)  # [draft_vocab] int64, read by the top-children step
         self._contexts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._runs: dict[ProposalShape, _Run] = {}
         self._sightings: collections.Counter[ProposalShape] = collections.Counter()
@@ -239,8 +239,7 @@ class TreeProposer:
 
     def _top_children(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """outputs [B, rows, hidden] -> each row's top ``k`` draft log-probs [B, rows, k] float32, target ids int64."""
-        top_log_probs, top_ids = self.head.draft_log_probs(outputs).topk(k, dim=-1)
-        return top_log_probs, self.target_ids[top_ids]
+        return top_children(self.head.vocab_logits(outputs), k, self.target_ids)
 
 
 def _trees(out: TreeTensors, count: int, copy_device: bool) -> list[DraftTree]:

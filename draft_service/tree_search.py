@@ -108,6 +108,22 @@ def best_frontier(slab: Candidates, rows: int, k: int, expand_rows: torch.Tensor
     )
 
 
+def top_children(
+    logits: torch.Tensor,  # [B, rows, vocab] the head's draft-vocab logits, in its dtype
+    k: int,
+    target_ids: torch.Tensor,  # [vocab] int64: the target id of each draft id
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, rows, k] float32 log-probs, best first; [B, rows, k] int64 target ids
+    """Each row's ``k`` best children: one Triton kernel on a GPU (``kernels.top_children_triton``), the PyTorch
+    reference elsewhere."""
+    if not triton_kernels_on(logits.device):
+        from kernels.top_children_ref import top_children_reference
+
+        return top_children_reference(logits, k, target_ids)
+    from kernels.top_children_triton import top_children_triton
+
+    return top_children_triton(logits, k, target_ids)
+
+
 def grow(
     frontier: Frontier,
     top_log_probs: torch.Tensor,  # [B, rows, k] float32, each row's best children first

@@ -15,6 +15,7 @@ import torch
 from diffspec.tree import DraftTree
 from draft_service.draft_attention import draft_attention
 from draft_service.drafter import Drafter, DraftSession, ProposalRequest
+from draft_service.tree_search import top_children
 
 
 @torch.no_grad()
@@ -62,8 +63,8 @@ def reference_tree(drafter: Drafter, request: ProposalRequest) -> DraftTree:
             outputs = root[None]
         for i, n in enumerate(frontier):
             output_of[n] = outputs[i]
-        top_lp, top_ids = head.draft_log_probs(outputs).topk(step.children, dim=-1)
-        top_tokens = head.to_target_ids(top_ids)
+        target_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=outputs.device))
+        top_lp, top_tokens = top_children(head.vocab_logits(outputs), step.children, target_ids)
         first_new = len(tokens)
         for i, n in enumerate(frontier):
             for lp, token in zip(top_lp[i].double().tolist(), top_tokens[i].tolist()):

@@ -207,6 +207,12 @@ def kernel_cases() -> list[Case]:
              **scalars("n width gate_row_stride up_row_stride", "i32"), "BLOCK": "constexpr"}, {"BLOCK": 1024},
         ),
         Case(
+            "top_children", "kernels.top_children_triton", "_top_children_kernel",
+            {"logits_ptr": f"*{DTYPE}", "target_ids_ptr": "*i64", "log_probs_ptr": "*fp32", "ids_ptr": "*i64",
+             **scalars("vocab row_stride k", "i32"), "BLOCK": "constexpr"},
+            {"BLOCK": 32768}, num_warps=16,
+        ),
+        Case(
             "head_input", "kernels.layer_ops_triton", "_head_input_kernel",
             {"token_ids_ptr": "*i64", **pointers("embedding_ptr hidden_ptr token_weight_ptr hidden_weight_ptr out_ptr", DTYPE),
              **scalars("hidden hidden_row_stride", "i32"), "eps": "fp32", "BLOCK": "constexpr"},
