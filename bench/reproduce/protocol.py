@@ -30,7 +30,7 @@ from transformers.utils import logging as transformers_logging
 from bench.reproduce import arms as arm_names
 from bench.reproduce.arms import Arm, baseline_arms, tuning_grid
 from bench.reproduce.draft_steps import DraftStep, build_recording_engine, take_draft_steps
-from bench.reproduce.exactness import ExactnessResult, classify, first_divergence
+from bench.reproduce.exactness import ExactnessResult, classify, first_divergence, rounding_gap
 from bench.reproduce.inflate import inflate_pair
 from bench.reproduce.output import write_outputs
 from bench.reproduce.presets import ProtocolConfig, default_out_dir
@@ -291,8 +291,8 @@ class _Protocol:
         tree_config = arm.draft.tree_config if arm is not None and arm.draft else self.config.baseline_config
         verify_tokens = int(tree_config.split(":")[0])  # the budget's total_tokens: its largest verify
         evidence = replay.evidence(prompt_ids + shared, following, verify_tokens)
-        tie = {evidence.fp32_top1, evidence.fp32_top2} == {divergence.auto_token, divergence.arm_token}
-        if not (tie and evidence.fp32_margin < evidence.spread and arm is not None and arm.draft is not None):
+        gap = rounding_gap(divergence, evidence)
+        if not (gap is not None and gap < evidence.spread and arm is not None and arm.draft is not None):
             return classify(divergence, evidence)  # a mismatch whatever the fp32 run: it is not made
         fp32_diverges = rerun.diverges([prompt_ids], arm.draft, self.config.eval_max_new_tokens)[0]
         return classify(divergence, evidence, fp32_diverges)

@@ -64,6 +64,9 @@ def serving_paths(verify_tokens: int, batch_sizes: tuple[int, ...], tree_sizes: 
     return paths
 
 
+FP32_TOP_TOKENS = 8  # tokens whose fp32 gap below the top-1 the evidence keeps: more than any rounding tie holds
+
+
 class TargetReplay:
     """Loads the fp32 reference and the serving runtime lazily (only a divergence needs them) and caches
     evidence per prefix."""
@@ -89,11 +92,13 @@ class TargetReplay:
         out the verified chains; ``verify_tokens`` is the arm's largest verify (its tree budget)."""
         key = (tuple(prefix_ids), verify_tokens)
         if key not in self._evidence:
-            top = torch.topk(self._fp32_logits(prefix_ids), 2)
+            top = torch.topk(self._fp32_logits(prefix_ids), FP32_TOP_TOKENS)
+            gaps = {int(token): float(top.values[0] - value) for token, value in zip(top.indices, top.values)}
             self._evidence[key] = TieEvidence(
                 fp32_top1=int(top.indices[0]), fp32_top2=int(top.indices[1]),
                 fp32_margin=float(top.values[0] - top.values[1]),
                 spread=self.serving_spread(prefix_ids, following_ids, verify_tokens),
+                fp32_gaps=gaps,
             )  # fmt: skip
         return self._evidence[key]
 

@@ -35,10 +35,15 @@ AT = Divergence(position=3, auto_token=AUTO, arm_token=ARM)
         (AT, TieEvidence(AUTO, ARM, fp32_margin=0.06, spread=0.05), False, "mismatch", "is not below"),
         (AT, TieEvidence(ARM, AUTO, fp32_margin=2.0, spread=0.05), False, "mismatch", "is not below"),
         (AT, TieEvidence(AUTO, ARM, fp32_margin=0.0, spread=0.0), False, "mismatch", "is not below"),
-        # a third token among the fp32 top-2
-        (AT, TieEvidence(AUTO, THIRD, fp32_margin=0.01, spread=0.05), False, "mismatch", "are not Auto's token and the arm's"),
-        (AT, TieEvidence(THIRD, ARM, fp32_margin=0.01, spread=0.05), False, "mismatch", "are not Auto's token and the arm's"),
-        (AT, TieEvidence(THIRD, AUTO, fp32_margin=0.01, spread=0.05), False, "mismatch", "are not Auto's token and the arm's"),
+        # a third token among the fp32 top-2, the other one not among the top tokens at all
+        (AT, TieEvidence(AUTO, THIRD, fp32_margin=0.01, spread=0.05), False, "mismatch", "are not both among the fp32 top"),
+        (AT, TieEvidence(THIRD, ARM, fp32_margin=0.01, spread=0.05), False, "mismatch", "are not both among the fp32 top"),
+        (AT, TieEvidence(THIRD, AUTO, fp32_margin=0.01, spread=0.05), False, "mismatch", "are not both among the fp32 top"),
+        (AT, TieEvidence(AUTO, THIRD, 0.01, 0.05, {AUTO: 0.0, THIRD: 0.01, 40: 0.5, ARM: 2.0}), False, "mismatch",
+         "gap 2 is not below"),  # listed, but far below the top
+        # three tokens within the spread of the top: Auto's and the arm's may trade places
+        (AT, TieEvidence(THIRD, AUTO, 0.01, 0.05, {THIRD: 0.0, AUTO: 0.01, ARM: 0.03}), False, "near-tie", "gap 0.03"),
+        (AT, TieEvidence(AUTO, THIRD, 0.01, 0.05, {AUTO: 0.0, THIRD: 0.01, ARM: 0.05}), False, "mismatch", "is not below"),
         # the fp32 run diverges too, or was not run
         (AT, TieEvidence(AUTO, ARM, fp32_margin=0.01, spread=0.05), True, "mismatch", "the fp32 run diverges too"),
         (AT, TieEvidence(ARM, AUTO, fp32_margin=0.01, spread=0.05), None, "mismatch", "the fp32 run was not checked"),
