@@ -59,7 +59,7 @@ def config_from(args: argparse.Namespace) -> ProtocolConfig:
     given = {f.name: getattr(args, f.name) for f in fields(ProtocolConfig)
              if f.name != "preset" and getattr(args, f.name, None) is not None}
     given = {name: tuple(value) if isinstance(value, list) else value for name, value in given.items()}
-    config = replace(PRESETS[args.preset], **given)
+    config = replace(PRESETS[args.preset], preset=args.preset, **given)  # custom starts from smoke's values
     for policy in config.policies:
         for tree_config in (*config.candidate_configs, config.baseline_config):
             validate_options(DraftOptions(policy, tree_config))

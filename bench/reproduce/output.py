@@ -32,8 +32,9 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit, with ``-dirty`` when its files differ from it (a copied working tree)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True)
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

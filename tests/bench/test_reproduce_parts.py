@@ -32,6 +32,7 @@ def test_flags_replace_preset_fields_and_the_rest_stays():
     custom = config("--preset", "custom", "--context-targets", "2048", "8192", "--policies", "online", "full",
                     "--candidate-configs", "16:0.0:4", "--prompts", "3", "--temperature", "0.7", "--seed", "5",
                     "--base-model", "/m/t", "--draft-model", "/m/d", "--inflate-8b", "--reference-prompts", "0")
+    assert custom.preset == "custom"  # named so in its report and its folder, though it starts from smoke's values
     assert custom.context_targets == (2048, 8192) and custom.policies == ("online", "full")
     assert custom.candidate_configs == ("16:0.0:4",) and custom.prompts == 3
     assert (custom.temperature, custom.seed, custom.inflate_8b) == (0.7, 5, True)
