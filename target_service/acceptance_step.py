@@ -1,16 +1,19 @@
 """The epilogue of a verify forward: each session's accepted path, its result, and what to commit.
 
-Greedy sessions share one read of the step's argmax (the only host sync of a step). A session
-that asks for logprobs gets them from the rows its emitted tokens were decided at: the root's
-for the first, each accepted node's for the next, the same rows an Auto step would have used.
-Each session's acceptance is computed before anything of it changes, and a session whose
-acceptance fails (say, a sampling distribution that is not one) is reported on its own: the
-other sessions of the batch keep their results and their commits.
+Greedy sessions share one read of the step's argmax (the only host sync of a step); the sessions
+that want features share one gather of their committed rows. A session that asks for logprobs
+gets them from the rows its emitted tokens were decided at: the root's for the first, each
+accepted node's for the next, the same rows an Auto step would have used. Each session's
+acceptance is computed before anything of it changes, and a session whose acceptance fails (say,
+a sampling distribution that is not one) is reported on its own: the other sessions of the batch
+keep their results and their commits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from diffspec.acceptance import Acceptance, accept_greedy, accept_sampling
 from diffspec.errors import DiffSpecError, InvalidRequest
@@ -18,6 +21,17 @@ from diffspec.sampling import target_probs, token_logprobs
 from target_service.backend import VerifyResult, VerifyStep
 from target_service.session import TargetSession
 from target_service.step_graphs import StepOutputs
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    """One session's acceptance, before its result is built."""
+
+    step: VerifyStep
+    session: TargetSession
+    acceptance: Acceptance
+    rows: list[int]  # rows of the forward it commits: the root's, then each accepted node's
+    tokens: list[int]  # their token ids
 
 
 @dataclass(frozen=True)
@@ -36,6 +50,7 @@ def accept_batch(
     results: dict[str, VerifyResult] = {}
     commits: list[Commit] = []
     failures: dict[str, DiffSpecError] = {}
+    accepted: list[_Accepted] = []
     for step, session, offset in zip(steps, sessions, ran.row_offsets):
         try:
             acceptance = _acceptance(step, session, ran, offset, argmax)
@@ -43,21 +58,40 @@ def accept_batch(
             failures[step.session_id] = InvalidRequest(f"sampling failed for this request: {failure}")
             continue
         nodes = [0, *acceptance.accepted_nodes]
-        rows = [offset + node for node in nodes]
-        tokens = step.tree.tokens[nodes].tolist()
+        tree_tokens = step.tree.tokens.tolist()
+        rows, tokens = [offset + node for node in nodes], [tree_tokens[node] for node in nodes]
+        accepted.append(_Accepted(step, session, acceptance, rows, tokens))
+    for item, features in zip(accepted, _features(accepted, ran)):
+        session, acceptance, tokens = item.session, item.acceptance, item.tokens
         emitted = [*tokens[1:], acceptance.bonus_token]
         session.pending_token = acceptance.bonus_token
-        results[step.session_id] = VerifyResult(
+        results[item.step.session_id] = VerifyResult(
             accepted_tokens=tokens[1:],
             accepted_nodes=acceptance.accepted_nodes,
             bonus_token=acceptance.bonus_token,
-            features=ran.forward.features_of(rows, session.feature_layers) if session.want_features else None,
-            logprobs=token_logprobs(ran.logits[rows], emitted, session.sampling)
+            features=features,
+            logprobs=token_logprobs(ran.logits[item.rows], emitted, session.sampling)
             if session.sampling.logprobs is not None
             else None,
         )
-        commits.append(Commit(step.session_id, rows, tokens))
+        commits.append(Commit(item.step.session_id, item.rows, tokens))
     return results, commits, failures
+
+
+def _features(accepted: list[_Accepted], ran: StepOutputs) -> list[torch.Tensor | None]:
+    """Each session's features at its committed rows ([len(rows), len(layers) * hidden]; None when it wants
+    none): one gather for all the sessions that want the same layers, split into per-session views."""
+    features: list[torch.Tensor | None] = [None] * len(accepted)
+    by_layers: dict[tuple[int, ...], list[int]] = {}  # feature layers -> indices of the sessions wanting them
+    for i, item in enumerate(accepted):
+        if item.session.want_features:
+            by_layers.setdefault(item.session.feature_layers, []).append(i)
+    for layers, members in by_layers.items():
+        rows = [row for i in members for row in accepted[i].rows]
+        gathered = ran.forward.features_of(rows, layers).split([len(accepted[i].rows) for i in members])
+        for i, session_features in zip(members, gathered):
+            features[i] = session_features
+    return features
 
 
 def _acceptance(

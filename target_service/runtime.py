@@ -269,7 +269,7 @@ class TargetRuntime:
         if session is None:
             raise InvalidRequest(f"unknown session {step.session_id!r}")
         self.limits.check_tree(session, self.pool.num_committed(step.session_id), step.tree)
-        _, copies = self.pool.reserve(step.session_id, int(step.tree.depths().max()) + 1)
+        _, copies = self.pool.reserve(step.session_id, step.tree.max_depth + 1)
         self.cache.apply_copies(copies)
 
     def _step_input(self, step: VerifyStep) -> StepInput:
@@ -287,7 +287,7 @@ class TargetRuntime:
             q_lens=[i.tokens.numel() for i in inputs],
             context_lens=[i.context_len for i in inputs],
             block_tables=[i.block_table for i in inputs],
-            masks=[i.mask for i in inputs],
+            masks=[_host_mask(i) for i in inputs],
             page_size=self.pool.page_size,
             device=self.device,
         )
@@ -421,3 +421,11 @@ class TargetRuntime:
         self._first_tokens_due.pop(session_id, None)
         if self.pool.has_sequence(session_id):
             self.pool.release(session_id)
+
+
+def _host_mask(step: StepInput) -> torch.Tensor:
+    """The tree's mask [n, n] on the host: the drafter's own where it grew the tree on the host (the CPU), else
+    built from the parents (a device mask would be a wait for the device)."""
+    drafted = step.device_mask(torch.device("cpu"))
+    n = step.tree.num_nodes
+    return drafted[:n, :n] if drafted is not None else step.mask

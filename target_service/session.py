@@ -50,15 +50,14 @@ class SessionLimits:
         """The tree grows from the session's last token, fits the tree and context limits, and is in the vocabulary."""
         if session.prefilling:
             raise InvalidRequest("the session is still prefilling its prompt")
-        if int(tree.tokens[0]) != session.pending_token:
-            raise InvalidRequest(
-                f"tree root {int(tree.tokens[0])} is not the session's last token {session.pending_token}"
-            )
-        if tree.num_nodes > MAX_TREE_NODES:
-            raise InvalidRequest(f"tree of {tree.num_nodes} nodes exceeds {MAX_TREE_NODES}")
-        if committed + int(tree.depths().max()) + 1 > self.max_context:
+        tokens = tree.tokens.tolist()
+        if tokens[0] != session.pending_token:
+            raise InvalidRequest(f"tree root {tokens[0]} is not the session's last token {session.pending_token}")
+        if len(tokens) > MAX_TREE_NODES:
+            raise InvalidRequest(f"tree of {len(tokens)} nodes exceeds {MAX_TREE_NODES}")
+        if committed + tree.max_depth + 1 > self.max_context:
             raise InvalidRequest(f"the session would exceed its context of {self.max_context} tokens")
-        self.check_token_ids(tree.tokens.tolist())
+        self.check_token_ids(tokens)
 
     def check_token_ids(self, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -1,0 +1,75 @@
+"""A verify batch's epilogue: accepted paths, commits, and the features each session wants, gathered once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from diffspec.sampling_params import SamplingParams
+from diffspec.tree import DraftTree
+from target_service.acceptance_step import accept_batch
+from target_service.backend import VerifyStep
+from target_service.llama import PagedForwardOutput
+from target_service.session import TargetSession
+from target_service.step_graphs import StepOutputs
+
+VOCAB, HIDDEN = 16, 4
+FORWARD_LAYERS = (2, 5, 7)  # the layers whose features the forward computed, in column order
+
+
+@dataclass(frozen=True)
+class Case:
+    tree: list[int]  # a chain: the root, then the drafts
+    argmax: list[int]  # the target's argmax at each node
+    want_features: bool = True
+    layers: tuple[int, ...] = FORWARD_LAYERS
+
+
+# Sessions of one batch: the forward's layers, a subset in another order, none wanted; every acceptance
+# length from none to the whole chain.
+CASES = [
+    Case([3, 4, 5], [4, 9, 1]),  # accepts 4, then 9 is the bonus
+    Case([6, 7], [8, 0], layers=(7, 2)),  # accepts nothing
+    Case([1, 2, 3, 4], [2, 3, 4, 11], want_features=False),  # accepts the whole chain
+    Case([9], [12], layers=(5,)),  # Auto: the root alone
+    Case([5, 6, 7], [6, 7, 2]),
+]
+ACCEPTED = [[1], [], [1, 2, 3], [], [1, 2]]
+BONUS = [9, 8, 11, 12, 2]
+
+
+def _ran(offsets: list[int], rows: int, cases: list[Case]) -> StepOutputs:
+    logits = torch.zeros(rows, VOCAB)
+    for case, offset in zip(cases, offsets):
+        for node, token in enumerate(case.argmax):
+            logits[offset + node, token] = 1.0
+    features = torch.randn(rows, len(FORWARD_LAYERS) * HIDDEN, generator=torch.Generator().manual_seed(0))
+    empty = torch.zeros(1, rows, 1, HIDDEN)
+    forward = PagedForwardOutput(torch.zeros(rows, HIDDEN), features, empty, empty, FORWARD_LAYERS)
+    return StepOutputs(forward, logits, offsets)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager rows", "graph bucket rows"])
+def test_each_session_gets_its_own_rule_from_one_batch(padded):
+    offsets = [8 * b for b in range(len(CASES))] if padded else [0, 3, 5, 9, 10]
+    ran = _ran(offsets, offsets[-1] + 8, CASES)
+    steps = [VerifyStep(f"s{b}", DraftTree.chain(case.tree)) for b, case in enumerate(CASES)]
+    sessions = [
+        TargetSession([0], SamplingParams(), None, case.want_features, 1, case.tree[0], case.layers) for case in CASES
+    ]
+    results, commits, failures = accept_batch(steps, sessions, ran)
+    assert not failures
+    for b, (case, offset, commit) in enumerate(zip(CASES, offsets, commits)):
+        result, rows = results[f"s{b}"], [offset + node for node in [0, *ACCEPTED[b]]]
+        assert (result.accepted_nodes, result.bonus_token) == (ACCEPTED[b], BONUS[b])
+        assert result.accepted_tokens == [case.tree[node] for node in ACCEPTED[b]]
+        assert sessions[b].pending_token == BONUS[b]
+        assert (commit.session_id, commit.rows) == (f"s{b}", rows)
+        assert commit.tokens == [case.tree[0], *result.accepted_tokens]
+        if not case.want_features:
+            assert result.features is None
+            continue
+        assert result.features is not None
+        assert torch.equal(result.features, ran.forward.features_of(rows, case.layers))  # the per-session rule
