@@ -40,6 +40,7 @@ from typing import Callable
 from draft_service.tree_budget import DepthPlan
 
 EPS = 0.02
+MAX_RATE = 1.0 - EPS
 MAX_WIDTH = 10
 PRIOR_TOP1_FAIL = 0.25  # before any data: P(the best child is rejected); optimistic, so unseen depths get explored
 PRIOR_NEXT_FAIL = 0.7  # before any data: P(the next sibling is rejected too)
@@ -67,8 +68,12 @@ class HazardProfile:
         self._scale = 1.0
         self.steps = 0  # steps observed
         self.last_passed_ranks: list[int] = []  # the latest step's: a planner pairs them with the tree it proposed
+        # The estimates move only when a step is observed (here or in a prior): until then each depth's failure
+        # rates, and the planner's pass table, are computed once (a shared prior serves every session's plan).
+        self._fail_rates: dict[int, list[float]] = {}  # depth -> f_r(d)
+        self._fail_rates_key: tuple[int, ...] = ()  # the ``_version`` they were computed at
         self._pass_table: list[list[float]] = []
-        self._pass_table_key: tuple[int, int, int] | None = None  # (steps, the prior's steps, depths) it was made at
+        self._pass_table_key: tuple[tuple[int, ...], int] | None = None  # (``_version``, depths) it was made at
 
     def observe(self, passed_ranks: list[int], stop_width: int) -> None:
         """One verification step.
@@ -83,11 +88,16 @@ class HazardProfile:
         if self._scale < RESCALE_BELOW:
             self._fold_scale()
         one = 1.0 / self._scale
-        outcomes = [(rank, True) for rank in passed_ranks] + [(stop_width, False)]
-        for counts, (rank, passed) in zip(self.depths, outcomes):
-            for r in range(min(rank + 1 if passed else rank, MAX_WIDTH)):
-                counts.tried[r] += one
-                counts.failed[r] += 0 if passed and r == rank else one
+        # at a passed depth every better sibling was tried and failed, then the passed one was tried; at the
+        # stop depth all stop_width children were tried and failed
+        outcomes = [*passed_ranks, stop_width]
+        for depth, (counts, rank) in enumerate(zip(self.depths, outcomes)):
+            tried, failed = counts.tried, counts.failed
+            for r in range(min(rank, MAX_WIDTH)):
+                tried[r] += one
+                failed[r] += one
+            if depth < len(passed_ranks) and rank < MAX_WIDTH:
+                tried[rank] += one
         if self.prior is not None:
             self.prior.observe(passed_ranks, stop_width)
 
@@ -105,15 +115,29 @@ class HazardProfile:
         return self.fail_rates(depth)[rank]
 
     def fail_rates(self, depth: int) -> list[float]:
-        """f_r(d) for r = 0..MAX_WIDTH - 1 (one pass over the depth's counts and the prior's)."""
+        """f_r(d) for r = 0..MAX_WIDTH - 1 (one pass over the depth's counts and the prior's, once per observed
+        step; the list is shared, not to be modified)."""
+        version = self._version()
+        if self._fail_rates_key != version:
+            self._fail_rates, self._fail_rates_key = {}, version
+        rates = self._fail_rates.get(depth)
+        if rates is None:
+            rates = self._fail_rates[depth] = self._compute_fail_rates(depth)
+        return rates
+
+    def _version(self) -> tuple[int, ...]:
+        """Steps observed by this profile and by each prior below it: the estimates change only with them."""
+        return (self.steps, *self.prior._version()) if self.prior is not None else (self.steps,)
+
+    def _compute_fail_rates(self, depth: int) -> list[float]:
         prior = self.prior.fail_rates(depth) if self.prior is not None else DEFAULT_FAIL_RATES
         if depth > self.max_depth:
             return prior
-        counts, scale = self.depths[depth - 1], self._scale
-        return [
-            max(EPS, min(1.0 - EPS, (failed * scale + PRIOR_WEIGHT * p) / (tried * scale + PRIOR_WEIGHT)))
-            for failed, tried, p in zip(counts.failed, counts.tried, prior)
-        ]
+        counts, scale, rates = self.depths[depth - 1], self._scale, []
+        for failed, tried, p in zip(counts.failed, counts.tried, prior):
+            rate = (failed * scale + PRIOR_WEIGHT * p) / (tried * scale + PRIOR_WEIGHT)
+            rates.append(EPS if rate < EPS else MAX_RATE if rate > MAX_RATE else rate)  # not min/max: host time
+        return rates
 
     def pass_probability(self, depth: int, width: int) -> float:
         """P(the path passes ``depth`` | it reached it with ``width`` children proposed)."""
@@ -125,8 +149,8 @@ class HazardProfile:
         A planner scores thousands of candidate widths per step; each reads this table instead of
         walking the counts (and the prior's) again.
         """
-        key = (self.steps, self.prior.steps if self.prior is not None else 0, max_depth)
-        if self._pass_table_key != key:  # the estimates move only when a step is observed
+        key = (self._version(), max_depth)
+        if self._pass_table_key != key:
             self._pass_table = [self._passes(depth) for depth in range(1, max_depth + 1)]
             self._pass_table_key = key
         return self._pass_table
@@ -173,12 +197,16 @@ class VerifyLine:
     def seconds(self, tree_tokens: int) -> float:
         """The fitted cost; a line measured at one N only is flat there (a larger tree looks free until
         one is measured, so the planner tries it)."""
+        intercept, slope = self.fit()
+        return intercept + slope * tree_tokens
+
+    def fit(self) -> tuple[float, float]:
+        """(intercept seconds, slope seconds per tree token) of the line ``seconds`` evaluates."""
         n, sx, sxx, sy, sxy = self.sums
         spread = n * sxx - sx * sx
         slope = (n * sxy - sx * sy) / spread if spread > 1e-9 * max(1.0, n * sxx) else 0.0
         slope = max(slope, 0.0)
-        intercept = max((sy - slope * sx) / n, 1e-9)
-        return intercept + slope * tree_tokens
+        return max((sy - slope * sx) / n, 1e-9), slope
 
 
 @dataclass
@@ -219,12 +247,15 @@ class StepCostModel:
 
     def verify_line(self, context_tokens: int) -> Callable[[int], float]:
         """Verify seconds against tree tokens at ``context_tokens``: the line of the context's bucket, else of
-        the nearest measured bucket (the longer on a tie), else the defaults."""
+        the nearest measured bucket (the longer on a tie), else the defaults. The line is fitted now, once for
+        the many trees a plan scores: measurements made later do not move it."""
         home = _bucket(context_tokens)
         measured = [k for k, line in enumerate(self.lines) if line.measured]
         if not measured:
-            return lambda tree_tokens: self.default_intercept + self.default_slope * tree_tokens
-        return self.lines[min(measured, key=lambda k: (abs(k - home), -k))].seconds
+            intercept, slope = self.default_intercept, self.default_slope
+        else:
+            intercept, slope = self.lines[min(measured, key=lambda k: (abs(k - home), -k))].fit()
+        return lambda tree_tokens: intercept + slope * tree_tokens
 
 
 def _bucket(context_tokens: int) -> int:

@@ -115,6 +115,32 @@ def test_prior_weighs_in_until_the_request_has_evidence():
     assert fresh.hazard([1])[0] < 0.3
 
 
+@pytest.mark.parametrize("observer", ["none", "request", "prior", "both"])
+def test_estimates_read_once_follow_every_later_step(observer):
+    """The rates and the pass table are kept between steps (every session's plan reads the shared prior's); a
+    step observed by the request or by its prior alone must give exactly what a profile never read gives."""
+    steps = [([0, 1], 2), ([], 3), ([2, 0, 0], 0), ([0], 1)]
+
+    def profiles() -> tuple[HazardProfile, HazardProfile]:
+        prior = HazardProfile(max_depth=6, decay=0.99)
+        request = HazardProfile(max_depth=6, decay=0.9, prior=prior)
+        for ranks, stop_width in steps:
+            request.observe(ranks, stop_width)
+        return prior, request
+
+    read_prior, read = profiles()
+    read.pass_table(8)  # depths past max_depth come from the prior
+    fresh_prior, fresh = profiles()
+    for prior, request in ((read_prior, read), (fresh_prior, fresh)):
+        if observer in ("request", "both"):
+            request.observe([1, 0], 3)
+        if observer in ("prior", "both"):
+            prior.observe([], 1)  # another request's step
+    assert read.pass_table(8) == fresh.pass_table(8)
+    assert [read.fail_rates(d) for d in range(1, 9)] == [fresh.fail_rates(d) for d in range(1, 9)]
+    assert read_prior.fail_rates(1) == fresh_prior.fail_rates(1)
+
+
 def test_censored_steps_do_not_count_as_stops():
     profile = HazardProfile(max_depth=4, decay=1.0)
     for _ in range(100):
