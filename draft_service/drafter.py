@@ -16,6 +16,7 @@ the emitted tokens (accepted drafts then the bonus) as the next committed entrie
 
 from __future__ import annotations
 
+import bisect
 import itertools
 
 from dataclasses import dataclass
@@ -90,11 +91,14 @@ class Drafter:
         total = sum(counts)
         features = torch.cat([e.features for e in extensions]) if len(extensions) > 1 else extensions[0].features
         features = upload(features, device).to(dtype)
-        # tokens, then positions, in one host-to-device copy
-        rows = [t for e in extensions for t in e.next_tokens] + [p for n, c in zip(firsts, counts) for p in range(n, n + c)]
-        tokens, positions = upload(torch.tensor(rows, dtype=torch.int64), device).split(total)
         ends = list(itertools.accumulate(counts))  # 1 past each session's last row
+        # tokens, positions and each session's last row, in one host-to-device copy
+        tokens_up = [t for e in extensions for t in e.next_tokens]
+        positions_up = [p for n, c in zip(firsts, counts) for p in range(n, n + c)]
+        rows = torch.tensor([*tokens_up, *positions_up, *(end - 1 for end in ends)], dtype=torch.int64)
+        tokens, positions, last_rows = upload(rows, device).split([total, total, len(extensions)])
         keys, values, queries, hiddens = [], [], [], []
+        first_session = 0  # the first session whose last row is in this chunk or a later one
         for start in range(0, total, EXTEND_CHUNK):
             stop = min(start + EXTEND_CHUNK, total)
             hidden = self.head.fuse(features[start:stop])
@@ -102,11 +106,13 @@ class Drafter:
             q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, rope, self.fused)
             keys.append(k)
             values.append(v)
-            last = [end - 1 - start for end in ends if start < end <= stop]
-            if last:
-                index = upload(torch.tensor(last, dtype=torch.int64), device)
+            last_session = bisect.bisect_right(ends, stop, lo=first_session)  # sessions ending in this chunk
+            if last_session > first_session:
+                index = last_rows[first_session:last_session]
+                index = index - start if start else index  # rows within this chunk
                 queries.append(q[index])
                 hiddens.append(hidden[index])
+                first_session = last_session
         keys_all, values_all = _joined(keys), _joined(values)  # no copy for one chunk, as an accept always is
         targets, sources = [], []
         for extension, first, n in zip(extensions, itertools.accumulate([0, *counts]), counts):

@@ -279,16 +279,22 @@ def test_a_batch_accept_waits_for_the_gpu_at_most_once(salience, waits):
     assert sum("synchroniz" in str(w.message) for w in caught) == waits
 
 
-@pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
-def test_one_extension_pass_for_a_batch_equals_one_per_session(drafter, salience):
+@pytest.mark.parametrize(
+    ("salience", "chunk", "counts"),
+    [(None, None, (1, 3, 2, 5)), (SALIENCE, None, (1, 3, 2, 5)), (None, 4, (6, 1, 2, 9))],
+    ids=["full-context", "salience", "chunked"],  # chunked: sessions end mid-chunk, a chunk holds no session's end
+)
+def test_one_extension_pass_for_a_batch_equals_one_per_session(drafter, monkeypatch, salience, chunk, counts):
     """The batched accept (one projection, padded last-entry attention, one output pass) commits what
     extending each session alone commits."""
+    if chunk is not None:
+        monkeypatch.setattr(draft_service.drafter, "EXTEND_CHUNK", chunk)
     together = start_sessions(drafter, CONTEXT_LENGTHS, salience, seed=3)
     alone = start_sessions(drafter, CONTEXT_LENGTHS, salience, seed=3)
     c = drafter.head.config
     generator = torch.Generator().manual_seed(4)
     steps = []
-    for n in (1, 3, 2, 5):
+    for n in counts:
         tokens = torch.randint(0, c.vocab_size, (n,), generator=generator).tolist()
         steps.append((torch.randn(n, 3 * c.target_hidden_size, generator=generator), tokens))
     drafter.extend_many([Extension(s, f, t) for s, (f, t) in zip(together, steps)])
