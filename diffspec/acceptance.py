@@ -31,7 +31,7 @@ class Acceptance:
 
 def accept_greedy(tree: DraftTree, argmax: list[int]) -> Acceptance:
     """argmax[i] = target argmax token at node i."""
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list()
     children = tree.children()
     node, path = 0, []
     while True:
@@ -44,7 +44,7 @@ def accept_greedy(tree: DraftTree, argmax: list[int]) -> Acceptance:
 
 def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
     """probs [num_nodes, vocab]: the target distribution at each node (after temperature/top-p)."""
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list()
     children = tree.children()
     node, path = 0, []
     while True:

@@ -10,7 +10,7 @@ The same tree as plain lists, for the wire and a gateway without torch, is ``Tre
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
@@ -36,8 +36,11 @@ class DraftTree:
     parents: torch.Tensor  # [num_nodes] int64, parents[0] == -1, parents[i] < i
     draft_probs: torch.Tensor  # [num_nodes] float32, draft probability of each node given its parent (root: 1)
     on_device: DeviceTree | None = field(default=None, compare=False, repr=False)  # set by the drafter
+    check: InitVar[bool] = True  # False only where the builder guarantees the shape (the drafter's own search)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check: bool) -> None:
+        if not check:
+            return
         n = self.tokens.numel()
         if n < 1 or self.parents.numel() != n or self.draft_probs.numel() != n:
             raise ValueError("tree tokens, parents and draft_probs must be non-empty and of equal length")
@@ -124,11 +127,24 @@ class DraftTree:
         return mask
 
     def children(self) -> list[list[int]]:
-        """children()[i] = node indices whose parent is i, in node order."""
+        """children()[i] = node indices whose parent is i, in node order (computed once per tree, for the
+        acceptance and the hazard profile alike; do not modify)."""
+        return self._children
+
+    @functools.cached_property
+    def _children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
         for i, p in enumerate(self.parents.tolist()[1:], start=1):
             kids[p].append(i)
         return kids
+
+    def token_list(self) -> list[int]:
+        """``tokens`` as a list (computed once per tree; do not modify)."""
+        return self._token_list
+
+    @functools.cached_property
+    def _token_list(self) -> list[int]:
+        return self.tokens.tolist()
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to ``node``, inclusive."""

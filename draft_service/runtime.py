@@ -231,7 +231,7 @@ class DraftRuntime:
         """Feed the hazard profile: the sibling rank that passed at each depth, and where the path stopped."""
         tree = session.last_tree
         assert tree is not None
-        children, tokens = tree.children(), tree.tokens.tolist()
+        children, tokens = tree.children(), tree.token_list()
         node, ranks = 0, []
         for token in accepted:
             match = [rank for rank, child in enumerate(children[node]) if tokens[child] == token]

@@ -259,6 +259,7 @@ def _trees(out: TreeTensors, count: int, copy_device: bool) -> list[DraftTree]:
                 parents=row[nodes : nodes + num_nodes].long(),
                 draft_probs=row[2 * nodes : 2 * nodes + num_nodes].float(),
                 on_device=DeviceTree(*[t[b] for t in device]),
+                check=False,  # the rerank keeps a node's parent, and keeps it earlier
             )
         )
     return trees

@@ -58,7 +58,7 @@ def accept_batch(
             failures[step.session_id] = InvalidRequest(f"sampling failed for this request: {failure}")
             continue
         nodes = [0, *acceptance.accepted_nodes]
-        tree_tokens = step.tree.tokens.tolist()
+        tree_tokens = step.tree.token_list()
         rows, tokens = [offset + node for node in nodes], [tree_tokens[node] for node in nodes]
         accepted.append(_Accepted(step, session, acceptance, rows, tokens))
     for item, features in zip(accepted, _features(accepted, ran)):

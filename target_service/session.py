@@ -50,7 +50,7 @@ class SessionLimits:
         """The tree grows from the session's last token, fits the tree and context limits, and is in the vocabulary."""
         if session.prefilling:
             raise InvalidRequest("the session is still prefilling its prompt")
-        tokens = tree.tokens.tolist()
+        tokens = tree.token_list()
         if tokens[0] != session.pending_token:
             raise InvalidRequest(f"tree root {tokens[0]} is not the session's last token {session.pending_token}")
         if len(tokens) > MAX_TREE_NODES:

@@ -22,6 +22,8 @@ def test_mask_depths_and_paths():
         [1, 1, 0, 1, 1],
     ]
     assert tree.path_to(4) == [0, 1, 3, 4] and tree.children() == [[1, 2], [3], [], [4], []]
+    assert tree.token_list() == [5, 6, 7, 8, 9]
+    assert tree.children() is tree.children() and tree.token_list() is tree.token_list()  # computed once per tree
 
 
 @pytest.mark.parametrize(
@@ -31,6 +33,8 @@ def test_malformed_parents_are_rejected(parents):
     n = len(parents)
     with pytest.raises(ValueError):
         DraftTree(torch.arange(n), torch.tensor(parents), torch.ones(n))
+    unchecked = DraftTree(torch.arange(n), torch.tensor(parents), torch.ones(n), check=False)  # the drafter's own
+    assert unchecked.parents.tolist() == parents
 
 
 # (tokens, parents): trees as plain lists, their depth, and the same tree as tensors
