@@ -10,6 +10,8 @@ host clocks, median of several:
 - ``propose_ms``: the proposal call, wall time to trees on the host;
 - ``launch_ms``: host time of the graph's launch alone (``CUDAGraph.replay`` returning);
 - ``graph_gpu_ms``: the replayed graph's GPU time (CUDA events around the replay);
+- ``kernels_per_proposal`` and ``costliest_kernels``: the proposal run eagerly under the torch profiler,
+  its kernels counted and the costliest listed by name (launches, GPU microseconds);
 - ``floor_ms``: the bytes a proposal must read (the head's weights once per depth, plus each session's
   attended context once per depth) over the copy bandwidth measured in the same run.
 
@@ -38,6 +40,7 @@ from draft_service.working_set import WorkingSetConfig
 
 ACCEPTED_PER_STEP = 5  # entries an accept commits per session
 REPEATS = 20  # host-timed runs per figure
+TOP_KERNELS = 12  # kernels listed by name per point
 
 
 def _host_seconds(work: Callable[[], object], sync: bool) -> float:
@@ -92,7 +95,7 @@ def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, b
         "salience": options.salience,
         "depth": depth,
         "attended_tokens_per_session": attended // batch,
-        "kernels_per_proposal": _kernel_count(lambda: proposer._search(run)),
+        **_kernel_profile(lambda: proposer._search(run)),
         "accept_ms": round(1e3 * _host_seconds(accept, sync=True), 3),
         "propose_ms": round(1e3 * _host_seconds(lambda: drafter.propose_many(requests), sync=True), 3),
         "launch_ms": round(1e3 * _host_seconds(run.graph.replay, sync=False), 3),
@@ -102,12 +105,23 @@ def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, b
 
 
 @torch.no_grad()  # as the graph was recorded: with autograd on, the head would take the reference ops
-def _kernel_count(work: Callable[[], object]) -> int:
-    """GPU kernels ``work`` launches when run eagerly: the nodes of its graph, each a launch gap."""
+def _kernel_profile(work: Callable[[], object]) -> dict:
+    """GPU kernels ``work`` launches when run eagerly (the nodes of its graph, each a launch gap), and the
+    costliest by name: [name, launches, GPU us] per row."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         work()
         torch.cuda.synchronize()
-    return sum(1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    by_name: dict[str, list] = {}
+    for event in profile.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name.setdefault(event.name[:100], [event.name[:100], 0, 0.0])
+            entry[1] += 1
+            entry[2] += event.device_time
+    costliest = sorted(by_name.values(), key=lambda entry: -entry[2])[:TOP_KERNELS]
+    return {
+        "kernels_per_proposal": sum(entry[1] for entry in by_name.values()),
+        "costliest_kernels": [[name, count, round(us, 1)] for name, count, us in costliest],
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
