@@ -9,6 +9,8 @@ the calls that wait for it (a tensor read back to the host). ``--profiler torch`
 phases the runtimes mark (``draft.accept``, ``draft.propose.search``, ``target.verify``, ...)
 with their host time and the GPU time of the kernels they launched, then the costliest ops.
 ``--profiler syncs`` (a GPU only) counts the host's waits for the GPU per iteration by source line.
+``--profiler stacks`` samples the loop thread's Python stack on the wall clock: each function's share
+of an iteration, waits for the GPU included, with no per-call cost added to what it measures.
 
     python -m bench.profile_generation --base-model .carry/b8/target --draft-model .carry/b8/head \
         --data .carry/data/shortctx_eval.jsonl --streams 16 --modes full-16 > bench/results/profile_engine.txt
@@ -24,6 +26,8 @@ import cProfile
 import json
 import pstats
 import sys
+import threading
+import time
 from pathlib import Path
 import warnings
 from typing import Callable, Iterator
@@ -36,6 +40,7 @@ from diffspec.settings import DiffSpecSettings
 from gateway.assembly import build_engine
 
 PHASE_PREFIXES = ("draft.", "target.")  # the ranges the runtimes mark
+REPOSITORY = str(Path(__file__).resolve().parents[1])
 
 
 class CProfileReport:
@@ -134,6 +139,74 @@ class SyncReport:
             print(f"{count / n:8.2f}  {site}")
 
 
+class StackSampleReport:
+    """Wall-clock samples of the loop thread's Python stack, every ``interval`` seconds.
+
+    A sampling thread needs the GIL to read another thread's frames, so the interpreter's switch
+    interval is lowered to a fraction of the sampling interval while it runs: the loop thread then
+    yields the GIL that often and the samples land where its time goes, not only at its waits.
+    """
+
+    def __init__(self, interval: float = 0.0002) -> None:
+        self.interval = interval
+        self.iterations = 0
+        self.seconds = 0.0
+        self.stacks: collections.Counter[tuple[str, ...]] = collections.Counter()  # outermost first
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
+        def call(step: Callable[[], None]) -> None:
+            self.iterations += 1
+            started = time.perf_counter()
+            step()
+            self.seconds += time.perf_counter() - started
+
+        stop, loop_thread = threading.Event(), threading.get_ident()
+        sampler = threading.Thread(target=self._sample, args=(loop_thread, stop), daemon=True)
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(self.interval / 4)
+        sampler.start()
+        try:
+            yield call
+        finally:
+            stop.set()
+            sampler.join()
+            sys.setswitchinterval(switch)
+
+    def _sample(self, thread: int, stop: threading.Event) -> None:
+        while not stop.wait(self.interval):
+            frame = sys._current_frames().get(thread)
+            stack = []
+            while frame is not None and frame.f_code.co_name != "_profiled_loop":
+                stack.append(f"{_short(frame.f_code.co_filename)}:{frame.f_code.co_qualname}:{frame.f_lineno}")
+                frame = frame.f_back
+            if frame is not None:  # inside an iteration
+                self.stacks[tuple(reversed(stack))] += 1
+
+    def print(self, rows: int) -> None:
+        total = max(1, sum(self.stacks.values()))
+        ms_per_sample = 1000 * self.seconds / max(1, self.iterations) / total
+        inclusive: collections.Counter[str] = collections.Counter()
+        leaves: collections.Counter[str] = collections.Counter()
+        for stack, count in self.stacks.items():
+            inclusive.update({site.rsplit(":", 1)[0]: count for site in stack})
+            leaves[stack[-1] if stack else "?"] += count
+        print(f"{self.iterations} iterations, {1000 * self.seconds / max(1, self.iterations):.2f} ms each, "
+              f"{total} samples; ms per iteration by function (inclusive), then by line (where the time is spent)")
+        for table in (inclusive, leaves):
+            for site, count in table.most_common(rows):
+                print(f"{count * ms_per_sample:8.3f}  {site}")
+            print()
+
+
+def _short(path: str) -> str:
+    """A source path from its package down: the repository's or site-packages' prefix cut off."""
+    for prefix in (f"{REPOSITORY}/", "site-packages/"):
+        if prefix in path:
+            return path.split(prefix, 1)[1]
+    return path
+
+
 def _innermost_phase(event) -> str:  # noqa: ANN001 (a torch.autograd.profiler FunctionEvent)
     """The closest enclosing range the runtimes mark, or "loop" for work outside every phase."""
     while event is not None:
@@ -143,7 +216,7 @@ def _innermost_phase(event) -> str:  # noqa: ANN001 (a torch.autograd.profiler F
     return "loop"
 
 
-REPORTS = {"cprofile": CProfileReport, "torch": TorchProfileReport, "syncs": SyncReport}
+REPORTS = {"cprofile": CProfileReport, "torch": TorchProfileReport, "syncs": SyncReport, "stacks": StackSampleReport}
 
 
 def main() -> int:
