@@ -12,7 +12,9 @@ Pages are shared (refcount > 1) in two ways:
 - fork: a child shares its parent's committed pages (or those of a prefix of its committed tokens, as
   the n samples of one prompt share the prompt's), a partial last page included.
 Only positions >= num_committed are ever written, so full pages never change; a shared partial page is
-copied before its next write (reserve), and commit refuses to write into a page that is still shared.
+copied before its next write (reserve), and commit refuses to write into a page that is still shared. A
+child forked mid-page holds a full cached page as its partial last one: when it alone is left to write
+into it, the page leaves the prefix cache first, so no later prompt maps the overwritten KV.
 """
 
 from __future__ import annotations
@@ -152,6 +154,9 @@ class PagedKVPool:
             raise KVPoolExhausted(
                 f"{num_tokens} more tokens need {len(shared) + num_new_pages} free pages, {self.num_free_pages} left"
             )
+        for i in self._pages_written(start, end):
+            if i < len(table) and self._refcounts[table[i]] == 1 and table[i] in self._page_keys:
+                del self._prefix_cache[self._page_keys.pop(table[i])]  # about to change: no longer that prefix
         copies = []
         for i in shared:
             dst_page = self._take_free_page()

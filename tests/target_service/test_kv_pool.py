@@ -210,6 +210,18 @@ def test_fork_of_a_prefix_shares_its_pages_and_caches_the_child_s_own_pages():
         pool.fork("c", "e", 9)
 
 
+def test_a_child_forked_mid_page_writes_into_a_cached_page_only_after_uncaching_it():
+    pool = PagedKVPool(num_pages=8, page_size=PAGE_SIZE)
+    prefill(pool, "a", [1, 2, 3, 4, 5])  # page 0 full and cached, page 1 holds position 4
+    pool.fork("a", "c", 1)  # c's partial last page is a's full page 0
+    pool.release("a")  # c alone holds page 0 now
+    assert pool.reserve("c", 1) == ([1], [])  # written in place: nobody else reads it...
+    pool.commit("c", [9])
+    # ...and a prompt with a's first page no longer maps it: its position 1 holds c's token now
+    assert pool.allocate("d", [1, 2, 3, 4, 5]) == 0
+    assert 0 not in pool.block_table("d")
+
+
 def test_commit_into_page_shared_since_reserve_is_refused():
     pool = PagedKVPool(num_pages=8, page_size=PAGE_SIZE)
     prefill(pool, "a", [1, 2, 3, 4, 5, 6])
