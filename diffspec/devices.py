@@ -1,4 +1,4 @@
-"""Turn the ``device`` and ``dtype`` settings into torch objects."""
+"""Turn the ``device`` and ``dtype`` settings into torch objects, and move small tensors without a stream sync."""
 
 from __future__ import annotations
 
@@ -50,3 +50,24 @@ def copy_in(target: torch.Tensor, host: torch.Tensor) -> None:
         target.copy_(host)
         return
     target.copy_(host.pin_memory(), non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's copy to the host, queued behind the work that computes it: the host waits for it
+    only when it first reads it (``get``), not when the copy is asked for. On a CPU it is there at once."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self._done: torch.cuda.Event | None = None
+        if source.device.type != "cuda":
+            self._host = source
+            return
+        self._host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        self._host.copy_(source, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def get(self) -> torch.Tensor:
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        return self._host

@@ -4,12 +4,14 @@ Node 0 is the root: the last committed token, whose KV the target has not comput
 Every other node is a draft token whose parent precedes it (``parents[i] < i``), so a tree
 is a topologically ordered list. The tree mask and position offsets derive from parents only.
 The same tree as plain lists, for the wire and a gateway without torch, is ``TreeNodes``
-(``diffspec/tree_nodes.py``); both are a ``ProposedTree``.
+(``diffspec/tree_nodes.py``); a drafter's tree still on its way to the host is a ``PendingTree``.
+All three are a ``ProposedTree``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 
 import torch
@@ -28,6 +30,38 @@ class DeviceTree:
     depths: torch.Tensor  # [capacity] int64: root 0, child = parent + 1 (target positions = committed + depth)
     ancestor_mask: torch.Tensor  # [capacity, capacity] bool: mask[i, j] = node j is node i or one of its ancestors
     num_nodes: torch.Tensor  # [] int64
+
+
+class PendingTree:
+    """A drafter's tree whose nodes the host has not read yet: a target in the same process verifies it
+    from ``on_device`` while the proposal is still on the GPU, and ``tree()`` waits for the host copy, once,
+    when the acceptance needs the nodes.
+
+    Until then only bounds are known: ``num_nodes`` is the padded size the verify computes (the real nodes
+    come first) and ``max_depth`` the deepest a node can be (the proposal's depth)."""
+
+    def __init__(self, on_device: DeviceTree, depth_bound: int, host_tree: Callable[[], DraftTree]) -> None:
+        self.on_device = on_device
+        self.depth_bound = depth_bound
+        self._host_tree = host_tree
+
+    @property
+    def num_nodes(self) -> int:
+        return self.on_device.tokens.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth_bound
+
+    def to_nodes(self) -> TreeNodes:
+        return self.tree().to_nodes()
+
+    def tree(self) -> DraftTree:
+        return self._tree
+
+    @functools.cached_property
+    def _tree(self) -> DraftTree:
+        return self._host_tree()
 
 
 @dataclass(frozen=True)
@@ -81,6 +115,8 @@ class DraftTree:
         """``tree`` as tensors: a DraftTree as it is (its device copy kept), any other form from its nodes."""
         if isinstance(tree, DraftTree):
             return tree
+        if isinstance(tree, PendingTree):
+            return tree.tree()
         nodes = tree.to_nodes()
         return DraftTree(
             tokens=torch.tensor(nodes.tokens, dtype=torch.long),

@@ -19,10 +19,10 @@ class ProposedTree(Protocol):
     """What the engine loop and the wire read of a tree, whatever holds its nodes."""
 
     @property
-    def num_nodes(self) -> int: ...
+    def num_nodes(self) -> int: ...  # the rows a verify computes: the nodes (a pending tree: its padded size)
 
     @property
-    def max_depth(self) -> int: ...  # depth of the deepest node (root = 0)
+    def max_depth(self) -> int: ...  # depth of the deepest node, root = 0 (a pending tree: the most it can be)
 
     def to_nodes(self) -> TreeNodes: ...
 

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import record_function
 
 from diffspec.errors import DiffSpecError, InvalidRequest
-from diffspec.tree import DraftTree
+from diffspec.tree import DraftTree, PendingTree
 from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats
 from draft_service.drafter import Drafter, DraftSession, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
@@ -43,7 +43,7 @@ GLOBAL_DECAY = 0.995  # the global prior moves slowly
 class _Proposed:
     """A session's last proposal, kept until its verification is observed (``online`` sessions)."""
 
-    tree: DraftTree
+    tree: DraftTree | PendingTree
     candidate: Candidate
     hazard_steps: int  # the hazard profile's steps when it was proposed: the next one is its verification
 
@@ -54,7 +54,7 @@ class _SessionState:
     hazard: HazardProfile
     candidate: Candidate  # the tree it proposes: a fixed policy's own, or the online planner's choice
     planner: TreePlanner | None = None  # online sessions only
-    last_tree: DraftTree | None = None
+    last_tree: DraftTree | PendingTree | None = None  # its host nodes are read when its verification is observed
     proposed: _Proposed | None = None  # for the planner: the last proposal, until its step is observed
     expected_tokens: float = 1.0  # what the last plan expected to emit per step
     steps_to_replan: int = 0  # proposals left before the plan is made again
@@ -156,7 +156,7 @@ class DraftRuntime:
         except (RuntimeError, ValueError) as failure:
             failures.update({sid: InvalidRequest(f"draft extension failed: {failure}") for sid, _ in extensions})
 
-    def _propose(self, session_ids: list[str]) -> dict[str, DraftTree]:
+    def _propose(self, session_ids: list[str]) -> dict[str, DraftTree | PendingTree]:
         """Trees for several sessions, grown together (one head pass per depth for all)."""
         if not session_ids:
             return {}
@@ -216,7 +216,7 @@ class DraftRuntime:
         """Hand an online session's planner its last tree with the ranks the hazard profile observed for it."""
         proposed, session.proposed = session.proposed, None
         if session.planner is not None and proposed is not None and session.hazard.steps == proposed.hazard_steps + 1:
-            session.planner.observe(proposed.tree, proposed.candidate, session.hazard.last_passed_ranks)
+            session.planner.observe(DraftTree.of(proposed.tree), proposed.candidate, session.hazard.last_passed_ranks)
 
     def _replan(self, session: _SessionState, value: StepValue) -> None:
         """A new choice (``online``: from the measured acceptance and the batch's cost) and what it expects to emit."""
@@ -229,8 +229,8 @@ class DraftRuntime:
 
     def _observe_step(self, session: _SessionState, accepted: list[int]) -> None:
         """Feed the hazard profile: the sibling rank that passed at each depth, and where the path stopped."""
-        tree = session.last_tree
-        assert tree is not None
+        assert session.last_tree is not None
+        tree = DraftTree.of(session.last_tree)
         children, tokens = tree.children(), tree.token_list()
         node, ranks = 0, []
         for token in accepted:

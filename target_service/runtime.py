@@ -28,7 +28,8 @@ from diffspec.devices import dtype_name, resolve_device, resolve_dtype, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import SamplingParams, sample, target_probs, token_logprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
-from diffspec.tree import DraftTree
+from diffspec.tree import DraftTree, PendingTree
+from diffspec.tree_nodes import ProposedTree
 from kernels.attention_metadata import AttentionMetadata, causal_mask
 from target_service.acceptance_step import Commit, accept_batch
 from target_service.attention_backends import GRAPH_SAFE_BACKENDS, attention_backend, resolve_backend_name
@@ -240,8 +241,12 @@ class TargetRuntime:
     # -- verify ---------------------------------------------------------------------------------
 
     def _verify(self, steps: list[VerifyStep], failures: Failures) -> dict[str, VerifyResult]:
-        """All trees in one forward; each session's accepted path committed, in one launch for all."""
-        steps = [VerifyStep(step.session_id, DraftTree.of(step.tree)) for step in steps]  # wire and Auto trees
+        """All trees in one forward; each session's accepted path committed, in one launch for all.
+
+        A drafter's pending tree on this device goes into the forward from its device copy, so the forward
+        is queued behind the proposal without the host waiting for it; its nodes are read (and checked)
+        once the forward is queued, for the acceptance."""
+        steps = [VerifyStep(step.session_id, self._verifiable(step.tree)) for step in steps]
         valid: list[VerifyStep] = []
         for step in steps:
             self._guard(step.session_id, failures, self._check_and_reserve, step)
@@ -250,27 +255,58 @@ class TargetRuntime:
         if not valid:
             return {}
         inputs = [self._step_input(step) for step in valid]
-        sessions = [self.sessions[step.session_id] for step in valid]
-        feature_layers = self._feature_layers(sessions)
+        feature_layers = self._feature_layers([self.sessions[step.session_id] for step in valid])
         graphs_hold_features = set(feature_layers) <= set(self.feature_layers)  # graphs compute the default layers
         ran = self.step_graphs.run(inputs) if self.step_graphs is not None and graphs_hold_features else None
         if ran is None:
             ran = self._forward_eager(inputs, feature_layers)
+        valid, ran = self._with_host_trees(valid, ran, failures)
+        sessions = [self.sessions[step.session_id] for step in valid]
         with record_function("target.verify.accept"):
             results, commits, rejected = accept_batch(valid, sessions, ran)
         failures.update(rejected)
         self._commit(ran.forward, commits)
         return results
 
+    def _verifiable(self, tree: ProposedTree) -> DraftTree | PendingTree:
+        """A pending tree on this device as it is (the forward reads its device copy); any other as host tensors."""
+        if isinstance(tree, PendingTree) and tree.on_device.tokens.device == self.device:
+            return tree
+        return DraftTree.of(tree)
+
     def _check_and_reserve(self, step: VerifyStep) -> None:
-        """Validate the tree, then hold pages for its longest path before any compute; a page it shares with a
-        fork is copied now, since the forward reads the block table the reservation leaves."""
+        """Validate the tree (a pending one: its sizes), then hold pages for its longest path before any
+        compute; a page it shares with a fork is copied now, since the forward reads the block table the
+        reservation leaves."""
         session = self.sessions.get(step.session_id)
         if session is None:
             raise InvalidRequest(f"unknown session {step.session_id!r}")
-        self.limits.check_tree(session, self.pool.num_committed(step.session_id), step.tree)
-        _, copies = self.pool.reserve(step.session_id, step.tree.max_depth + 1)
+        committed = self.pool.num_committed(step.session_id)
+        tree = step.tree
+        if isinstance(tree, PendingTree):
+            self.limits.check_tree_size(session, committed, tree.num_nodes, tree.max_depth)
+        else:
+            self.limits.check_tree(session, committed, DraftTree.of(tree))
+        _, copies = self.pool.reserve(step.session_id, tree.max_depth + 1)
         self.cache.apply_copies(copies)
+
+    def _with_host_trees(
+        self, steps: list[VerifyStep], ran: StepOutputs, failures: Failures
+    ) -> tuple[list[VerifyStep], StepOutputs]:
+        """The steps with every pending tree read on the host (its copy landed while the forward was queued) and
+        its nodes checked; a step whose tree fails leaves the batch before anything of it is committed."""
+        kept: list[VerifyStep] = []
+        offsets: list[int] = []
+        for step, offset in zip(steps, ran.row_offsets):
+            if isinstance(step.tree, PendingTree):
+                tree = step.tree.tree()
+                self._guard(step.session_id, failures, self.limits.check_tree_nodes, self.sessions[step.session_id], tree)
+                if step.session_id in failures:
+                    continue
+                step = VerifyStep(step.session_id, tree)
+            kept.append(step)
+            offsets.append(offset)
+        return kept, dataclasses.replace(ran, row_offsets=offsets)
 
     def _step_input(self, step: VerifyStep) -> StepInput:
         committed = self.pool.num_committed(step.session_id)
@@ -427,5 +463,5 @@ def _host_mask(step: StepInput) -> torch.Tensor:
     """The tree's mask [n, n] on the host: the drafter's own where it grew the tree on the host (the CPU), else
     built from the parents (a device mask would be a wait for the device)."""
     drafted = step.device_mask(torch.device("cpu"))
-    n = step.tree.num_nodes
+    n = step.tokens.numel()  # a pending tree's device mask is padded, its real nodes first
     return drafted[:n, :n] if drafted is not None else step.mask

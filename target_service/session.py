@@ -1,7 +1,9 @@
 """A target session's state and the checks every piece of work is put through before it runs.
 
 Checks run before any forward or pool change, so a rejected session leaves the batch it came
-in, and every other session in it, exactly as they were.
+in, and every other session in it, exactly as they were. A drafter's tree still on its way to the
+host (``PendingTree``) has its sizes checked before the forward and its nodes after it, before any
+of its rows is committed.
 """
 
 from __future__ import annotations
@@ -48,15 +50,23 @@ class SessionLimits:
 
     def check_tree(self, session: TargetSession, committed: int, tree: DraftTree) -> None:
         """The tree grows from the session's last token, fits the tree and context limits, and is in the vocabulary."""
+        self.check_tree_size(session, committed, tree.num_nodes, tree.max_depth)
+        self.check_tree_nodes(session, tree)
+
+    def check_tree_size(self, session: TargetSession, committed: int, num_nodes: int, max_depth: int) -> None:
+        """What a verify's inputs and pages need: a decoding session, and a tree within the tree and context limits."""
         if session.prefilling:
             raise InvalidRequest("the session is still prefilling its prompt")
+        if num_nodes > MAX_TREE_NODES:
+            raise InvalidRequest(f"tree of {num_nodes} nodes exceeds {MAX_TREE_NODES}")
+        if committed + max_depth + 1 > self.max_context:
+            raise InvalidRequest(f"the session would exceed its context of {self.max_context} tokens")
+
+    def check_tree_nodes(self, session: TargetSession, tree: DraftTree) -> None:
+        """What its acceptance needs: a root that is the session's last token, and ids in the vocabulary."""
         tokens = tree.token_list()
         if tokens[0] != session.pending_token:
             raise InvalidRequest(f"tree root {tokens[0]} is not the session's last token {session.pending_token}")
-        if len(tokens) > MAX_TREE_NODES:
-            raise InvalidRequest(f"tree of {len(tokens)} nodes exceeds {MAX_TREE_NODES}")
-        if committed + tree.max_depth + 1 > self.max_context:
-            raise InvalidRequest(f"the session would exceed its context of {self.max_context} tokens")
         self.check_token_ids(tokens)
 
     def check_token_ids(self, ids: list[int]) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from diffspec.cuda_graphs import record_graph
 from diffspec.devices import copy_in
-from diffspec.tree import DraftTree
+from diffspec.tree import DeviceTree, DraftTree, PendingTree
 from kernels.attention_metadata import AttentionMetadata
 from target_service.kv_cache import PagedKVCache
 from target_service.llama import AttentionBackend, LlamaModel, PagedForwardOutput
@@ -32,24 +32,35 @@ from target_service.llama import AttentionBackend, LlamaModel, PagedForwardOutpu
 class StepInput:
     """One sequence's new tokens in a verify step: a tree after ``context_len`` committed tokens."""
 
-    tree: DraftTree  # its nodes are the new tokens; the root is the last committed token's successor
+    tree: DraftTree | PendingTree  # its nodes are the new tokens; the root is the last committed token's successor
     context_len: int  # committed tokens before the new ones
     block_table: list[int]  # pages holding the committed tokens
 
     @property
+    def num_rows(self) -> int:
+        """Rows the forward computes for it: the tree's nodes (a pending tree's padded size)."""
+        return self.tree.num_nodes
+
+    def device_tree(self, device: torch.device) -> DeviceTree | None:
+        """The tree where the drafter left it, when that is ``device`` and the host has not read it, else None."""
+        if isinstance(self.tree, PendingTree) and self.tree.on_device.tokens.device == device:
+            return self.tree.on_device
+        return None
+
+    @property
     def tokens(self) -> torch.Tensor:
         """[n] int64 (host)."""
-        return self.tree.tokens
+        return DraftTree.of(self.tree).tokens
 
     @property
     def positions(self) -> torch.Tensor:
         """[n] int64 (host): the committed length plus each node's depth."""
-        return self.tree.depths() + self.context_len
+        return DraftTree.of(self.tree).depths() + self.context_len
 
     @property
     def mask(self) -> torch.Tensor:
         """[n, n] bool (host): row i sees new token j (its ancestors and itself)."""
-        return self.tree.ancestor_mask()
+        return DraftTree.of(self.tree).ancestor_mask()
 
     def device_mask(self, device: torch.device) -> torch.Tensor | None:
         """The mask where the drafter left it on ``device`` ([capacity, capacity], padded), else None."""
@@ -86,8 +97,8 @@ class _Bucket:
 
     def fill(self, steps: list[StepInput]) -> None:
         """Copy the steps into the static buffers: one host-to-device copy per buffer, none waiting on
-        the GPU, then one device copy for every tree mask the drafter left on the device (those are
-        never built on the host)."""
+        the GPU, then one device copy for everything the drafter left on the device (a pending tree's
+        tokens, positions and mask; a host tree's mask), which the host never reads."""
         device = self.input_ids.device
         ids = torch.zeros(self.batch, self.tree, dtype=torch.int64)
         positions = torch.zeros(self.batch, self.tree, dtype=torch.int64)
@@ -95,16 +106,26 @@ class _Bucket:
         context = torch.zeros(self.batch, dtype=torch.int32)
         width = max(1, max(len(s.block_table) for s in steps))
         tables = torch.zeros(self.batch, width, dtype=torch.int32)
-        device_rows, device_masks = [], []
+        targets, sources = [], []  # device copies
+        depths, context_lens, position_rows = [], [], []  # pending trees' positions, made on the device
         for b, step in enumerate(steps):
-            n = step.tree.num_nodes
-            ids[b, :n], positions[b, :n] = step.tokens, step.positions
-            on_device = step.device_mask(device)
-            if on_device is None:
-                mask[b, :n, :n] = step.mask
+            n = step.num_rows
+            pending = step.device_tree(device)
+            if pending is not None:
+                rows = slice(b * self.tree, b * self.tree + n)
+                targets += [self.input_ids[rows], self.new_token_mask[b, :n, :n]]
+                sources += [pending.tokens, pending.ancestor_mask]
+                depths.append(pending.depths)
+                context_lens.append(step.context_len)
+                position_rows.append(self.positions[rows])
             else:
-                device_rows.append(self.new_token_mask[b, :n, :n])
-                device_masks.append(on_device[:n, :n])
+                ids[b, :n], positions[b, :n] = step.tokens, step.positions
+                drafted_mask = step.device_mask(device)
+                if drafted_mask is None:
+                    mask[b, :n, :n] = step.mask
+                else:
+                    targets.append(self.new_token_mask[b, :n, :n])
+                    sources.append(drafted_mask[:n, :n])
             context[b] = step.context_len
             tables[b, : len(step.block_table)] = torch.tensor(step.block_table, dtype=torch.int32)
         copy_in(self.input_ids, ids.flatten())
@@ -112,8 +133,11 @@ class _Bucket:
         copy_in(self.meta.new_token_mask, mask.flatten(0, 1))
         copy_in(self.meta.context_lens_t, context)
         copy_in(self.meta.block_tables[:, :width], tables)  # columns past width are never read
-        if device_rows:
-            torch._foreach_copy_(device_rows, device_masks)
+        if depths:
+            targets += position_rows
+            sources += torch._foreach_add(depths, context_lens)
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     @property
     def new_token_mask(self) -> torch.Tensor:
@@ -144,7 +168,7 @@ class StepGraphs:
         self._pool = torch.cuda.graph_pool_handle() if capture else None  # graphs replay one at a time
 
     def run(self, steps: list[StepInput]) -> StepOutputs | None:
-        key = self._bucket_key(len(steps), max(s.tokens.numel() for s in steps))
+        key = self._bucket_key(len(steps), max(s.num_rows for s in steps))
         if key is None:
             return None
         if key not in self._buckets:

@@ -13,7 +13,8 @@ import torch
 
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
-from diffspec.tree import DeviceTree, DraftTree
+from diffspec.errors import InvalidRequest
+from diffspec.tree import DeviceTree, DraftTree, PendingTree
 from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
 from gateway.request import GenerationRequest
@@ -49,8 +50,9 @@ def _tree(root: int, truth: list[int], extra: int, seed: int) -> DraftTree:
     return DraftTree(tokens, parents, torch.ones(tokens.numel()))
 
 
-def _with_device_tree(tree: DraftTree, capacity: int, mask: torch.Tensor | None = None) -> DraftTree:
-    """``tree`` carrying a device copy as the drafter leaves one: padded to ``capacity`` nodes (on the CPU here)."""
+def _pending(tree: DraftTree, capacity: int, mask: torch.Tensor | None = None, depth_bound: int = 8) -> PendingTree:
+    """``tree`` as the drafter hands it out: a device copy padded to ``capacity`` nodes (on the CPU here), bounds
+    for the target's size checks, and the host tree behind ``tree()``."""
     n = tree.num_nodes
     padded_mask = torch.eye(capacity, dtype=torch.bool)
     padded_mask[:n, :n] = tree.ancestor_mask() if mask is None else mask
@@ -62,7 +64,7 @@ def _with_device_tree(tree: DraftTree, capacity: int, mask: torch.Tensor | None 
         ancestor_mask=padded_mask,
         num_nodes=torch.tensor(n),
     )
-    return DraftTree(tree.tokens, tree.parents, tree.draft_probs, on_device=on_device)
+    return PendingTree(on_device, max(depth_bound, tree.max_depth), lambda: tree)
 
 
 def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int, device_trees: bool = False) -> list[tuple]:
@@ -77,7 +79,7 @@ def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int, devic
         for i, sid in enumerate(batch):
             good = truth[sid][emitted[sid] : emitted[sid] + 1 + (r + i) % 4]
             tree = _tree(runtime.pending_token(sid), good, extra=(3 * r + i) % 13, seed=r)
-            steps.append(VerifyStep(sid, _with_device_tree(tree, capacity=24) if device_trees and i % 2 == 0 else tree))
+            steps.append(VerifyStep(sid, _pending(tree, capacity=24) if device_trees and i % 2 == 0 else tree))
         results = runtime.step(TargetBatch(verifies=steps)).verifies
         assert list(results) == [step.session_id for step in steps]
         for sid, result in results.items():
@@ -128,25 +130,51 @@ def test_padded_buckets_equal_the_unpadded_forward(tiny_target_dir, truth):
 
 
 def test_trees_left_on_the_device_verify_as_host_trees(tiny_target_dir, truth):
-    """Half the trees carry the drafter's device copy, whose mask the bucket copies on the device."""
+    """Half the trees are pending (the drafter's device copy, padded to 24 nodes): buckets copy their tokens,
+    positions and masks on the device; trees over every bucket read their host nodes. Same results either way."""
     want = _run(_runtime(tiny_target_dir), truth, rounds=12)
-    padded = _padded(_runtime(tiny_target_dir), batch_sizes=(1, 2, 4), tree_sizes=(1, 4, 8, 16))
+    padded = _padded(_runtime(tiny_target_dir), batch_sizes=(1, 2, 4), tree_sizes=(1, 4, 8, 16, 32))
     _assert_same(_run(padded, truth, rounds=12, device_trees=True), want)
+    eager = _padded(_runtime(tiny_target_dir), batch_sizes=(1,), tree_sizes=(1, 4))
+    _assert_same(_run(eager, truth, rounds=12, device_trees=True), want)
 
 
-def test_a_bucket_takes_the_tree_mask_from_the_device_copy():
-    """The device copy's mask is what lands in the bucket (the host mask is not rebuilt for it); a tree
-    without one gets its host mask; rows past a tree see only themselves."""
+def test_a_bucket_takes_a_pending_tree_from_its_device_copy():
+    """What lands in the bucket for a pending tree is its device copy (the host nodes are not read); a host
+    tree gets its host mask and positions; rows past a tree see only themselves."""
     host_tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0]), torch.ones(3))
     marked = torch.ones(4, 4, dtype=torch.bool)  # not an ancestor mask: shows where the bucket read from
-    device_tree = _with_device_tree(DraftTree.chain([1, 2, 3, 4]), capacity=6, mask=marked)
+    pending = _pending(DraftTree.chain([1, 2, 3, 4]), capacity=6, mask=marked)
+    pending._host_tree = lambda: pytest.fail("the bucket read the pending tree's host nodes")
     bucket = _Bucket(batch=2, tree=8, max_pages_per_seq=2, page_size=16, device=torch.device("cpu"))
-    bucket.fill([StepInput(device_tree, 3, [0]), StepInput(host_tree, 9, [1])])
-    masks = bucket.new_token_mask
+    bucket.fill([StepInput(pending, 3, [0]), StepInput(host_tree, 9, [1])])
+    masks, ids, positions = bucket.new_token_mask, bucket.input_ids.view(2, 8), bucket.positions.view(2, 8)
     assert torch.equal(masks[0, :4, :4], marked)
-    assert torch.equal(masks[1, :3, :3], host_tree.ancestor_mask())
     assert torch.equal(masks[0, 4:, 4:], torch.eye(4, dtype=torch.bool))
-    assert bucket.positions.view(2, 8)[0, :4].tolist() == [3, 4, 5, 6]
+    assert ids[0].tolist() == [1, 2, 3, 4, 0, 0, 0, 0] and positions[0].tolist() == [3, 4, 5, 6, 3, 3, 0, 0]
+    assert torch.equal(masks[1, :3, :3], host_tree.ancestor_mask())
+    assert ids[1, :3].tolist() == [5, 6, 7] and positions[1, :3].tolist() == [9, 10, 10]
+
+
+def test_a_pending_tree_with_a_wrong_root_fails_its_session_alone(tiny_target_dir):
+    """Its nodes are checked after the forward: that session fails and frees its pages, the other keeps its
+    result, equal to the same step without the bad tree."""
+    def step(bad_root: bool) -> tuple:
+        runtime = _padded(_runtime(tiny_target_dir), batch_sizes=(1, 2), tree_sizes=(1, 8))
+        for sid in ("a", "b"):
+            runtime.prefill(sid, PROMPTS[sid], GREEDY, want_features=False)
+        root = runtime.pending_token("a") + (1 if bad_root else 0)
+        steps = [VerifyStep("a", _pending(DraftTree.chain([root, 3, 4]), capacity=8))] if bad_root else []
+        steps.append(VerifyStep("b", _pending(DraftTree.chain([runtime.pending_token("b"), 5]), capacity=8)))
+        result = runtime.step(TargetBatch(verifies=steps))
+        pages_left = runtime.pool.num_free_pages + len(runtime.pool.block_table("b"))
+        return result, runtime.pool.has_sequence("a"), pages_left == runtime.pool.num_pages
+
+    bad, a_held, only_b_holds_pages = step(bad_root=True)
+    good, _, _ = step(bad_root=False)
+    assert isinstance(bad.failures["a"], InvalidRequest) and "tree root" in str(bad.failures["a"])
+    assert not a_held and only_b_holds_pages
+    assert bad.verifies["b"] == good.verifies["b"]
 
 
 def test_steps_beyond_every_bucket_run_unpadded(tiny_target_dir, truth):
