@@ -15,8 +15,21 @@ from kernels.layer_ops_ref import apply_rotary, qkv_rope
 
 
 @triton.jit
+def _scaled_rms_norm(x, weight, hidden, eps, dtype: tl.constexpr):
+    """weight * x / rms(x) for one row ([BLOCK] fp32, zeros past ``hidden``), in ``dtype``: the normalised row
+    is rounded to ``dtype`` before the scale, as the reference's two steps round it."""
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / hidden + eps)
+    normed = (x * inv_rms).to(dtype).to(tl.float32)
+    return (weight * normed).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(
-    x_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, hidden, eps,
+    x_ptr, delta_ptr,  # [rows, hidden] each (delta read only with HAS_DELTA)
+    weight_ptr,  # [hidden]
+    sum_ptr,  # [rows, hidden]: x + delta, written with HAS_DELTA
+    out_ptr,  # [rows, hidden]
+    hidden, eps,
     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One row: optionally x + delta (stored to sum_ptr), then normalise in fp32 and scale."""
@@ -28,12 +41,9 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + tl.load(delta_ptr + row * hidden + cols, mask=inside, other=0.0).to(tl.float32))
         x = x.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * hidden + cols, x, mask=inside)
-    x32 = x.to(tl.float32)
-    inv_rms = tl.math.rsqrt(tl.sum(x32 * x32, 0) / hidden + eps)
-    normed = (x32 * inv_rms).to(out_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0)
-    out = weight.to(tl.float32) * normed.to(tl.float32)
-    tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=inside)
+    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    out = _scaled_rms_norm(x.to(tl.float32), weight, hidden, eps, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * hidden + cols, out, mask=inside)
 
 
 def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -87,23 +97,42 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, HALF: tl.constexpr):
-    """One (token, head): out = x * cos + rotate_half(x) * sin, each product rounded to the dtype."""
+def _rotate_head(x1, x2, cos_ptr, sin_ptr, out_ptr, HALF: tl.constexpr):
+    """One head: out = x * cos + rotate_half(x) * sin, each product rounded to out's dtype. x1, x2 [HALF] fp32:
+    the head's halves; cos_ptr, sin_ptr: the position's [2 * HALF] angles; out_ptr: the head's [2 * HALF].
+
+    A kernel that calls this is launched with ``enable_fp_fusion=False``: otherwise the NVIDIA backend may
+    fuse a product and the sum into one fma (it does in ``_rotate_kernel`` on sm_90), which skips the
+    product's rounding."""
+    dims = tl.arange(0, HALF)
+    dtype = out_ptr.dtype.element_ty
+    cos1 = tl.load(cos_ptr + dims).to(tl.float32)
+    cos2 = tl.load(cos_ptr + HALF + dims).to(tl.float32)
+    sin1 = tl.load(sin_ptr + dims).to(tl.float32)
+    sin2 = tl.load(sin_ptr + HALF + dims).to(tl.float32)
+    first = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
+    second = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+    tl.store(out_ptr + dims, first.to(dtype))
+    tl.store(out_ptr + HALF + dims, second.to(dtype))
+
+
+@triton.jit
+def _rotate_kernel(
+    x_ptr,  # [tokens, heads, 2 * HALF]
+    cos_ptr, sin_ptr,  # [tokens, 2 * HALF]
+    out_ptr,  # [tokens, heads, 2 * HALF]
+    heads,
+    HALF: tl.constexpr,
+):  # fmt: skip
+    """One (token, head), rotated by ``_rotate_head``."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.arange(0, HALF)
     base = (token * heads + head) * (2 * HALF)
-    dtype = out_ptr.dtype.element_ty
     x1 = tl.load(x_ptr + base + dims).to(tl.float32)
     x2 = tl.load(x_ptr + base + HALF + dims).to(tl.float32)
-    cos1 = tl.load(cos_ptr + token * 2 * HALF + dims).to(tl.float32)
-    cos2 = tl.load(cos_ptr + token * 2 * HALF + HALF + dims).to(tl.float32)
-    sin1 = tl.load(sin_ptr + token * 2 * HALF + dims).to(tl.float32)
-    sin2 = tl.load(sin_ptr + token * 2 * HALF + HALF + dims).to(tl.float32)
-    first = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
-    second = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
-    tl.store(out_ptr + base + dims, first.to(dtype))
-    tl.store(out_ptr + base + HALF + dims, second.to(dtype))
+    angles = token * 2 * HALF
+    _rotate_head(x1, x2, cos_ptr + angles, sin_ptr + angles, out_ptr + base, HALF)
 
 
 def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -114,7 +143,9 @@ def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     x = x.contiguous()
     out = torch.empty_like(x)
     tokens = x.numel() // (heads * head_dim)
-    _rotate_kernel[(tokens, heads)](x, cos.contiguous(), sin.contiguous(), out, heads, HALF=half, num_warps=1)
+    _rotate_kernel[(tokens, heads)](
+        x, cos.contiguous(), sin.contiguous(), out, heads, HALF=half, num_warps=1, enable_fp_fusion=False
+    )
     return out
 
 
@@ -128,8 +159,8 @@ def _head_input_kernel(
     hidden, hidden_row_stride, eps,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One row: the token's embedding and the hidden row, each normalised as ``_rms_norm_kernel`` does,
-    side by side in the output."""
+    """One row: the token's embedding and the hidden row, each normalised by ``_scaled_rms_norm`` (as in
+    ``_rms_norm_kernel``), side by side in the output."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < hidden
@@ -142,9 +173,8 @@ def _head_input_kernel(
         else:
             x = tl.load(hidden_ptr + row * hidden_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
             weight = tl.load(hidden_weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / hidden + eps)
-        normed = (x * inv_rms).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row * 2 * hidden + half * hidden + cols, (weight * normed).to(dtype), mask=inside)
+        out = _scaled_rms_norm(x, weight, hidden, eps, dtype)
+        tl.store(out_ptr + row * 2 * hidden + half * hidden + cols, out, mask=inside)
 
 
 def head_input_triton(
@@ -173,13 +203,12 @@ def _qkv_rope_kernel(
     rows, heads, kv_heads, qkv_b, qkv_r, cos_b, cos_r, k_b, k_r, v_b, v_r,
     HALF: tl.constexpr,
 ):  # fmt: skip
-    """One (row, head slot): slots below ``heads`` are q heads, then k heads (both rotated as
-    ``_rotate_kernel`` does), then v heads (copied)."""
+    """One (row, head slot): slots below ``heads`` are q heads, then k heads (both rotated by
+    ``_rotate_head``, as in ``_rotate_kernel``), then v heads (copied)."""
     flat = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     b, r = flat // rows, flat % rows
     dims = tl.arange(0, HALF)
-    dtype = q_ptr.dtype.element_ty
     source = qkv_ptr + b * qkv_b + r * qkv_r + slot * (2 * HALF)
     x1 = tl.load(source + dims)
     x2 = tl.load(source + HALF + dims)
@@ -188,20 +217,12 @@ def _qkv_rope_kernel(
         tl.store(v_out + dims, x1)
         tl.store(v_out + HALF + dims, x2)
     else:
-        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        angles = b * cos_b + r * cos_r
-        cos1 = tl.load(cos_ptr + angles + dims).to(tl.float32)
-        cos2 = tl.load(cos_ptr + angles + HALF + dims).to(tl.float32)
-        sin1 = tl.load(sin_ptr + angles + dims).to(tl.float32)
-        sin2 = tl.load(sin_ptr + angles + HALF + dims).to(tl.float32)
-        first = (a1 * cos1).to(dtype).to(tl.float32) + (-a2 * sin1).to(dtype).to(tl.float32)
-        second = (a2 * cos2).to(dtype).to(tl.float32) + (a1 * sin2).to(dtype).to(tl.float32)
         if slot < heads:
             out = q_ptr + flat * heads * (2 * HALF) + slot * (2 * HALF)
         else:
             out = k_ptr + b * k_b + r * k_r + (slot - heads) * (2 * HALF)
-        tl.store(out + dims, first.to(dtype))
-        tl.store(out + HALF + dims, second.to(dtype))
+        angles = b * cos_b + r * cos_r
+        _rotate_head(x1.to(tl.float32), x2.to(tl.float32), cos_ptr + angles, sin_ptr + angles, out, HALF)
 
 
 def qkv_rope_triton(
@@ -237,6 +258,6 @@ def qkv_rope_triton(
         _qkv_rope_kernel[(batch * rows, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, q, k_out, v_out, rows, num_heads, num_kv_heads, qkv.stride(0), qkv.stride(1),
             cos.stride(0), cos.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
-            HALF=half, num_warps=1,
+            HALF=half, num_warps=1, enable_fp_fusion=False,
         )  # fmt: skip
     return q, *kv_out

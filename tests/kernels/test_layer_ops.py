@@ -111,7 +111,8 @@ def test_fused_silu_mul_and_rotation_match_reference(kernel_device, dtype, token
         rope = RotaryEmbedding(RopeConfig(theta=500000.0), head_dim, torch.device(kernel_device))
         positions = torch.randint(0, 131072, (tokens,), device=kernel_device, generator=gen)
         cos, sin = rope.cos_sin(positions, dtype)
-        _close(ops.apply_rotary(q, cos, sin), apply_rotary(q, cos, sin))
+        # each product rounded, then the sum: bit for bit (a fused multiply-add would skip a rounding)
+        assert torch.equal(ops.apply_rotary(q, cos, sin), apply_rotary(q, cos, sin))
 
 
 # (dtype, heads, kv_heads, head_dim); head_dim 96: a half that is not a power of two takes the reference
@@ -139,14 +140,17 @@ def test_fused_qkv_rope_matches_reference_with_shared_positions_and_cache_slots(
     slots = tuple(c[:, start : start + rows] for c in cache)
     q, k, v = ops.qkv_rope(qkv, cos, sin, heads, kv_heads, slots)
     want_q, want_k, want_v = REFERENCE_OPS.qkv_rope(qkv, cos, sin, heads, kv_heads)
-    _close(q, want_q)
-    _close(cache[0][:, start : start + rows], want_k)
+    assert torch.equal(q, want_q) and torch.equal(cache[0][:, start : start + rows], want_k)
     assert torch.equal(cache[1][:, start : start + rows], want_v)
     assert k.data_ptr() == slots[0].data_ptr() and v.data_ptr() == slots[1].data_ptr()
     untouched = torch.cat([cache[0][:, :start], cache[0][:, start + rows :], cache[1][:, :start]], dim=1)
     assert not untouched.any()
     flat_q, flat_k, flat_v = ops.qkv_rope(qkv[1], cos[1], sin[1], heads, kv_heads)  # one leading dim
     assert torch.equal(flat_q, q[1]) and torch.equal(flat_k, k[1]) and torch.equal(flat_v, v[1])
+    # q and k rotate with the same rounding as the fused rotation of each alone
+    q_in, k_in, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    assert torch.equal(q, ops.apply_rotary(q_in.unflatten(-1, (heads, head_dim)), cos, sin))
+    assert torch.equal(k, ops.apply_rotary(k_in.unflatten(-1, (kv_heads, head_dim)), cos, sin))
 
 
 HEAD_INPUT_CASES = kernel_cases(
@@ -167,4 +171,5 @@ def test_fused_head_input_matches_two_norms_side_by_side(kernel_device, dtype, h
     assert got.shape == (2, 3, 2 * hidden)
     _close(got, REFERENCE_OPS.head_input(tokens, embedding, hidden_rows, *weights, 1e-5))
     # the same rounding as the fused norm on each half
+    assert torch.equal(got[..., :hidden], ops.rms_norm(embedding[tokens], weights[0], 1e-5))
     assert torch.equal(got[..., hidden:], ops.rms_norm(hidden_rows, weights[1], 1e-5))

@@ -52,6 +52,7 @@ class Case:
     constexprs: dict[str, int | float | bool] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 2
+    fp_fusion: bool = True  # the launch's enable_fp_fusion
 
 
 def pointers(names: str, dtype: str) -> dict[str, str]:
@@ -222,12 +223,12 @@ def kernel_cases() -> list[Case]:
             "qkv_rope", "kernels.layer_ops_triton", "_qkv_rope_kernel",
             {**pointers("qkv_ptr cos_ptr sin_ptr q_ptr k_ptr v_ptr", DTYPE),
              **scalars("rows heads kv_heads qkv_b qkv_r cos_b cos_r k_b k_r v_b v_r", "i32"), "HALF": "constexpr"},
-            {"HALF": HEAD_DIM // 2}, num_warps=1,
+            {"HALF": HEAD_DIM // 2}, num_warps=1, fp_fusion=False,
         ),
         Case(
             "rotate", "kernels.layer_ops_triton", "_rotate_kernel",
             {**pointers("x_ptr cos_ptr sin_ptr out_ptr", DTYPE), "heads": "i32", "HALF": "constexpr"},
-            {"HALF": HEAD_DIM // 2}, num_warps=1,
+            {"HALF": HEAD_DIM // 2}, num_warps=1, fp_fusion=False,
         ),
     ]  # fmt: skip
 
@@ -263,8 +264,9 @@ def compile_for(target_name: str) -> list[dict]:
         fn = getattr(importlib.import_module(case.module), case.kernel)
         source = ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs)
         compiled = triton.compile(
-            source, target=target, options={"num_warps": case.num_warps, "num_stages": case.num_stages}
-        )
+            source, target=target,
+            options={"num_warps": case.num_warps, "num_stages": case.num_stages, "enable_fp_fusion": case.fp_fusion},
+        )  # fmt: skip
         binary = compiled.asm[BINARY[backend]]
         records.append({"case": case.name, "bytes": len(binary), "shared": compiled.metadata.shared})
     return records
