@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.dispatch import triton_kernels_on
-
-LOWEST = torch.finfo(torch.float64).min  # a valid candidate's rank key is at least this; padding's is -inf
+from kernels.tree_rerank_ref import ancestor_mask, ranked, rerank_reference  # noqa: F401 - ancestor_mask: for its tests
 
 
 @dataclass
@@ -97,7 +96,7 @@ def expand(
 def best_frontier(slab: Candidates, rows: int, k: int, expand_rows: torch.Tensor, first_slot: int) -> Frontier:
     """The next depth's ``rows`` frontier slots: each session's best candidates of ``slab`` (made with ``k``
     children per row, its slots starting at ``first_slot``), valid up to ``expand_rows`` [B] int64 of them."""
-    order = _ranked(slab.log_probs, slab.valid)[:, :rows]  # [B, rows] positions in the slab
+    order = ranked(slab.log_probs, slab.valid)[:, :rows]  # [B, rows] positions in the slab
     row = torch.arange(rows, device=order.device)
     return Frontier(
         tokens=slab.tokens.gather(1, order),
@@ -162,51 +161,15 @@ def grow(
 def rerank(
     candidates: Candidates, root_tokens: torch.Tensor, total_tokens: torch.Tensor, nodes: int, max_depth: int
 ) -> TreeTensors:
-    """Each session's root plus its best ``total_tokens - 1`` ([B] int64) valid candidates, in slot order."""
-    batch, slots = candidates.tokens.shape
-    order = _ranked(candidates.log_probs, candidates.valid)  # [B, slots]
-    positions = torch.arange(slots, device=order.device).expand(batch, slots)
-    rank = torch.empty_like(order).scatter_(1, order, positions)  # [B, slots]: each slot's place in the ranking
-    kept = candidates.valid & (rank < (total_tokens - 1)[:, None])
-    index = kept.long().cumsum(1)  # [B, slots]: a kept slot's node index (the root is node 0)
-    dest = torch.where(kept, index, nodes)  # what is not kept lands in a column cut off below
-    parent_index = index.gather(1, candidates.parent_slots.clamp(min=0))
-    parent_index = torch.where(candidates.parent_slots < 0, 0, parent_index)
-    tokens = _place(root_tokens, candidates.tokens, dest, nodes, 0)
-    parents = _place(torch.full_like(root_tokens, -1), parent_index, dest, nodes, -1)
-    probs = candidates.own_log_probs.double().exp().float()
-    draft_probs = _place(torch.ones_like(probs[:, 0]), probs, dest, nodes, 0.0)
-    depths = _place(torch.zeros_like(root_tokens), candidates.depths, dest, nodes, 0)
-    num_nodes = 1 + kept.sum(1)
-    host_rows = torch.cat([tokens.double(), parents.double(), draft_probs.double(), num_nodes[:, None].double()], 1)
-    mask = ancestor_mask(parents, max_depth)
-    return TreeTensors(tokens, parents, draft_probs, depths, mask, num_nodes, host_rows)
+    """Each session's root plus its best ``total_tokens - 1`` ([B] int64) valid candidates, in slot order, with
+    the trees' ancestor masks: one Triton kernel on a GPU (``kernels.tree_rerank_triton``), its PyTorch
+    reference elsewhere (``kernels.tree_rerank_ref``), bit for bit the same."""
+    fields = (
+        candidates.tokens, candidates.log_probs, candidates.own_log_probs, candidates.valid,
+        candidates.parent_slots, candidates.depths,
+    )  # fmt: skip
+    if not triton_kernels_on(candidates.tokens.device):
+        return TreeTensors(*rerank_reference(*fields, root_tokens, total_tokens, nodes, max_depth))
+    from kernels.tree_rerank_triton import rerank_triton
 
-
-def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """parents [B, nodes] int64 (-1: none) of trees at most ``max_depth`` deep -> [B, nodes, nodes] bool,
-    mask[b, i, j] = node j is node i or one of its ancestors; one gather per level."""
-    batch, nodes = parents.shape
-    mask = torch.eye(nodes, dtype=torch.bool, device=parents.device).expand(batch, nodes, nodes).clone()
-    node = torch.arange(nodes, device=parents.device).expand(batch, nodes)
-    for _ in range(max_depth):
-        parent = parents.gather(1, node)
-        node = torch.where(parent < 0, node, parent)
-        mask.scatter_(2, node[..., None], True)
-    return mask
-
-
-def _ranked(log_probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[B, slots] slot positions, valid ones first, by cumulative log-prob descending, ties in slot order."""
-    key = torch.where(valid, log_probs.clamp(min=LOWEST), float("-inf"))
-    return key.sort(dim=1, descending=True, stable=True).indices
-
-
-def _place(
-    root: torch.Tensor, values: torch.Tensor, dest: torch.Tensor, nodes: int, padding: float
-) -> torch.Tensor:
-    """[B, nodes]: ``root`` [B] at node 0, ``values`` [B, slots] at ``dest`` (column ``nodes`` is dropped)."""
-    out = torch.full((values.shape[0], nodes + 1), padding, dtype=values.dtype, device=values.device)
-    out.scatter_(1, dest, values)
-    out[:, 0] = root
-    return out[:, :nodes]
+    return TreeTensors(*rerank_triton(*fields, root_tokens, total_tokens, nodes, max_depth))

@@ -173,6 +173,29 @@ def tree_frontier_cases() -> list[Case]:
     ]  # fmt: skip
 
 
+def tree_rerank_cases() -> list[Case]:
+    """The launch blocks of a small tree, two of the proposal's usual sizes, and the largest the kernel takes."""
+    from kernels.tree_rerank_triton import MAX_NODES, MAX_SLOTS, launch_blocks
+
+    signature = {
+        "tokens_ptr": "*i64", "log_probs_ptr": "*fp64", "own_log_probs_ptr": "*fp32", "valid_ptr": "*u8",
+        **pointers("parent_slots_ptr depths_ptr root_tokens_ptr total_tokens_ptr", "i64"),
+        "node_of_slot_ptr": "*i32", **pointers("out_tokens_ptr out_parents_ptr", "i64"),
+        "out_draft_probs_ptr": "*fp32", "out_depths_ptr": "*i64", "mask_ptr": "*u8", "num_nodes_ptr": "*i64",
+        "host_rows_ptr": "*fp64", **scalars("root_tokens_stride total_tokens_stride S N max_depth", "i32"),
+        **scalars("BLOCK NODE_BLOCK ROW_BLOCK LOWEST", "constexpr"),
+    }
+    blocks = sorted({launch_blocks(slots, nodes) for slots, nodes in [(12, 8), (310, 64), (528, 128), (MAX_SLOTS, MAX_NODES)]})
+    return [
+        Case(
+            f"tree_rerank[block={block},nodes={node_block},rows={row_block}]", "kernels.tree_rerank_triton",
+            "_rerank_kernel", signature,
+            {"BLOCK": block, "NODE_BLOCK": node_block, "ROW_BLOCK": row_block, "LOWEST": -1.7976931348623157e308},
+        )
+        for block, node_block, row_block in blocks
+    ]  # fmt: skip
+
+
 def kernel_cases() -> list[Case]:
     token_size = NUM_KV_HEADS * HEAD_DIM
     norm_block = 1 << (HIDDEN - 1).bit_length()
@@ -180,6 +203,7 @@ def kernel_cases() -> list[Case]:
         *tree_attention_cases(),
         *draft_attention_cases(),
         *tree_frontier_cases(),
+        *tree_rerank_cases(),
         Case(
             "chunk_scores", "kernels.chunk_scoring_triton", "_chunk_scores_kernel",
             {**pointers("q_ptr kmin_ptr kmax_ptr", DTYPE), "out_ptr": "*fp32", "num_chunks": "i32",
