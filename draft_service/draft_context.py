@@ -1,10 +1,15 @@
 """What the draft attends to: every committed entry (EAGLE-3 baseline) or the salience working set.
 
-The full draft KV is always kept (chunks may re-enter the working set later); with salience on,
-attention reads only the chunk arena (sinks, recent chunks, best-scoring chunks) plus the
-partial tail chunk, so a draft step costs O(budget) instead of O(context). A context whose full
-chunks all fit the arena would select every chunk anyway: it attends to the whole KV directly,
-and its chunks are neither scored nor staged until it outgrows the budget.
+The full draft KV is always kept, one per decoder layer (chunks may re-enter the working set
+later); with salience on, attention reads only the chunk arena (sinks, recent chunks,
+best-scoring chunks) plus the partial tail chunk, so a draft step costs O(budget) instead of
+O(context). A context whose full chunks all fit the arena would select every chunk anyway: it
+attends to the whole KV directly, and its chunks are neither scored nor staged until it outgrows
+the budget.
+
+Layers. Chunks are scored on the last decoder layer's keys against its query of the newest entry
+(the root's query, which an accept keeps anyway); every layer attends to the chosen chunks, each
+from an arena of its own that takes the same selections.
 """
 
 from __future__ import annotations
@@ -25,85 +30,92 @@ class DraftContext:
         dtype: torch.dtype,
         device: torch.device,
         salience: WorkingSetConfig | None = None,
+        num_layers: int = 1,
     ) -> None:
-        self.kv = DraftKV(num_kv_heads, head_dim, dtype, device)
+        self.kvs = [DraftKV(num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]  # per decoder layer
         self.salience = salience
         if salience is not None:
             self.index = ChunkIndex(salience.chunk_size, num_kv_heads, head_dim, dtype, device)
             self.selector = WorkingSetSelector(salience)
-            self.arena = ChunkArena(salience.max_chunks, salience.chunk_size, num_kv_heads, head_dim, dtype, device)
+            shape = (salience.max_chunks, salience.chunk_size, num_kv_heads, head_dim)
+            self.arenas = [ChunkArena(*shape, dtype, device) for _ in range(num_layers)]  # per decoder layer
 
     @property
     def length(self) -> int:
-        return self.kv.length
+        return self.kvs[0].length
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv.append(k, v)
+    def claim(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next ``n`` committed positions' keys and values [n, kv_heads, hd] of each decoder layer, for the
+        caller to fill before the next ``refresh``."""
+        return [kv.claim(n) for kv in self.kvs]
 
-    def claim(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next ``n`` committed positions' keys and values [n, kv_heads, hd], for the caller to fill
-        before the next ``refresh``."""
-        return self.kv.claim(n)
+    def committed(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer ``layer``'s keys and values [length, kv_heads, hd] of every committed position."""
+        return self.kvs[layer].view()
 
     @property
     def selects(self) -> bool:
         """Whether a working set is chosen: salience is on and the full chunks outnumber the arena's slots."""
-        return self.salience is not None and self.kv.length // self.salience.chunk_size > self.salience.max_chunks
+        return self.salience is not None and self.length // self.salience.chunk_size > self.salience.max_chunks
 
     def refresh(self, q: torch.Tensor) -> None:
-        """Re-score chunks against the latest query [heads, hd] and update the arena if needed."""
+        """Re-score chunks against the last layer's latest query [heads, hd] and update the arenas if needed."""
         refresh_all([self], q[None])
 
     def chunk_scores(self, q: torch.Tensor) -> torch.Tensor:
-        """[num_chunks] float32 chunk scores for the latest query [heads, hd], on the device."""
-        self.index.update(self.kv.view()[0])
+        """[num_chunks] float32 chunk scores of the last layer's keys for its latest query [heads, hd], on the
+        device."""
+        self.index.update(self.kvs[-1].view()[0])
         return self.index.scores(q)
 
     def reselect(self, scores: torch.Tensor) -> None:
-        """The working set for host ``scores``; the arena follows when it changed."""
+        """The working set for host ``scores``; every layer's arena follows when it changed."""
         assert self.salience is not None
         selected = self.selector.select(scores)
-        if set(selected) != self.arena.chunks():
-            self.arena.update(selected, *self.kv.view())
+        if set(selected) != self.arenas[0].chunks():
+            for arena, kv in zip(self.arenas, self.kvs):
+                arena.update(selected, *kv.view())
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [tokens, kv_heads, hd] the draft attends to."""
-        spans = self.spans()
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer ``layer``'s keys and values [tokens, kv_heads, hd] the draft attends to."""
+        spans = self.spans(layer)
         if len(spans) == 1:
             return spans[0]
         return torch.cat([k for k, _ in spans]), torch.cat([v for _, v in spans])
 
-    def spans(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def spans(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What ``view`` returns, as contiguous pieces in order (the arena, then the partial tail chunk),
         so a batch can copy them without concatenating first."""
-        keys, values = self.kv.view()
+        keys, values = self.kvs[layer].view()
         if not self.selects:
             return [(keys, values)]
         tail = self.index.num_chunks * self.salience.chunk_size
-        return [self.arena.view(), (keys[tail:], values[tail:])]
+        return [self.arenas[layer].view(), (keys[tail:], values[tail:])]
 
     @property
     def attended_tokens(self) -> int:
-        return sum(keys.shape[0] for keys, _ in self.spans())
+        return sum(keys.shape[0] for keys, _ in self.spans(0))
 
 
 def copy_contexts(contexts: list[DraftContext], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
-    """Context b's attended keys and values into the first rows of ``keys_out[b]`` and ``values_out[b]``
-    ([batch, capacity, kv_heads, hd]): one multi-tensor copy for the whole batch, not two per session."""
+    """Context b's attended keys and values of decoder layer l into the first rows of ``keys_out[l, b]`` and
+    ``values_out[l, b]`` ([layers, batch, capacity, kv_heads, hd]): one multi-tensor copy for the whole batch,
+    not two per session and layer."""
     targets, sources = [], []
-    for b, context in enumerate(contexts):
-        offset = 0
-        for keys, values in context.spans():
-            n = keys.shape[0]
-            targets += [keys_out[b, offset : offset + n], values_out[b, offset : offset + n]]
-            sources += [keys, values]
-            offset += n
+    for layer in range(keys_out.shape[0]):
+        for b, context in enumerate(contexts):
+            offset = 0
+            for keys, values in context.spans(layer):
+                n = keys.shape[0]
+                targets += [keys_out[layer, b, offset : offset + n], values_out[layer, b, offset : offset + n]]
+                sources += [keys, values]
+                offset += n
     torch._foreach_copy_(targets, sources)
 
 
 def refresh_all(contexts: list[DraftContext], queries: torch.Tensor) -> None:
-    """Re-score every salience context against its latest query (``queries`` [B, heads, hd]) and update
-    the arenas that need it. The selection runs on the host: all contexts' scores come back in one copy,
+    """Re-score every salience context against its last layer's latest query (``queries`` [B, heads, hd]) and
+    update the arenas that need it. The selection runs on the host: all contexts' scores come back in one copy,
     one wait for the GPU per batch instead of one per session."""
     scored = [(c, c.chunk_scores(q)) for c, q in zip(contexts, queries) if c.selects]
     if not scored:

@@ -1,4 +1,4 @@
-"""The draft's own KV over committed positions (its single layer), growing geometrically.
+"""The draft's own KV over committed positions, of one decoder layer, growing geometrically.
 
 With salience off the draft attends to all of it (the EAGLE-3 baseline); with salience on
 it attends to the working set staged in the chunk arena instead.
@@ -14,12 +14,6 @@ class DraftKV:
         self.keys = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)  # [capacity, kv_heads, hd]
         self.values = torch.empty_like(self.keys)
         self.length = 0  # committed positions held
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [n, kv_heads, hd] for the next n positions."""
-        keys, values = self.claim(k.shape[0])
-        keys.copy_(k)
-        values.copy_(v)
 
     def claim(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``n`` positions, counted as committed: [n, kv_heads, hd] keys and values for the

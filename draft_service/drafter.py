@@ -12,6 +12,11 @@ device, one head pass per depth for the whole batch, and is one CUDA graph on a 
 
 Accept. Verification commits the root and the accepted nodes; their target features pair with
 the emitted tokens (accepted drafts then the bonus) as the next committed entries.
+
+Layers. Every decoder layer of the head keeps its own draft KV. A tree node runs all layers, each
+over that layer's committed KV and its ancestors' entries of that layer. A session's root query
+and hidden are those of its last layer: the layers below ran for the newest entry when it was
+committed.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from diffspec.devices import upload
 from diffspec.tree import DraftTree
+from draft_service.draft_attention import causal_attention
 from draft_service.draft_context import DraftContext, refresh_all
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.tree_budget import DepthPlan, TreeBudget
@@ -32,13 +38,14 @@ from draft_service.tree_proposal import TreeProposer
 from draft_service.working_set import WorkingSetConfig
 
 EXTEND_CHUNK = 4096  # committed entries per projection when ingesting a long prompt
+ATTEND_CHUNK = 1024  # a lower layer's queries per causal attention call: bounds its mask, rows x context
 
 
 @dataclass
 class DraftSession:
-    context: DraftContext  # committed draft KV and what of it the draft attends to
-    root_query: torch.Tensor  # [heads, hd] roped query of the last committed entry
-    root_hidden: torch.Tensor  # [hidden] its fused input; with root_query, the proposal computes its output
+    context: DraftContext  # committed draft KV of each decoder layer and what of it the draft attends to
+    root_query: torch.Tensor  # [heads, hd] roped query of the last committed entry in the last decoder layer
+    root_hidden: torch.Tensor  # [hidden] that layer's input; with root_query, the proposal computes the output
     num_entries: int  # committed entries = position of the root token
     root_token: int  # last emitted token (target id)
 
@@ -49,7 +56,7 @@ class Drafter:
     def __init__(self, head: Eagle3Head, cuda_graphs: bool = True) -> None:
         """``cuda_graphs``: on a GPU, replay each proposal shape from one CUDA graph (ignored elsewhere)."""
         self.head = head
-        self.fused = head.fused_projections()  # a serving head's weights are final
+        self.fused = head.fused_projections()  # per decoder layer; a serving head's weights are final
         graphed = cuda_graphs and head.fc.weight.device.type == "cuda"
         self.proposer = TreeProposer(head, self.fused, capture=graphed)
 
@@ -63,7 +70,7 @@ class Drafter:
     ) -> DraftSession:
         """Build the draft KV over the prompt: entries pair f[t] with token t + 1."""
         c, weight = self.head.config, self.head.fc.weight
-        context = DraftContext(c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience)
+        context = DraftContext(c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers)
         nothing = torch.empty(0)
         session = DraftSession(context, root_query=nothing, root_hidden=nothing, num_entries=0, root_token=first_token)
         self.extend(session, features, [*prompt_ids[1:], first_token])
@@ -75,37 +82,58 @@ class Drafter:
 
     @torch.no_grad()
     def extend_many(self, extensions: list[Extension]) -> None:
-        """Commit every extension's entries: one projection pass over all sessions' rows (in chunks of
-        ``EXTEND_CHUNK``), keeping each session's last query and hidden input.
+        """Commit every extension's entries: one pass of the head over all sessions' rows (in chunks of
+        ``EXTEND_CHUNK``), keeping each session's last query and hidden input of the last decoder layer.
 
-        A one-layer draft's keys and values do not depend on its attention, so no committed entry
-        attends here: ingesting a prompt is O(length). The last entry's attention and output (the
+        Layer 0's keys and values do not depend on its attention, so a one-layer draft commits with no
+        attention at all: ingesting a prompt is O(length). The last entry's attention and output (the
         tree root's output) run inside the next proposal, over the context it stages anyway, so an
         accept is a few launches for the whole batch and a session that does not propose pays nothing.
+        In a deeper head each layer below the last attends causally over its whole committed KV (salience
+        or not) to give the layer above its input, one session at a time: O(length x context) there.
         """
         if not extensions:
             return
         device, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
+        num_layers = self.head.config.num_layers
         counts = [len(e.next_tokens) for e in extensions]
         firsts = [e.session.num_entries for e in extensions]
         total = sum(counts)
         features = torch.cat([e.features for e in extensions]) if len(extensions) > 1 else extensions[0].features
         features = upload(features, device).to(dtype)
         ends = list(itertools.accumulate(counts))  # 1 past each session's last row
+        starts = [end - n for end, n in zip(ends, counts)]
         # tokens, positions and each session's last row, in one host-to-device copy
         tokens_up = [t for e in extensions for t in e.next_tokens]
         positions_up = [p for n, c in zip(firsts, counts) for p in range(n, n + c)]
         rows = torch.tensor([*tokens_up, *positions_up, *(end - 1 for end in ends)], dtype=torch.int64)
         tokens, positions, last_rows = upload(rows, device).split([total, total, len(extensions)])
-        keys, values, queries, hiddens = [], [], [], []
+        claims = [e.session.context.claim(n) for e, n in zip(extensions, counts)]  # [session][layer]: keys, values
+        queries, hiddens = [], []
         first_session = 0  # the first session whose last row is in this chunk or a later one
         for start in range(0, total, EXTEND_CHUNK):
             stop = min(start + EXTEND_CHUNK, total)
+            # (session, first row, stop row) of each session with rows in this chunk, rows counted in the chunk
+            segments = [
+                (i, max(starts[i], start) - start, min(ends[i], stop) - start)
+                for i in range(bisect.bisect_right(ends, start), bisect.bisect_left(starts, stop))
+            ]
             hidden = self.head.fuse(features[start:stop])
             rope = self.head.rope(positions[start:stop])
-            q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, rope, self.fused)
-            keys.append(k)
-            values.append(v)
+            for layer in range(num_layers):
+                q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, rope, self.fused[layer], layer=layer)
+                targets, sources = [], []
+                for i, lo, hi in segments:
+                    keys, values = claims[i][layer]
+                    done = start + lo - starts[i]  # the session's rows before this chunk
+                    targets += [keys[done : done + hi - lo], values[done : done + hi - lo]]
+                    sources += [k[lo:hi], v[lo:hi]]
+                torch._foreach_copy_(targets, sources)  # no copy of the chunk first, one copy for the batch
+                if layer + 1 == num_layers:
+                    break
+                pieces = [(extensions[i].session.context, lo, hi, firsts[i] + start + hi - starts[i])
+                          for i, lo, hi in segments]  # fmt: skip
+                hidden = self.head.attention_outputs(self._attend(q, pieces, layer), hidden, self.fused[layer], layer)
             last_session = bisect.bisect_right(ends, stop, lo=first_session)  # sessions ending in this chunk
             if last_session > first_session:
                 index = last_rows[first_session:last_session]
@@ -113,19 +141,26 @@ class Drafter:
                 queries.append(q[index])
                 hiddens.append(hidden[index])
                 first_session = last_session
-        keys_all, values_all = _joined(keys), _joined(values)  # no copy for one chunk, as an accept always is
-        targets, sources = [], []
-        for extension, first, n in zip(extensions, itertools.accumulate([0, *counts]), counts):
-            session = extension.session
-            targets += session.context.claim(n)
-            sources += [keys_all[first : first + n], values_all[first : first + n]]
-            session.num_entries += n
-            session.root_token = extension.next_tokens[-1]
-        torch._foreach_copy_(targets, sources)
+        for extension, n in zip(extensions, counts):
+            extension.session.num_entries += n
+            extension.session.root_token = extension.next_tokens[-1]
         last_queries, last_hiddens = _joined(queries), _joined(hiddens)  # [sessions, heads, hd], [sessions, hidden]
         refresh_all([e.session.context for e in extensions], last_queries)
         for extension, query, hidden in zip(extensions, last_queries, last_hiddens):
             extension.session.root_query, extension.session.root_hidden = query, hidden
+
+    def _attend(self, q: torch.Tensor, pieces: list[tuple[DraftContext, int, int, int]], layer: int) -> torch.Tensor:
+        """q [rows, heads, hd] of decoder layer ``layer`` -> each row over its session's committed entries of that
+        layer up to its own [rows, heads, hd]. ``pieces``: (context, first row, stop row, entries up to the stop
+        row) per session, in row order."""
+        out = []
+        for context, lo, hi, stop_entry in pieces:
+            keys, values = context.committed(layer)
+            for first in range(lo, hi, ATTEND_CHUNK):
+                last = min(first + ATTEND_CHUNK, hi)
+                seen = stop_entry - (hi - last)  # the entries up to row ``last - 1``
+                out.append(causal_attention(q[first:last], keys[:seen], values[:seen], self.head.scale))
+        return _joined(out)
 
     def propose_many(self, requests: list[ProposalRequest]) -> list[DraftTree]:
         """One tree per session, all grown together; each follows its own plan and keeps its best

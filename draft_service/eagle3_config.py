@@ -1,10 +1,11 @@
 """An EAGLE-3 head's config.json, read as vLLM and SGLang read it.
 
-A published head's config is a Llama config with ``num_hidden_layers: 1`` plus EAGLE-3 fields:
-``draft_vocab_size``, ``target_hidden_size`` (the width of the target's features when it differs
-from the head's own), ``norm_before_residual`` and ``eagle_aux_hidden_state_layer_ids`` (the
-target layers it was trained on: vLLM reads it at the top level, some heads, this project's
-own included, nest it under ``eagle_config``).
+A published head's config is a Llama config plus EAGLE-3 fields: ``draft_vocab_size``,
+``target_hidden_size`` (the width of the target's features when it differs from the head's own),
+``norm_before_residual`` and ``eagle_aux_hidden_state_layer_ids`` (the target layers it was trained
+on: vLLM reads it at the top level, some heads, this project's own included, nest it under
+``eagle_config``). ``num_hidden_layers`` is 1 in the published heads; vLLM and SGLang also run
+deeper ones (``eagle3_layers``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Eagle3Config:
     # Declared only: RoPE is computed per position (diffspec.rope), so drafting is not bounded by it.
     max_positions: int = 2048
     norm_before_residual: bool = False  # the residual is hidden_norm(feature) rather than the feature
+    num_layers: int = 1  # decoder layers: layer 0 reads (token, feature), the rest the residual stream
 
     @staticmethod
     def for_target(target: LlamaConfig, draft_vocab_size: int, feature_layers: tuple[int, ...]) -> Eagle3Config:
@@ -60,22 +62,16 @@ class Eagle3Config:
     @staticmethod
     def from_json(raw: dict) -> Eagle3Config:
         """Parse a head's config.json (published or written by ``to_json``)."""
-        layers = int(raw.get("num_hidden_layers", 1))
-        if layers != 1:
-            # Refused rather than run: the drafter keeps one layer's KV per session (draft_kv, tree_kv,
-            # the chunk arena) and its CUDA graphs replay one layer; a deeper head needs a KV per layer
-            # through all of them. The published EAGLE-3 heads have one layer.
-            raise CheckpointError(
-                f"EAGLE-3 heads of {layers} decoder layers are not supported yet: "
-                "the drafter keeps the KV of one layer per session; use a head with num_hidden_layers 1"
-            )
         if raw.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"unsupported hidden_act {raw['hidden_act']!r} (EAGLE-3 heads use silu)")
         eagle = raw.get("eagle_config") or {}
         if not eagle.get("use_aux_hidden_state", True):
             raise CheckpointError("a head without auxiliary hidden states (use_aux_hidden_state: false) is not EAGLE-3")
-        # The body is a Llama layer, so the target's parser applies; its architecture check is the target's.
+        # The body is Llama layers, so the target's parser applies; its architecture check is the target's.
         llama = parse_llama_config({**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
+        num_layers = raw.get("num_hidden_layers", 1)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise CheckpointError(f"num_hidden_layers must be a whole number >= 1, got {num_layers!r}")
         draft_vocab_size = int(raw.get("draft_vocab_size") or llama.vocab_size)
         if not 0 < draft_vocab_size <= llama.vocab_size:
             raise CheckpointError(f"draft_vocab_size {draft_vocab_size} outside 1..vocab_size {llama.vocab_size}")
@@ -93,10 +89,11 @@ class Eagle3Config:
             feature_layers=declared_feature_layers(raw),
             max_positions=llama.max_positions,
             norm_before_residual=bool(raw.get("norm_before_residual", False)),
+            num_layers=num_layers,
         )
 
     def to_json(self) -> dict:
-        """A Llama config.json with one layer, as the published heads ship."""
+        """A Llama config.json, as the published heads ship."""
         raw: dict = {
             "architectures": [PUBLISHED_ARCHITECTURE],
             "model_type": "llama",
@@ -106,7 +103,7 @@ class Eagle3Config:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
+            "num_hidden_layers": self.num_layers,
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_positions,
             "vocab_size": self.vocab_size,

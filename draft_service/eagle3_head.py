@@ -1,12 +1,17 @@
-"""The EAGLE-3 draft head: fc on the target's features, one decoder layer over (token, feature)
+"""The EAGLE-3 draft head: fc on the target's features, decoder layers over (token, feature)
 pairs, norm + lm_head over the draft vocab.
 
-The attention is split in two halves (``attention_inputs`` -> caller's attention ->
+Layers. Layer 0 reads the (token, feature) pair; each layer above it reads the residual stream the
+layer below returns (as vLLM and SGLang run deeper heads). The last layer's output, before the
+norm, is both what lm_head reads (after ``norm``) and the hidden fed back to the next depth. A
+published head has layer 0 only.
+
+The attention is split in two halves per layer (``attention_inputs`` -> caller's attention ->
 ``attention_outputs``) because each caller attends over different keys: the tree drafter over
 its KV cache plus the tree, the trainer over step-0 keys plus each position's unrolled keys,
 ``forward_dense`` causally. The head holds no per-request state. Serving passes
 ``FusedProjections`` (q|k|v and gate|up concatenated) to run two matmuls where training runs five.
-Its config is ``eagle3_config``, its layer ``eagle3_layers``, its directory ``eagle3_checkpoint``.
+Its config is ``eagle3_config``, its layers ``eagle3_layers``, its directory ``eagle3_checkpoint``.
 """
 
 from __future__ import annotations
@@ -14,11 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from diffspec.errors import CheckpointError
 from diffspec.rope import RotaryEmbedding
+from draft_service.draft_attention import causal_attention
 from draft_service.eagle3_checkpoint import (
     EMBEDDING_KEY,
     VOCAB_MAP_KEYS,
@@ -27,13 +32,13 @@ from draft_service.eagle3_checkpoint import (
     write_head_checkpoint,
 )
 from draft_service.eagle3_config import Eagle3Config
-from draft_service.eagle3_layers import FusedProjections, MidLayer, RMSNorm, layer_ops
+from draft_service.eagle3_layers import DecoderLayer, FusedProjections, MidLayer, RMSNorm, layer_ops
 
 __all__ = ["Eagle3Config", "Eagle3Head", "FusedProjections"]
 
 
 class Eagle3Head(nn.Module):
-    """fc (3 * target_hidden -> hidden) on target features, one decoder layer, norm + lm_head."""
+    """fc (3 * target_hidden -> hidden) on target features, decoder layers, norm + lm_head."""
 
     def __init__(self, config: Eagle3Config, embedding: torch.Tensor, owns_embedding: bool = False) -> None:
         """``embedding`` [vocab, hidden]: the target's (frozen, never saved), or with ``owns_embedding``
@@ -55,6 +60,8 @@ class Eagle3Head(nn.Module):
         factory = {"device": device, "dtype": embedding.dtype}
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False, **factory)
         self.midlayer = MidLayer(config, factory)
+        # layers 1.. keyed as vLLM and SGLang key them (layers.{i}.*); empty for a published one-layer head
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, factory) for i in range(1, config.num_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, factory)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False, **factory)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
@@ -66,6 +73,9 @@ class Eagle3Head(nn.Module):
         self.register_buffer("embed_tokens", embedding.detach(), persistent=owns_embedding)  # [vocab, hidden]
 
     # -- the forward pieces ------------------------------------------------------------------
+
+    def decoder_layer(self, index: int) -> DecoderLayer:
+        return self.midlayer if index == 0 else self.layers[str(index)]
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., 3 * target_hidden] -> [..., hidden]; the draft's own outputs skip this."""
@@ -82,46 +92,50 @@ class Eagle3Head(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         fused: FusedProjections | None = None,
         kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        layer: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """token_ids [..., T], hidden [..., T, hidden], rope: cos, sin [..., T, hd] of the rows' positions
         (``rope``; they may be broadcast views) -> roped q [..., T, heads, hd], roped k [..., T, kv_heads, hd],
-        v [..., T, kv_heads, hd].
+        v [..., T, kv_heads, hd] of decoder layer ``layer``.
 
-        ``fused``: the serving path's concatenated weights; None uses the separate layers (training).
+        ``hidden``: layer 0's feature side (fc(feature) or a parent's output), or above it the residual
+        stream the layer below returned (the token ids are layer 0's only).
+        ``fused``: that layer's concatenated serving weights; None uses the separate layers (training).
         ``kv_out``: where k and v are written (a tree's entry slots), returned in their place.
         """
-        c, layer = self.config, self.midlayer
+        c, decoder = self.config, self.decoder_layer(layer)
         ops = layer_ops(hidden.device)
-        norms = layer.input_layernorm, layer.hidden_norm
-        x = ops.head_input(token_ids, self.embed_tokens, hidden, norms[0].weight, norms[1].weight, norms[0].eps)
-        qkv = layer.self_attn.qkv(x, fused)
+        if layer == 0:
+            norms = decoder.input_layernorm, self.midlayer.hidden_norm
+            x = ops.head_input(token_ids, self.embed_tokens, hidden, norms[0].weight, norms[1].weight, norms[0].eps)
+        else:
+            x = decoder.input_layernorm(hidden)
+        qkv = decoder.self_attn.qkv(x, fused)
         return ops.qkv_rope(qkv, *rope, c.num_heads, c.num_kv_heads, kv_out)
 
     def attention_outputs(
-        self, attn: torch.Tensor, hidden: torch.Tensor, fused: FusedProjections | None = None
+        self, attn: torch.Tensor, hidden: torch.Tensor, fused: FusedProjections | None = None, layer: int = 0
     ) -> torch.Tensor:
         """attn [..., T, heads, hd], hidden [..., T, hidden] (as given to ``attention_inputs``)
-        -> draft output [..., T, hidden] (pre-norm).
+        -> decoder layer ``layer``'s output [..., T, hidden] (the residual stream; the last layer's is
+        the draft output, pre-norm).
 
-        The residual is the hidden input, or its ``hidden_norm`` for a head trained with
-        ``norm_before_residual`` (as vLLM reads that flag).
+        The residual is the hidden input; layer 0's is the feature's ``hidden_norm`` instead for a head
+        trained with ``norm_before_residual`` (as vLLM reads that flag).
         """
-        layer = self.midlayer
-        residual = layer.hidden_norm(hidden) if self.config.norm_before_residual else hidden
-        post_norm = layer.post_attention_layernorm
+        decoder = self.decoder_layer(layer)
+        normed_feature = layer == 0 and self.config.norm_before_residual
+        residual = self.midlayer.hidden_norm(hidden) if normed_feature else hidden
+        post_norm = decoder.post_attention_layernorm
         x, normed = layer_ops(attn.device).add_rms_norm(
-            residual, layer.self_attn.o_proj(attn.flatten(-2)), post_norm.weight, post_norm.eps
+            residual, decoder.self_attn.o_proj(attn.flatten(-2)), post_norm.weight, post_norm.eps
         )
-        return x + layer.mlp(normed, fused)
+        return x + decoder.mlp(normed, fused)
 
     @torch.no_grad()
-    def fused_projections(self) -> FusedProjections:
-        """Concatenated inference weights; take them once the weights are final (they are a copy)."""
-        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        return FusedProjections(
-            qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-        )
+    def fused_projections(self) -> list[FusedProjections]:
+        """Each decoder layer's concatenated inference weights; take them once the weights are final."""
+        return [self.decoder_layer(i).fused_projections() for i in range(self.config.num_layers)]
 
     def vocab_logits(self, output: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., draft_vocab] in the head's dtype (the tree search casts inside its softmax)."""
@@ -135,14 +149,13 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def forward_dense(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention over whole sequences: token_ids [B, S], hidden [B, S, h], positions [B, S]
-        -> output [B, S, h]."""
-        q, k, v = self.attention_inputs(token_ids, hidden, self.rope(positions))
-        group = self.config.num_heads // self.config.num_kv_heads
-        q, k, v = (t.transpose(-3, -2) for t in (q, k, v))  # [B, heads, S, hd]
-        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return self.attention_outputs(attn.transpose(-3, -2), hidden)
+        """Causal self-attention over whole sequences, layer after layer: token_ids [B, S], hidden [B, S, h]
+        (layer 0's feature side), positions [B, S] -> the last layer's output [B, S, h] (pre-norm)."""
+        rope = self.rope(positions)
+        for layer in range(self.config.num_layers):
+            q, k, v = self.attention_inputs(token_ids, hidden, rope, layer=layer)
+            hidden = self.attention_outputs(causal_attention(q, k, v, self.scale), hidden, layer=layer)
+        return hidden
 
     # -- vocab maps and checkpoints ----------------------------------------------------------
 

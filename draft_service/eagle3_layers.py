@@ -1,8 +1,10 @@
-"""The EAGLE-3 head's decoder layer, its parts named as the published ``midlayer.*`` checkpoint keys.
+"""The EAGLE-3 head's decoder layers, their parts named as the published checkpoint keys.
 
-q/k/v read the 2h-wide (token embedding, feature) concat; the rest is a Llama layer. Norms and
-SiLU x up run the fused kernels when serving on a GPU (no autograd there) and the reference
-elsewhere, training included.
+Layer 0 (``midlayer.*``): q/k/v read the 2h-wide (token embedding, feature) concat; the rest is a
+Llama layer. Layers 1.. (``layers.{i}.*``, as vLLM and SGLang name them) are plain Llama layers over
+the residual stream the layer below leaves: ``input_layernorm`` -> attention -> + stream ->
+``post_attention_layernorm`` -> MLP -> + stream. Norms and SiLU x up run the fused kernels when
+serving on a GPU (no autograd there) and the reference elsewhere, training included.
 """
 
 from __future__ import annotations
@@ -45,18 +47,18 @@ class FusedProjections:
 
 
 class AttentionProjections(nn.Module):
-    """q/k/v read the 2h-wide (embedding, feature) concat; o writes back h."""
+    """q/k/v read ``width`` (2h for layer 0's (embedding, feature) concat, h above it); o writes back h."""
 
-    def __init__(self, c: Eagle3Config, factory: dict) -> None:
+    def __init__(self, c: Eagle3Config, width: int, factory: dict) -> None:
         super().__init__()
-        q_out, kv_out, wide = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, 2 * c.hidden_size
-        self.q_proj = nn.Linear(wide, q_out, bias=False, **factory)
-        self.k_proj = nn.Linear(wide, kv_out, bias=False, **factory)
-        self.v_proj = nn.Linear(wide, kv_out, bias=False, **factory)
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = nn.Linear(width, q_out, bias=False, **factory)
+        self.k_proj = nn.Linear(width, kv_out, bias=False, **factory)
+        self.v_proj = nn.Linear(width, kv_out, bias=False, **factory)
         self.o_proj = nn.Linear(q_out, c.hidden_size, bias=False, **factory)
 
     def qkv(self, x: torch.Tensor, fused: FusedProjections | None) -> torch.Tensor:
-        """x [..., 2 * hidden] -> q|k|v [..., (heads + 2 * kv_heads) * hd]."""
+        """x [..., width] -> q|k|v [..., (heads + 2 * kv_heads) * hd]."""
         if fused is None:
             return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return F.linear(x, fused.qkv)
@@ -77,13 +79,34 @@ class MLP(nn.Module):
         return self.down_proj(layer_ops(x.device).silu_mul(gate, up))
 
 
-class MidLayer(nn.Module):
-    """Attribute names are the published checkpoint's ``midlayer.*`` keys."""
+class DecoderLayer(nn.Module):
+    """A layer above layer 0; attribute names are the published ``layers.{i}.*`` keys."""
 
     def __init__(self, c: Eagle3Config, factory: dict) -> None:
         super().__init__()
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, factory)
+        self._add_parts(c, c.hidden_size, factory)
+
+    def _add_parts(self, c: Eagle3Config, width: int, factory: dict) -> None:
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, factory)
-        self.self_attn = AttentionProjections(c, factory)
+        self.self_attn = AttentionProjections(c, width, factory)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, factory)
         self.mlp = MLP(c, factory)
+
+    def fused_projections(self) -> FusedProjections:
+        """This layer's concatenated inference weights (a copy: take them once the weights are final)."""
+        attn, mlp = self.self_attn, self.mlp
+        return FusedProjections(
+            qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        )
+
+
+class MidLayer(DecoderLayer):
+    """Layer 0; attribute names are the published ``midlayer.*`` keys. ``input_layernorm`` norms the
+    token embedding, ``hidden_norm`` the feature."""
+
+    def __init__(self, c: Eagle3Config, factory: dict) -> None:
+        nn.Module.__init__(self)
+        # first, as before layers above it existed: parameter order is the order of a saved optimizer's state
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, factory)
+        self._add_parts(c, 2 * c.hidden_size, factory)

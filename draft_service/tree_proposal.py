@@ -7,16 +7,16 @@ bucket. What differs per session (plan widths, threshold, total tokens, context 
 position) sits in static input tensors, so each session's choices are masks, never host branches.
 
 Run. ``_search`` is the whole proposal: first the root's output (the last committed entry's
-attention and output pass, left by the accept for this run), then per depth the head over the
-frontier rows, attention over the session's staged context and its tree's
-own entries (``TreeKV``), the top children of every row and the next frontier; at the end the
-rerank to ``total_tokens`` and the device tree (``tree_search``). Without ``capture`` it runs
-eagerly; with it, a shape met a second time is recorded and from then on replayed: one launch per
+attention and output pass in the last decoder layer, left by the accept for this run), then per
+depth the head over the frontier rows, layer after layer, each layer attending over its staged
+context and its tree's own entries (``TreeKV``), the top children of every row and the next
+frontier; at the end the rerank to ``total_tokens`` and the device tree (``tree_search``). Without
+``capture`` it runs eagerly; with it, a shape met a second time is recorded and from then on replayed: one launch per
 proposal. Either way the one host sync is the copy of the finished trees to the host after it.
 
-Staging. Before a run the contexts are copied into a static buffer per (batch, capacity) (device
-to device; keys past a session's length are masked) and the per-session facts go in with one
-host-to-device copy. Padded sessions have no plan: they grow nothing and keep no node.
+Staging. Before a run the contexts of every layer are copied into a static buffer per (batch,
+capacity) (device to device; keys past a session's length are masked) and the per-session facts go
+in with one host-to-device copy. Padded sessions have no plan: they grow nothing and keep no node.
 """
 
 from __future__ import annotations
@@ -83,11 +83,11 @@ class _Run:
     """Static buffers of one shape (inputs, the trees' own entries) and, when captured, its graph."""
 
     shape: ProposalShape
-    context: tuple[torch.Tensor, torch.Tensor]  # [B, context, kv_heads, hd] keys, values (shared per batch, capacity)
+    context: tuple[torch.Tensor, torch.Tensor]  # [layers, B, context, kv_heads, hd] keys, values (per batch, capacity)
     facts: torch.Tensor  # [B, FACTS + 2 * depth] int64 (see the column names)
     min_log_prob: torch.Tensor  # [B] float64
-    root_queries: torch.Tensor  # [B, heads, hd]: each session's last committed entry's query
-    root_hiddens: torch.Tensor  # [B, hidden]: and its fused input (the root's output is computed in the run)
+    root_queries: torch.Tensor  # [B, heads, hd]: each session's last committed entry's query in the last layer
+    root_hiddens: torch.Tensor  # [B, hidden]: and that layer's input (the root's output is computed in the run)
     tree: TreeKV
     host_facts: torch.Tensor  # pinned mirror of facts (a GPU's host-to-device copy does not wait)
     host_min_log_prob: torch.Tensor  # pinned mirror of min_log_prob
@@ -98,7 +98,8 @@ class _Run:
 class TreeProposer:
     """Proposals for any batch of sessions; ``capture``: record each shape as a CUDA graph (a GPU only)."""
 
-    def __init__(self, head: Eagle3Head, fused: FusedProjections, capture: bool) -> None:
+    def __init__(self, head: Eagle3Head, fused: list[FusedProjections], capture: bool) -> None:
+        """``fused``: each decoder layer's serving weights."""
         self.head, self.fused, self.capture = head, fused, capture
         draft_ids = torch.arange(head.config.draft_vocab_size, device=head.fc.weight.device)
         self.target_ids = head.to_target_ids(draft_ids)  # [draft_vocab] int64, read by the top-children step
@@ -154,14 +155,14 @@ class TreeProposer:
         c, weight = self.head.config, self.head.fc.weight
         device, batch = weight.device, shape.batch
         if (batch, shape.context) not in self._contexts:
-            size = (batch, shape.context, c.num_kv_heads, c.head_dim)
+            size = (c.num_layers, batch, shape.context, c.num_kv_heads, c.head_dim)
             self._contexts[batch, shape.context] = (
                 torch.zeros(size, dtype=weight.dtype, device=device),
                 torch.zeros(size, dtype=weight.dtype, device=device),
             )
         columns = FACTS + 2 * shape.depth
         pinned = device.type == "cuda"
-        layer_rows = [rows for rows, _ in shape.widths[1:]]  # depth 0 (the root) has no entry
+        depth_rows = [rows for rows, _ in shape.widths[1:]]  # depth 0 (the root) has no entry
         run = _Run(
             shape=shape,
             context=self._contexts[batch, shape.context],
@@ -169,7 +170,7 @@ class TreeProposer:
             min_log_prob=torch.zeros(batch, dtype=torch.float64, device=device),
             root_queries=torch.zeros(batch, c.num_heads, c.head_dim, dtype=weight.dtype, device=device),
             root_hiddens=torch.zeros(batch, c.hidden_size, dtype=weight.dtype, device=device),
-            tree=TreeKV(batch, layer_rows, c.num_kv_heads, c.head_dim, weight.dtype, device),
+            tree=TreeKV(batch, depth_rows, c.num_kv_heads, c.head_dim, weight.dtype, device, c.num_layers),
             host_facts=torch.zeros(batch, columns, dtype=torch.int64, pin_memory=pinned),
             host_min_log_prob=torch.zeros(batch, dtype=torch.float64, pin_memory=pinned),
         )
@@ -210,32 +211,37 @@ class TreeProposer:
         return rerank(Candidates.cat(slabs), facts[:, ROOT_TOKEN], facts[:, TOTAL_TOKENS], shape.nodes, depth_count)
 
     def _root_pass(self, run: _Run) -> torch.Tensor:
-        """Each session's root output [B, 1, hidden]: its last committed entry over the staged context (a
-        padded session attends to one stale key rather than to nothing, which would be 0/0)."""
-        head, tree = self.head, run.tree
+        """Each session's root output [B, 1, hidden]: its last committed entry over the last layer's staged
+        context (a padded session attends to one stale key rather than to nothing, which would be 0/0)."""
+        head, last = self.head, self.head.config.num_layers - 1
         no_new = torch.zeros(run.shape.batch, 1, 0, dtype=torch.bool, device=run.facts.device)
         lengths = run.facts[:, CONTEXT_LENGTH].clamp(min=1)  # [B]
-        empty = tree.keys[:, :0]  # [B, 0, kv_heads, hd]: the tree has no entries yet
-        attn = draft_attention(run.root_queries[:, None], *run.context, empty, empty, no_new, head.scale, lengths)
-        return head.attention_outputs(attn, run.root_hiddens[:, None], self.fused)
+        empty = run.tree.keys[last, :, :0]  # [B, 0, kv_heads, hd]: the tree has no entries yet
+        context = run.context[0][last], run.context[1][last]
+        attn = draft_attention(run.root_queries[:, None], *context, empty, empty, no_new, head.scale, lengths)
+        return head.attention_outputs(attn, run.root_hiddens[:, None], self.fused[last], last)
 
     def _head_pass(
         self, run: _Run, depth: int, frontier: Frontier, previous: torch.Tensor, rope: list[torch.Tensor]
     ) -> torch.Tensor:
-        """Depth ``depth`` >= 1: the head on every frontier row, each over its session's context and its
-        ancestors' entries; ``previous`` [B, parent rows, hidden] -> this depth's outputs [B, rows, hidden].
-        ``rope``: cos, sin [B, 1, hd] of the depth's position in each session, shared by its rows."""
-        head = self.head
+        """Depth ``depth`` >= 1: the head on every frontier row, each layer over its session's context of that
+        layer and its ancestors' entries of that layer; ``previous`` [B, parent rows, hidden] -> this depth's
+        outputs [B, rows, hidden]. ``rope``: cos, sin [B, 1, hd] of the depth's position in each session,
+        shared by its rows and layers."""
+        head, tree = self.head, run.tree
         batch, rows = frontier.tokens.shape
         index = frontier.parent_rows[..., None].expand(batch, rows, previous.shape[-1])
         hidden = previous.gather(1, index)  # [B, rows, hidden]: the parents' outputs
         cos, sin = (t.expand(batch, rows, -1) for t in rope)
-        entries = run.tree.entries(depth)  # k and v go straight to the tree's slots
-        q, _, _ = head.attention_inputs(frontier.tokens, hidden, (cos, sin), self.fused, entries)
-        sees = run.tree.link(depth, frontier.parent_rows)  # [B, rows, entries]
+        sees = tree.link(depth, frontier.parent_rows)  # [B, rows, entries], every layer's
         lengths = run.facts[:, CONTEXT_LENGTH]  # [B]
-        attn = draft_attention(q, *run.context, run.tree.keys, run.tree.values, sees, head.scale, lengths)
-        return head.attention_outputs(attn, hidden, self.fused)
+        for layer in range(head.config.num_layers):
+            entries = tree.entries(depth, layer)  # k and v go straight to the tree's slots
+            q, _, _ = head.attention_inputs(frontier.tokens, hidden, (cos, sin), self.fused[layer], entries, layer)
+            context = run.context[0][layer], run.context[1][layer]
+            attn = draft_attention(q, *context, *tree.layer(layer), sees, head.scale, lengths)
+            hidden = head.attention_outputs(attn, hidden, self.fused[layer], layer)
+        return hidden
 
     def _top_children(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """outputs [B, rows, hidden] -> each row's top ``k`` draft log-probs [B, rows, k] float32, target ids int64."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -40,9 +41,16 @@ POLICIES = {
 }
 
 
-def load_head(device: torch.device, dtype: torch.dtype) -> Eagle3Head:
+def load_head(device: torch.device, dtype: torch.dtype, num_layers: int = 1) -> Eagle3Head:
+    """The bundled head; with ``num_layers`` > 1, its layer 0 under seeded randomly initialised layers."""
     embedding = load_target_embedding(BUNDLED_TARGET, device, dtype)
-    return Eagle3Head.load(BUNDLED_DRAFT, embedding, device, dtype)
+    head = Eagle3Head.load(BUNDLED_DRAFT, embedding, device, dtype)
+    if num_layers == 1:
+        return head
+    torch.manual_seed(0)
+    deep = Eagle3Head(replace(head.config, num_layers=num_layers), embedding)
+    deep.load_state_dict(head.state_dict(), strict=False)
+    return deep
 
 
 def start_sessions(
@@ -95,7 +103,7 @@ def test_device_trees_equal_the_host_search(drafter, policy, salience):
         sizes = [t.num_nodes for t in drafter.propose_many(unpruned)]
         assert any(tree.num_nodes < size for tree, size in zip(trees, sizes))
     if salience is not None:  # the longest context attends to a strict subset
-        assert sessions[-1].context.view()[0].shape[0] < CONTEXT_LENGTHS[-1]
+        assert sessions[-1].context.view(0)[0].shape[0] < CONTEXT_LENGTHS[-1]
 
 
 def test_one_batch_mixes_plans_budgets_thresholds_and_salience(drafter):
@@ -179,17 +187,18 @@ def test_shapes_pad_to_buckets(drafter, plans, lengths, want):
     assert ProposalShape.of(requests, lengths) == want
 
 
-def _graphed_and_eager(dtype: torch.dtype) -> tuple[Drafter, Drafter]:
-    head = load_head(torch.device("cuda"), dtype)
+def _graphed_and_eager(dtype: torch.dtype, num_layers: int = 1) -> tuple[Drafter, Drafter]:
+    head = load_head(torch.device("cuda"), dtype, num_layers)
     return Drafter(head, cuda_graphs=True), Drafter(head, cuda_graphs=False)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_layers", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_replays_equal_the_eager_proposal(dtype):
+def test_graph_replays_equal_the_eager_proposal(dtype, num_layers):
     """Each shape recorded once and replayed, proposal after proposal, as contexts grow, plans change and
     batches shrink to padded buckets, gives the eager run's trees and device trees."""
-    graphed, eager = _graphed_and_eager(dtype)
+    graphed, eager = _graphed_and_eager(dtype, num_layers)
     pairs = [start_sessions(d, CONTEXT_LENGTHS, None, 0) + start_sessions(d, CONTEXT_LENGTHS, SALIENCE, 1)
              for d in (graphed, eager)]  # fmt: skip
     names, generator = list(POLICIES), torch.Generator(device="cuda").manual_seed(0)
@@ -235,9 +244,10 @@ def test_a_shape_is_recorded_the_second_time_it_comes():
 
 
 @pytest.mark.gpu
-def test_the_eager_proposal_never_syncs_the_gpu():
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_the_eager_proposal_never_syncs_the_gpu(num_layers):
     """The eager search (what the graph records) launches work only: CUDA's sync check raises on any host wait."""
-    _, eager = _graphed_and_eager(torch.bfloat16)
+    _, eager = _graphed_and_eager(torch.bfloat16, num_layers)
     plan, budget = POLICIES["full-threshold"]
     sessions = start_sessions(eager, CONTEXT_LENGTHS, None)
     requests = [ProposalRequest(s, plan, budget) for s in sessions]
@@ -256,11 +266,12 @@ def test_the_eager_proposal_never_syncs_the_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_layers", [1, 2])
 @pytest.mark.parametrize("salience, waits", [(None, 0), (SALIENCE, 1)], ids=["full-context", "salience"])
-def test_a_batch_accept_waits_for_the_gpu_at_most_once(salience, waits):
+def test_a_batch_accept_waits_for_the_gpu_at_most_once(salience, waits, num_layers):
     """Extending a batch uploads its inputs through pinned memory; only the salience selection reads
-    back, all sessions' chunk scores in one copy."""
-    _, eager = _graphed_and_eager(torch.bfloat16)
+    back, all sessions' chunk scores in one copy (a deeper head's lower layers attend without a wait)."""
+    _, eager = _graphed_and_eager(torch.bfloat16, num_layers)
     sessions = start_sessions(eager, CONTEXT_LENGTHS, salience)
     c, device = eager.head.config, eager.head.fc.weight.device
     generator = torch.Generator().manual_seed(5)
@@ -303,7 +314,7 @@ def test_one_extension_pass_for_a_batch_equals_one_per_session(drafter, monkeypa
     for got, want in zip(together, alone):
         assert (got.num_entries, got.root_token) == (want.num_entries, want.root_token)
         torch.testing.assert_close(root_output(drafter, got), root_output(drafter, want), rtol=1e-5, atol=1e-5)
-        got_keys, want_keys = got.context.view()[0], want.context.view()[0]
+        got_keys, want_keys = got.context.view(0)[0], want.context.view(0)[0]
         torch.testing.assert_close(got_keys, want_keys)
 
 
@@ -320,5 +331,5 @@ def test_a_prompt_longer_than_an_extension_chunk_starts_like_its_parts(drafter, 
     for start in range(10, 60, 10):
         drafter.extend(pieces, features[start : start + 10], prompt[start + 1 : start + 11])
     assert (whole.num_entries, whole.root_token) == (pieces.num_entries, pieces.root_token) == (60, prompt[-1])
-    torch.testing.assert_close(whole.context.view()[0], pieces.context.view()[0])
+    torch.testing.assert_close(whole.context.view(0)[0], pieces.context.view(0)[0])
     torch.testing.assert_close(root_output(drafter, whole), root_output(drafter, pieces), rtol=1e-5, atol=1e-5)

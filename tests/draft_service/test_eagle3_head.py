@@ -1,4 +1,5 @@
-"""EAGLE-3 head: published checkpoint layout, loading errors, vocab maps, split attention == dense."""
+"""EAGLE-3 head: published checkpoint layouts (one layer and deeper), loading errors, vocab maps, split
+attention == dense."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from diffspec.errors import CheckpointError
 from draft_service.eagle3_head import Eagle3Config, Eagle3Head
 from draft_service.vocab_map import build_vocab_map, target_to_draft_index
 from diffspec.model_config import RopeConfig
+from kernels.layer_ops_ref import apply_rotary
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 96, 40, 32
 PUBLISHED_KEYS = {
@@ -22,18 +24,25 @@ PUBLISHED_KEYS = {
 }
 
 
-def small_config(draft_vocab: int = DRAFT_VOCAB) -> Eagle3Config:
+UPPER_LAYER_KEYS = {  # a decoder layer above layer 0, as vLLM and SGLang key it
+    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+}
+
+
+def small_config(draft_vocab: int = DRAFT_VOCAB, num_layers: int = 1) -> Eagle3Config:
     return Eagle3Config(
         hidden_size=HIDDEN, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
         rope=RopeConfig(theta=10000.0), vocab_size=VOCAB, draft_vocab_size=draft_vocab, target_hidden_size=HIDDEN,
-        feature_layers=(1, 2, 3), max_positions=512,
+        feature_layers=(1, 2, 3), max_positions=512, num_layers=num_layers,
     )
 
 
-def random_head(draft_vocab: int = DRAFT_VOCAB, seed: int = 0) -> Eagle3Head:
+def random_head(draft_vocab: int = DRAFT_VOCAB, seed: int = 0, num_layers: int = 1) -> Eagle3Head:
     """Every weight random (norms too), with a frequency-built vocab map."""
     generator = torch.Generator().manual_seed(seed)
-    head = Eagle3Head(small_config(draft_vocab), torch.randn(VOCAB, HIDDEN, generator=generator))
+    head = Eagle3Head(small_config(draft_vocab, num_layers), torch.randn(VOCAB, HIDDEN, generator=generator))
     with torch.no_grad():
         for param in head.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
@@ -188,7 +197,7 @@ def test_fused_serving_projections_equal_the_separate_layers() -> None:
     tokens = torch.randint(0, VOCAB, (7,), generator=gen)
     hidden = torch.randn(7, HIDDEN, generator=gen)
     positions = torch.arange(40, 47)
-    fused = head.fused_projections()
+    (fused,) = head.fused_projections()
     with torch.no_grad():
         for got, want in zip(head.attention_inputs(tokens, hidden, head.rope(positions), fused),
                              head.attention_inputs(tokens, hidden, head.rope(positions))):  # fmt: skip
@@ -228,10 +237,10 @@ def test_aux_layer_ids_at_either_level(extra: dict, layers: tuple[int, ...]) -> 
         ({AUX: [1, 5, 9], "eagle_config": {AUX: [2, 5, 9]}}, r"\[1, 5, 9\] at the top level but \[2, 5, 9\]"),
         ({AUX: [1, 5]}, "names 2 layers; fc reads the features of 3"),
         ({AUX: ["x", 1, 2]}, "must be a list of layer indices"),
-        ({"num_hidden_layers": 2}, "heads of 2 decoder layers are not supported yet: the drafter keeps the KV of one"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be a whole number >= 1, got 0"),
         ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state: false"),
     ],
-    ids=["conflict", "two-layers", "not-ints", "multi-layer", "no-aux"],
+    ids=["conflict", "two-layers", "not-ints", "no-layers", "no-aux"],
 )
 def test_unsupported_configs_say_why(extra: dict, message: str) -> None:
     with pytest.raises(CheckpointError, match=message):
@@ -293,6 +302,108 @@ def test_layers_0_keys_read_as_midlayer(tmp_path: Path) -> None:
     state = {k.replace("midlayer.", "layers.0."): v for k, v in head.state_dict().items()}
     loaded = Eagle3Head.load(save_bin(head, tmp_path, state), head.embed_tokens, torch.device("cpu"), torch.float32)
     assert torch.equal(loaded.midlayer.self_attn.q_proj.weight, head.midlayer.self_attn.q_proj.weight)
+
+
+# -- heads of more than one decoder layer ------------------------------------------------------
+
+
+def test_a_two_layer_head_saves_layer_0_as_midlayer_and_layer_1_as_layers_1(tmp_path: Path) -> None:
+    head = random_head(num_layers=2)
+    assert set(head.state_dict()) == PUBLISHED_KEYS | {f"layers.1.{key}" for key in UPPER_LAYER_KEYS}
+    assert not any(key.startswith("layers.") for key in random_head().state_dict())  # one layer: keys unchanged
+    assert Eagle3Config.from_json(head.config.to_json()) == head.config
+    assert head.config.to_json()["num_hidden_layers"] == 2 and small_config().to_json()["num_hidden_layers"] == 1
+    head.save(tmp_path)
+    loaded = Eagle3Head.load(tmp_path, head.embed_tokens, torch.device("cpu"), torch.float32)
+    assert loaded.config.num_layers == 2
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def _as_vllm(name: str) -> str:
+    return name.replace("midlayer.", "layers.0.")
+
+
+def _as_sglang(name: str) -> str:  # SGLang names the norm before attention of layers 1.. hidden_norm
+    return _as_vllm(name).replace("layers.1.input_layernorm.", "layers.1.hidden_norm.")
+
+
+def _as_sglang_midlayer(name: str) -> str:  # SGLang's older layer-0 name, which it still reads
+    return _as_sglang(name).replace("layers.0.", "midlayer.")
+
+
+@pytest.mark.parametrize(
+    "rename",
+    [lambda name: name, _as_vllm, _as_sglang, _as_sglang_midlayer],
+    ids=["midlayer+layers.1", "layers.0+layers.1(vLLM)", "layers.0+hidden_norm(SGLang)", "midlayer+hidden_norm"],
+)
+def test_a_two_layer_head_loads_from_each_layout_vllm_and_sglang_read(tmp_path: Path, rename) -> None:
+    head = random_head(num_layers=2)
+    state = {rename(name): tensor for name, tensor in head.state_dict().items()}
+    loaded = Eagle3Head.load(save_bin(head, tmp_path, state), head.embed_tokens, torch.device("cpu"), torch.float32)
+    assert set(loaded.state_dict()) == set(head.state_dict())
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: {k.replace("midlayer.", "midlayer.0.").replace("layers.1.", "midlayer.1."): v
+                    for k, v in s.items()},
+         r"midlayer.0.hidden_norm.weight: neither vLLM nor SGLang reads midlayer.\{i\}.\* keys"),
+        (lambda s: s | {"layers.1.hidden_norm.weight": s["layers.1.input_layernorm.weight"]},
+         "layers.1.input_layernorm.weight and layers.1.hidden_norm.weight are both layers.1.input_layernorm.weight"),
+        (lambda s: s | {"layers.0.mlp.up_proj.weight": s["midlayer.mlp.up_proj.weight"]},
+         "midlayer.mlp.up_proj.weight and layers.0.mlp.up_proj.weight are both midlayer.mlp.up_proj.weight"),
+        (lambda s: {k: v for k, v in s.items() if not k.startswith("layers.1.")},
+         r"missing keys \['layers.1.input_layernorm.weight', 'layers.1.mlp.down_proj.weight'"),
+        (lambda s: s | {"layers.2.input_layernorm.weight": s["layers.1.input_layernorm.weight"]},
+         r"unexpected keys \['layers.2.input_layernorm.weight'\]"),
+    ],
+    ids=["midlayer.i", "both-norms", "midlayer-and-layers.0", "layer-1-missing", "layer-2-extra"],
+)
+def test_two_layer_layouts_that_stay_refused_say_why(tmp_path: Path, edit, message: str) -> None:
+    head = random_head(num_layers=2)
+    save_bin(head, tmp_path, edit(head.state_dict()))
+    with pytest.raises(CheckpointError, match=message):
+        Eagle3Head.load(tmp_path, head.embed_tokens, torch.device("cpu"), torch.float32)
+
+
+def spelled_out_upper_layer(head: Eagle3Head, stream: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Layer 1 as vLLM's LlamaDecoderLayer runs it, spelt out: stream [S, h] (layer 0's output) -> [S, h]."""
+    layer, c = head.layers["1"], head.config
+    x = layer.input_layernorm(stream)
+    cos, sin = head.rope(positions)
+    q = apply_rotary(layer.self_attn.q_proj(x).view(-1, c.num_heads, c.head_dim), cos, sin)
+    k = apply_rotary(layer.self_attn.k_proj(x).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+    v = layer.self_attn.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+    attn = torch.stack([reference_attention(q, k, v, t, head.scale) for t in range(stream.shape[0])])
+    stream = stream + layer.self_attn.o_proj(attn.flatten(-2))
+    return stream + layer.mlp(layer.post_attention_layernorm(stream))
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_layer_1_reads_the_residual_stream_layer_0_leaves(norm_before_residual: bool) -> None:
+    """A two-layer head's output is layer 1 (a Llama layer) over layer 0's output; the norm and lm_head read
+    the last layer's output, which is also the hidden fed back."""
+    source = random_head(num_layers=2)
+    config = Eagle3Config(**{**source.config.__dict__, "norm_before_residual": norm_before_residual})
+    deep = Eagle3Head(config, source.embed_tokens)
+    deep.load_state_dict(source.state_dict())
+    shallow = Eagle3Head(Eagle3Config(**{**config.__dict__, "num_layers": 1}), deep.embed_tokens)
+    shallow.load_state_dict({k: v for k, v in deep.state_dict().items() if not k.startswith("layers.")})
+    gen = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, VOCAB, (1, 7), generator=gen)
+    hidden = deep.fuse(torch.randn(1, 7, 3 * HIDDEN, generator=gen))
+    positions = torch.arange(3, 10)[None]
+    with torch.no_grad():
+        layer_0 = shallow.forward_dense(tokens, hidden, positions)
+        want = spelled_out_upper_layer(deep, layer_0[0], positions[0])
+        got = deep.forward_dense(tokens, hidden, positions)
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, layer_0, atol=1e-2)
+    torch.testing.assert_close(deep.draft_logits(got), deep.lm_head(deep.norm(want[None])).float())
 
 
 # -- positions past the declared maximum -------------------------------------------------------

@@ -84,12 +84,14 @@ def test_arena_holds_exactly_the_selected_chunks(selections):
 def test_memory_is_bounded_at_128k_context():
     config = WorkingSetConfig(chunk_size=64, budget_tokens=2048)
     context = DraftContext(KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"), config)
-    arena_bytes = context.arena.num_bytes
+    arena_bytes = context.arenas[0].num_bytes
     gen = torch.Generator().manual_seed(3)
     for _ in range(32):  # 32 x 4096 = 128K tokens, the working set refreshed as they arrive
-        context.append(torch.randn(4096, KV_HEADS, HEAD_DIM, generator=gen), torch.randn(4096, KV_HEADS, HEAD_DIM))
+        ((keys, values),) = context.claim(4096)
+        keys.copy_(torch.randn(4096, KV_HEADS, HEAD_DIM, generator=gen))
+        values.copy_(torch.randn(4096, KV_HEADS, HEAD_DIM, generator=gen))
         context.refresh(torch.randn(4, HEAD_DIM, generator=gen))
-    keys, _ = context.view()
-    assert context.length == 131072 and context.arena.num_bytes == arena_bytes
+    keys, _ = context.view(0)
+    assert context.length == 131072 and context.arenas[0].num_bytes == arena_bytes
     assert keys.shape[0] == context.attended_tokens <= config.budget_tokens
     assert arena_bytes == 2 * config.max_chunks * 64 * KV_HEADS * HEAD_DIM * 4
