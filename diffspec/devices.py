@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from diffspec.errors import InvalidRequest
@@ -71,3 +73,35 @@ class HostCopy:
             self._done.synchronize()
             self._done = None
         return self._host
+
+
+class DeviceTimer:
+    """Seconds from ``start`` to ``stop`` as the device runs them: CUDA events mark two points of the
+    device's queue, so work queued behind a pending proposal is timed from when it starts, and reading
+    the span later costs no wait. On a CPU, where work is done when its call returns, the wall clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self._marks: list[torch.cuda.Event | float] = []
+
+    def start(self) -> None:
+        self._marks = [self._mark()]
+
+    def stop(self) -> None:
+        self._marks.append(self._mark())
+
+    def seconds(self) -> float:
+        """The span, once ``stop`` has run on the device (waits for it if it has not)."""
+        started, stopped = self._marks
+        if isinstance(started, float) and isinstance(stopped, float):
+            return stopped - started
+        assert isinstance(started, torch.cuda.Event) and isinstance(stopped, torch.cuda.Event)
+        stopped.synchronize()
+        return started.elapsed_time(stopped) / 1e3
+
+    def _mark(self) -> torch.cuda.Event | float:
+        if self._stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self._stream)
+        return event

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from diffspec.devices import upload
-from diffspec.tree import DraftTree
+from diffspec.tree import DraftTree, PendingTree
 from draft_service.draft_attention import causal_attention
 from draft_service.draft_context import DraftContext, refresh_all
 from draft_service.eagle3_head import Eagle3Head
@@ -165,6 +165,11 @@ class Drafter:
     def propose_many(self, requests: list[ProposalRequest]) -> list[DraftTree]:
         """One tree per session, all grown together; each follows its own plan and keeps its best
         ``total_tokens`` nodes. The trees carry their device tensors too (``DraftTree.on_device``)."""
+        return [DraftTree.of(tree) for tree in self.propose_pending(requests)]
+
+    def propose_pending(self, requests: list[ProposalRequest]) -> list[DraftTree | PendingTree]:
+        """``propose_many`` without waiting for the proposal: trees grown on a device stay pending until their
+        nodes are read, so a target in the same process can queue their verify first."""
         return self.proposer.propose(requests)
 
 

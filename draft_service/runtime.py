@@ -8,12 +8,12 @@ then grow every requested session's tree together, one head pass per depth for t
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 
+from diffspec.devices import DeviceTimer
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.tree import DraftTree, PendingTree
 from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats
@@ -75,6 +75,8 @@ class DraftRuntime:
         self.shared_measurements = SharedMeasurements()  # online: every request's, the prior of each one's own
         self.candidate_grid = CANDIDATE_GRID  # the dynamic trees an online session chooses among, beside its own
         self.proposals = 0  # batch proposals so far: when an online session probes
+        # the last proposal's depth and device span, read at the next one (it returned before the device ran it)
+        self._timed_proposal: tuple[int, DeviceTimer] | None = None
         self._lock = threading.Lock()
 
     def step(self, batch: DraftBatch) -> DraftBatchResult:
@@ -164,9 +166,14 @@ class DraftRuntime:
         with record_function("draft.plan"):
             chosen = self._plan_batch(sessions)
         requests = [ProposalRequest(s.drafter_state, list(c.plan), c.budget) for s, c in zip(sessions, chosen)]
-        started = time.perf_counter()
-        trees = self.drafter.propose_many(requests)
-        self.step_cost.observe_draft(max(c.depth for c in chosen), time.perf_counter() - started)
+        if self._timed_proposal is not None:  # the last proposal ran on the device by now: its span is a read
+            depth, timer = self._timed_proposal
+            self.step_cost.observe_draft(depth, timer.seconds())
+        timer = DeviceTimer(self.head.fc.weight.device)
+        timer.start()
+        trees = self.drafter.propose_pending(requests)
+        timer.stop()
+        self._timed_proposal = (max(c.depth for c in chosen), timer)
         for i in self._observed(sessions, chosen):
             sessions[i].proposed = _Proposed(trees[i], chosen[i], sessions[i].hazard.steps)
         for session, tree in zip(sessions, trees):

@@ -12,7 +12,9 @@ depth the head over the frontier rows, layer after layer, each layer attending o
 context and its tree's own entries (``TreeKV``), the top children of every row and the next
 frontier; at the end the rerank to ``total_tokens`` and the device tree (``tree_search``). Without
 ``capture`` it runs eagerly; with it, a shape met a second time is recorded and from then on replayed: one launch per
-proposal. Either way the one host sync is the copy of the finished trees to the host after it.
+proposal. Either way nothing waits for it: the finished trees' host copy is queued behind it and read
+when their nodes are first needed (``PendingTree``), so a target in the same process queues its verify
+first.
 
 Staging. Before a run the contexts of every layer are copied into a static buffer per (batch,
 capacity) (device to device; keys past a session's length are masked) and the per-session facts go
@@ -22,6 +24,7 @@ in with one host-to-device copy. Padded sessions have no plan: they grow nothing
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,7 +33,8 @@ import torch
 from torch.profiler import record_function
 
 from diffspec.cuda_graphs import record_graph
-from diffspec.tree import DeviceTree, DraftTree
+from diffspec.devices import HostCopy
+from diffspec.tree import DeviceTree, DraftTree, PendingTree
 from draft_service.draft_attention import draft_attention
 from draft_service.draft_context import DraftContext, copy_contexts
 from draft_service.eagle3_head import Eagle3Head, FusedProjections
@@ -114,7 +118,8 @@ class TreeProposer:
         return sum(run.graph is not None for run in self._runs.values())
 
     @torch.no_grad()
-    def propose(self, requests: list[ProposalRequest]) -> list[DraftTree]:
+    def propose(self, requests: list[ProposalRequest]) -> list[DraftTree | PendingTree]:
+        """One tree per session; pending while the proposal runs on the device (a root-only tree when none grows)."""
         contexts = [r.session.context for r in requests]
         lengths = [context.attended_tokens for context in contexts]
         shape = ProposalShape.of(requests, lengths)
@@ -129,7 +134,7 @@ class TreeProposer:
         with record_function("draft.propose.search"):
             out = self._replay(run) if graphed else self._search(run)
         with record_function("draft.propose.trees"):
-            return _trees(out, len(requests), copy_device=graphed)
+            return _trees(out, len(requests), copy_device=graphed, depth=shape.depth)
 
     def _stage(
         self, shape: ProposalShape, requests: list[ProposalRequest], contexts: list[DraftContext], lengths: list[int]
@@ -248,27 +253,33 @@ class TreeProposer:
         return top_children(self.head.vocab_logits(outputs), k, self.target_ids)
 
 
-def _trees(out: TreeTensors, count: int, copy_device: bool) -> list[DraftTree]:
-    """Split the batch into DraftTrees: host fields from one copy, device fields as views of the batch's
-    tensors (copied first when they are a graph's outputs, which the next replay overwrites)."""
-    host = out.host_rows[:count].cpu()  # the proposal's one host sync
+def _trees(out: TreeTensors, count: int, copy_device: bool, depth: int) -> list[PendingTree]:
+    """Split the batch into pending trees: device fields as views of the batch's tensors (copied first when
+    they are a graph's outputs, which the next replay overwrites), host fields from one copy queued behind
+    the proposal and read when a tree's nodes are first asked for, so nothing here waits for the GPU."""
+    host = HostCopy(out.host_rows[:count])
     device = [out.tokens, out.parents, out.depths, out.ancestor_mask, out.num_nodes]
     if copy_device:
         device = [t.clone() for t in device]
-    nodes = out.tokens.shape[1]
     trees = []
     for b in range(count):
-        row, num_nodes = host[b], int(host[b, -1])
-        trees.append(
-            DraftTree(
-                tokens=row[:num_nodes].long(),
-                parents=row[nodes : nodes + num_nodes].long(),
-                draft_probs=row[2 * nodes : 2 * nodes + num_nodes].float(),
-                on_device=DeviceTree(*[t[b] for t in device]),
-                check=False,  # the rerank keeps a node's parent, and keeps it earlier
-            )
-        )
+        on_device = DeviceTree(*[t[b] for t in device])
+        trees.append(PendingTree(on_device, depth, functools.partial(_host_tree, host, b, on_device)))
     return trees
+
+
+def _host_tree(host: HostCopy, row: int, on_device: DeviceTree) -> DraftTree:
+    """Tree ``row`` of the proposal's host copy: tokens | parents | draft_probs, each padded, then the node count."""
+    nodes = on_device.tokens.numel()
+    values = host.get()[row]
+    num_nodes = int(values[-1])
+    return DraftTree(
+        tokens=values[:num_nodes].long(),
+        parents=values[nodes : nodes + num_nodes].long(),
+        draft_probs=values[2 * nodes : 2 * nodes + num_nodes].float(),
+        on_device=on_device,
+        check=False,  # the rerank keeps a node's parent, and keeps it earlier
+    )
 
 
 def _session_facts(request: ProposalRequest, context_length: int, depth: int) -> list[int]:

@@ -99,6 +99,9 @@ class TargetBatchResult:
     verifies: dict[str, VerifyResult] = field(default_factory=dict)
     failures: dict[str, DiffSpecError] = field(default_factory=dict)  # session -> why its work was dropped
     num_free_pages: int | None = None  # KV pages free after the step (what admission counts on); None = unknown
+    # the verify's device span, from its start on the device (behind a pending proposal) to its last kernel;
+    # None where it is not measured (over the wire): the caller's wall time of the step stands in
+    verify_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from diffspec.devices import dtype_name, resolve_device, resolve_dtype, upload
+from diffspec.devices import DeviceTimer, dtype_name, resolve_device, resolve_dtype, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import SamplingParams, sample, target_probs, token_logprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
@@ -108,7 +108,7 @@ class TargetRuntime:
                 self._guard(opening.session_id, failures, self._open, opening)
             prefills = self._sample_first_tokens(batch.collects, failures)
             with record_function("target.verify"):
-                verifies = self._verify([v for v in batch.verifies if v.session_id not in failures], failures)
+                verifies, verify_seconds = self._verify([v for v in batch.verifies if v.session_id not in failures], failures)
             with record_function("target.prefill"):
                 prefills |= self._prefill([w for w in batch.prefills if w.session_id not in failures], failures)
             if not batch.first_tokens_next_step:
@@ -118,7 +118,7 @@ class TargetRuntime:
                 self._release(session_id)
                 prefills.pop(session_id, None)  # a prompt whose first token failed reported its progress first
             free = self.pool.num_free_pages
-        return TargetBatchResult(prefills, verifies, failures, free)
+        return TargetBatchResult(prefills, verifies, failures, free, verify_seconds)
 
     def _guard(self, session_id: str, failures: Failures, work, *args) -> None:  # noqa: ANN001
         try:
@@ -240,12 +240,15 @@ class TargetRuntime:
 
     # -- verify ---------------------------------------------------------------------------------
 
-    def _verify(self, steps: list[VerifyStep], failures: Failures) -> dict[str, VerifyResult]:
-        """All trees in one forward; each session's accepted path committed, in one launch for all.
+    def _verify(self, steps: list[VerifyStep], failures: Failures) -> tuple[dict[str, VerifyResult], float | None]:
+        """All trees in one forward; each session's accepted path committed, in one launch for all. Returns the
+        results and the forward's device span (None when nothing ran).
 
         A drafter's pending tree on this device goes into the forward from its device copy, so the forward
         is queued behind the proposal without the host waiting for it; its nodes are read (and checked)
         once the forward is queued, for the acceptance."""
+        timer = DeviceTimer(self.device)
+        timer.start()  # on a GPU it fires when the device gets here: after a pending proposal, not before
         steps = [VerifyStep(step.session_id, self._verifiable(step.tree)) for step in steps]
         valid: list[VerifyStep] = []
         for step in steps:
@@ -253,20 +256,21 @@ class TargetRuntime:
             if step.session_id not in failures:
                 valid.append(step)
         if not valid:
-            return {}
+            return {}, None
         inputs = [self._step_input(step) for step in valid]
         feature_layers = self._feature_layers([self.sessions[step.session_id] for step in valid])
         graphs_hold_features = set(feature_layers) <= set(self.feature_layers)  # graphs compute the default layers
         ran = self.step_graphs.run(inputs) if self.step_graphs is not None and graphs_hold_features else None
         if ran is None:
             ran = self._forward_eager(inputs, feature_layers)
+        timer.stop()
         valid, ran = self._with_host_trees(valid, ran, failures)
         sessions = [self.sessions[step.session_id] for step in valid]
         with record_function("target.verify.accept"):
             results, commits, rejected = accept_batch(valid, sessions, ran)
         failures.update(rejected)
         self._commit(ran.forward, commits)
-        return results
+        return results, timer.seconds()
 
     def _verifiable(self, tree: ProposedTree) -> DraftTree | PendingTree:
         """A pending tree on this device as it is (the forward reads its device copy); any other as host tensors."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from diffspec.tree import DraftTree
+
 from draft_service.backend import DraftAccept, DraftBatch, DraftStart
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
@@ -21,7 +23,7 @@ def test_an_accept_of_an_auto_step_leaves_the_hazard_profile_unchanged():
     tree = runtime.step(DraftBatch(starts=[start], proposes=["s"])).trees["s"]
     hazard = runtime.sessions["s"].hazard
     skipped = DraftAccept("s", [7], features(1), verified_draft_tree=False)  # the tree came late: Auto ran
-    tree = runtime.step(DraftBatch(accepts=[skipped], proposes=["s"])).trees["s"]
+    tree = DraftTree.of(runtime.step(DraftBatch(accepts=[skipped], proposes=["s"])).trees["s"])
     assert hazard.steps == 0 and runtime.sessions["s"].drafter_state.num_entries == len(prompt) + 1
     verified = DraftAccept("s", [int(tree.tokens[1]), 2], features(2))  # the first child accepted, then a bonus
     runtime.step(DraftBatch(accepts=[verified], proposes=["s"]))

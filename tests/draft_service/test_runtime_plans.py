@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from diffspec.tree import DraftTree
+
 from draft_service.backend import DraftAccept, DraftBatch, DraftStart
 from draft_service.options import DraftOptions
 from draft_service.runtime import OBSERVED_PER_STEP, REPLAN_EVERY, DraftRuntime
@@ -21,8 +23,8 @@ def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work
     generator = torch.Generator().manual_seed(0)
     features = lambda rows: torch.randn(rows, 3 * c.target_hidden_size, generator=generator)  # noqa: E731
     requests, chooses = [], []
-    propose_many = runtime.drafter.propose_many
-    monkeypatch.setattr(runtime.drafter, "propose_many", lambda batch: requests.append(batch) or propose_many(batch))
+    propose = runtime.drafter.propose_pending
+    monkeypatch.setattr(runtime.drafter, "propose_pending", lambda batch: requests.append(batch) or propose(batch))
     choose = TreePlanner.choose
     monkeypatch.setattr(TreePlanner, "choose", lambda self, *a: chooses.append(self) or choose(self, *a))
     ids = [f"s{i}" for i in range(SESSIONS)]
@@ -35,7 +37,7 @@ def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work
     for _ in range(STEPS):
         observed = sum(s.planner.observed_steps for s in runtime.sessions.values())
         # the target accepts each tree's first child, then a bonus token
-        accepts = [DraftAccept(sid, [int(trees[sid].tokens[1]), 2], features(2)) for sid in ids]
+        accepts = [DraftAccept(sid, [int(DraftTree.of(trees[sid]).tokens[1]), 2], features(2)) for sid in ids]
         trees = runtime.step(DraftBatch(accepts=accepts, proposes=ids)).trees
         plans_per_step.append(len(chooses) - sum(plans_per_step))
         observed_per_step.append(sum(s.planner.observed_steps for s in runtime.sessions.values()) - observed)

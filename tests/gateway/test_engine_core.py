@@ -159,9 +159,10 @@ class TreeCorruptingTarget(RecordingTarget):
         if self.verifies != self.at:
             return step
         self.batch_at_failure = len(batch.verifies)
-        tokens = step.tree.tokens.clone()
+        tree = DraftTree.of(step.tree)
+        tokens = tree.tokens.clone()
         tokens[0] = (tokens[0] + 1) % self.inner.info().vocab_size
-        return VerifyStep(step.session_id, DraftTree(tokens, step.tree.parents, step.tree.draft_probs))
+        return VerifyStep(step.session_id, DraftTree(tokens, tree.parents, tree.draft_probs))
 
 
 def test_failing_requests_change_no_other_output(target, draft, tokenizer, prompt_ids):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from diffspec.tree import DraftTree
 from scipy.stats import chisquare
 from transformers import AutoTokenizer
 
@@ -38,7 +40,7 @@ def test_first_emitted_token_follows_the_target(runtimes, policy, top_k):
     prompt = tokenizer("def parse_args(argv):\n    parser = argparse.ArgumentParser(")["input_ids"]
     pre = target.prefill(policy, prompt, params, want_features=True)
     start = DraftStart(policy, prompt, pre.features, pre.first_token, DraftOptions(policy.split("-")[0], "24:0.0:4"))
-    tree = draft.step(DraftBatch(starts=[start], proposes=[policy])).trees[policy]
+    tree = DraftTree.of(draft.step(DraftBatch(starts=[start], proposes=[policy])).trees[policy])
     assert tree.num_nodes > 1
     # the target's distribution at every tree node, from one tree forward over the prompt's pages
     ctx = target.committed_length(policy)
