@@ -31,18 +31,19 @@ UPPER_LAYER_KEYS = {  # a decoder layer above layer 0, as vLLM and SGLang key it
 }
 
 
-def small_config(draft_vocab: int = DRAFT_VOCAB, num_layers: int = 1) -> Eagle3Config:
+def small_config(draft_vocab: int = DRAFT_VOCAB, num_layers: int = 1, head_dim: int = 8) -> Eagle3Config:
     return Eagle3Config(
-        hidden_size=HIDDEN, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+        hidden_size=HIDDEN, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=head_dim, rms_norm_eps=1e-5,
         rope=RopeConfig(theta=10000.0), vocab_size=VOCAB, draft_vocab_size=draft_vocab, target_hidden_size=HIDDEN,
         feature_layers=(1, 2, 3), max_positions=512, num_layers=num_layers,
     )
 
 
-def random_head(draft_vocab: int = DRAFT_VOCAB, seed: int = 0, num_layers: int = 1) -> Eagle3Head:
+def random_head(draft_vocab: int = DRAFT_VOCAB, seed: int = 0, num_layers: int = 1, head_dim: int = 8) -> Eagle3Head:
     """Every weight random (norms too), with a frequency-built vocab map."""
     generator = torch.Generator().manual_seed(seed)
-    head = Eagle3Head(small_config(draft_vocab, num_layers), torch.randn(VOCAB, HIDDEN, generator=generator))
+    config = small_config(draft_vocab, num_layers, head_dim)
+    head = Eagle3Head(config, torch.randn(VOCAB, HIDDEN, generator=generator))
     with torch.no_grad():
         for param in head.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)

@@ -78,9 +78,9 @@ def small_chunks(monkeypatch) -> None:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("policy", ["chain", "uniform3", "full-threshold", "online"])
 def test_proposals_equal_dense_recomputation_through_accepts(small_chunks, policy, device):
-    """Float32 on either device; on a GPU the proposal runs the Triton kernels and is recorded as a CUDA graph
-    (each shape's second proposal replays it)."""
-    head = on_device(random_head(num_layers=2), torch.device(device))
+    """Float32 on either device; on a GPU the proposal runs the Triton kernels (head_dim 16, their least) and is
+    recorded as a CUDA graph (each shape's second proposal replays it)."""
+    head = on_device(random_head(num_layers=2, head_dim=16), torch.device(device))
     drafter = Drafter(head, cuda_graphs=True)
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if device == "cuda" else {}
     generator = torch.Generator().manual_seed(11)
