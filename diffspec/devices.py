@@ -12,15 +12,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
-    """auto = the first CUDA/ROCm GPU when there is one, else the CPU."""
+    """auto = the first CUDA/ROCm GPU when there is one, else the CPU. A GPU comes back with its index
+    (``cuda`` is ``cuda:0``), so it compares equal to the device of the tensors made on it."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError as bad:
         raise InvalidRequest(f"unknown device {name!r}: {bad}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequest(f"device {name!r} asked for, but no GPU is visible")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

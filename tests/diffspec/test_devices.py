@@ -1,0 +1,45 @@
+"""Device names resolve to the devices tensors report, so a tensor's device can be compared with a setting's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec.devices import DeviceTimer, HostCopy, resolve_device
+from diffspec.errors import InvalidRequest
+
+
+@pytest.mark.parametrize("name, index", [("cuda", 0), ("auto", 0), ("cuda:1", 1)])
+def test_a_gpu_comes_back_with_its_index(monkeypatch, name, index):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve_device(name) == torch.device("cuda", index)
+
+
+def test_the_cpu_and_unknown_names():
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(InvalidRequest, match="unknown device"):
+        resolve_device("tpu:7")
+
+
+def test_on_the_cpu_a_host_copy_is_the_tensor_and_a_timer_the_wall_clock():
+    values = torch.arange(6.0)
+    assert HostCopy(values).get() is values
+    timer = DeviceTimer(torch.device("cpu"))
+    timer.start()
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    timer.stop()
+    assert 0.0 < timer.seconds() < 60.0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_host_copy_waits_for_its_work_and_a_timer_spans_it():
+    device = resolve_device("cuda")
+    values = torch.randn(2048, 2048, device=device)
+    timer = DeviceTimer(device)
+    timer.start()
+    product = values @ values
+    timer.stop()
+    copy = HostCopy(product[:4, :4])
+    assert torch.equal(copy.get(), product[:4, :4].cpu())
+    assert product.device == device and 0.0 < timer.seconds() < 10.0
