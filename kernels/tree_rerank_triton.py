@@ -11,7 +11,9 @@ One program per session, in four passes over its slots and nodes:
    the lowest float64, for a valid slot; -inf otherwise), which is the order of a stable descending sort.
    A valid slot ranked below ``total_tokens - 1`` is kept; a running count of the kept slots (a cumsum)
    is stored per slot to a scratch row: a kept slot's node index, the root being node 0. Counting is
-   O(slots^2): a proposal has at most a few hundred slots.
+   O(slots^2): a proposal has at most a few hundred slots. A step compares a block of slots with OTHERS
+   others and the counts are summed across threads once per block: a [128, 128] step (what
+   ``tree_frontier_triton`` does) spills registers on sm_90.
 2. The root (node 0) and the padding past the kept nodes are written.
 3. Each kept slot is written at its node: its token, depth, draft probability (exp of its float32
    log-prob in float64, rounded to float32, as the reference computes it) and its parent's node, read
@@ -30,9 +32,14 @@ import triton.language as tl
 
 from kernels.tree_rerank_ref import LOWEST, rerank_reference
 
-MAX_SLOTS = 4096  # more candidates take the reference (a sort): the count is O(slots^2) per session
+# More candidates take the reference (a sort): the count is O(slots^2) per session. On an H200, in a CUDA graph,
+# the reference takes 110-175 us whatever the size; a first version of the kernel (its count spilling
+# registers) took 45-125 us at 310-528 slots and 324 us at 1056.
+MAX_SLOTS = 1024
 MAX_NODES = 512  # a mask row is one block of registers; larger trees take the reference
+SLOT_BLOCK = 128  # slots ranked per step of the count
 MASK_BLOCK = 4096  # mask entries per step of pass 4
+OTHERS = 16  # a step of the count compares a block of slots with this many others: more would spill registers
 
 
 @triton.jit
@@ -86,6 +93,7 @@ def _rerank_kernel(
     N,  # nodes per tree
     max_depth,  # parent steps of the mask's walk
     BLOCK: tl.constexpr,  # slots per step
+    OTHERS: tl.constexpr,  # slots compared against per step of the count
     NODE_BLOCK: tl.constexpr,  # nodes per step, at least N: a mask row
     ROW_BLOCK: tl.constexpr,  # mask rows per step
     LOWEST: tl.constexpr,  # the lowest float64: a valid slot's key is at least this
@@ -99,14 +107,15 @@ def _rerank_kernel(
     for start in range(0, S, BLOCK):
         slots = start + tl.arange(0, BLOCK)
         valid, key = _rank_keys(log_probs_ptr, valid_ptr, row, slots, S, LOWEST)
-        rank = tl.zeros([BLOCK], dtype=tl.int32)
-        for other_start in range(0, S, BLOCK):
-            others = other_start + tl.arange(0, BLOCK)
+        ahead_count = tl.zeros([BLOCK, OTHERS], dtype=tl.int32)  # summed once, after the loop
+        for other_start in range(0, S, OTHERS):
+            others = other_start + tl.arange(0, OTHERS)
             _, other_key = _rank_keys(log_probs_ptr, valid_ptr, row, others, S, LOWEST)
             ahead = (other_key[None, :] > key[:, None]) | (
                 (other_key[None, :] == key[:, None]) & (others[None, :] < slots[:, None])
             )  # a slot past S has key -inf and a larger index: never ahead
-            rank += tl.sum(ahead.to(tl.int32), axis=1)
+            ahead_count += ahead.to(tl.int32)
+        rank = tl.sum(ahead_count, axis=1)
         kept = (valid & (rank < limit)).to(tl.int32)
         tl.store(node_of_slot_ptr + row + slots, kept_count + tl.cumsum(kept, 0), mask=slots < S)
         kept_count += tl.sum(kept, 0)
@@ -165,7 +174,7 @@ def _rerank_kernel(
 def launch_blocks(slots: int, nodes: int) -> tuple[int, int, int]:
     """(BLOCK, NODE_BLOCK, ROW_BLOCK) of the launch for ``slots`` candidates and trees of ``nodes``."""
     node_block = max(16, triton.next_power_of_2(nodes))
-    return min(128, max(16, triton.next_power_of_2(slots))), node_block, min(node_block, MASK_BLOCK // node_block)
+    return min(SLOT_BLOCK, max(16, triton.next_power_of_2(slots))), node_block, min(node_block, MASK_BLOCK // node_block)
 
 
 def rerank_triton(
@@ -215,6 +224,6 @@ def rerank_triton(
             root_tokens, total_tokens, torch.empty(batch, slots, dtype=torch.int32, device=device),
             out_tokens, parents, draft_probs, out_depths, mask, num_nodes, host_rows,
             root_tokens.stride(0), total_tokens.stride(0), slots, nodes, max_depth,
-            BLOCK=block, NODE_BLOCK=node_block, ROW_BLOCK=row_block, LOWEST=LOWEST,
+            BLOCK=block, OTHERS=OTHERS, NODE_BLOCK=node_block, ROW_BLOCK=row_block, LOWEST=LOWEST,
         )  # fmt: skip
     return out_tokens, parents, draft_probs, out_depths, mask.view(torch.bool), num_nodes, host_rows

@@ -175,7 +175,7 @@ def tree_frontier_cases() -> list[Case]:
 
 def tree_rerank_cases() -> list[Case]:
     """The launch blocks of a small tree, two of the proposal's usual sizes, and the largest the kernel takes."""
-    from kernels.tree_rerank_triton import MAX_NODES, MAX_SLOTS, launch_blocks
+    from kernels.tree_rerank_triton import MAX_NODES, MAX_SLOTS, OTHERS, launch_blocks
 
     signature = {
         "tokens_ptr": "*i64", "log_probs_ptr": "*fp64", "own_log_probs_ptr": "*fp32", "valid_ptr": "*u8",
@@ -183,14 +183,15 @@ def tree_rerank_cases() -> list[Case]:
         "node_of_slot_ptr": "*i32", **pointers("out_tokens_ptr out_parents_ptr", "i64"),
         "out_draft_probs_ptr": "*fp32", "out_depths_ptr": "*i64", "mask_ptr": "*u8", "num_nodes_ptr": "*i64",
         "host_rows_ptr": "*fp64", **scalars("root_tokens_stride total_tokens_stride S N max_depth", "i32"),
-        **scalars("BLOCK NODE_BLOCK ROW_BLOCK LOWEST", "constexpr"),
+        **scalars("BLOCK OTHERS NODE_BLOCK ROW_BLOCK LOWEST", "constexpr"),
     }
     blocks = sorted({launch_blocks(slots, nodes) for slots, nodes in [(12, 8), (310, 64), (528, 128), (MAX_SLOTS, MAX_NODES)]})
     return [
         Case(
             f"tree_rerank[block={block},nodes={node_block},rows={row_block}]", "kernels.tree_rerank_triton",
             "_rerank_kernel", signature,
-            {"BLOCK": block, "NODE_BLOCK": node_block, "ROW_BLOCK": row_block, "LOWEST": -1.7976931348623157e308},
+            {"BLOCK": block, "OTHERS": OTHERS, "NODE_BLOCK": node_block, "ROW_BLOCK": row_block,
+             "LOWEST": -1.7976931348623157e308},
         )
         for block, node_block, row_block in blocks
     ]  # fmt: skip
