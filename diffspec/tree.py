@@ -37,17 +37,21 @@ class PendingTree:
     from ``on_device`` while the proposal is still on the GPU, and ``tree()`` waits for the host copy, once,
     when the acceptance needs the nodes.
 
-    Until then only bounds are known: ``num_nodes`` is the padded size the verify computes (the real nodes
-    come first) and ``max_depth`` the deepest a node can be (the proposal's depth)."""
+    Until then only bounds are known, from the tree's plan: ``num_nodes`` is the most nodes it can have
+    (the rows a verify computes; the real nodes come first in ``on_device``, padding after them) and
+    ``max_depth`` the deepest a node can be."""
 
-    def __init__(self, on_device: DeviceTree, depth_bound: int, host_tree: Callable[[], DraftTree]) -> None:
+    def __init__(
+        self, on_device: DeviceTree, node_bound: int, depth_bound: int, host_tree: Callable[[], DraftTree]
+    ) -> None:
         self.on_device = on_device
+        self.node_bound = node_bound
         self.depth_bound = depth_bound
         self._host_tree = host_tree
 
     @property
     def num_nodes(self) -> int:
-        return self.on_device.tokens.numel()
+        return self.node_bound
 
     @property
     def max_depth(self) -> int:

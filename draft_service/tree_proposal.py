@@ -134,7 +134,7 @@ class TreeProposer:
         with record_function("draft.propose.search"):
             out = self._replay(run) if graphed else self._search(run)
         with record_function("draft.propose.trees"):
-            return _trees(out, len(requests), copy_device=graphed, depth=shape.depth)
+            return _trees(out, requests, copy_device=graphed)
 
     def _stage(
         self, shape: ProposalShape, requests: list[ProposalRequest], contexts: list[DraftContext], lengths: list[int]
@@ -253,19 +253,34 @@ class TreeProposer:
         return top_children(self.head.vocab_logits(outputs), k, self.target_ids)
 
 
-def _trees(out: TreeTensors, count: int, copy_device: bool, depth: int) -> list[PendingTree]:
+def _trees(out: TreeTensors, requests: list[ProposalRequest], copy_device: bool) -> list[PendingTree]:
     """Split the batch into pending trees: device fields as views of the batch's tensors (copied first when
     they are a graph's outputs, which the next replay overwrites), host fields from one copy queued behind
-    the proposal and read when a tree's nodes are first asked for, so nothing here waits for the GPU."""
-    host = HostCopy(out.host_rows[:count])
+    the proposal and read when a tree's nodes are first needed, so nothing here waits for the GPU. Each
+    tree's bounds come from its own plan, so a verify computes the rows it would for the host tree."""
+    host = HostCopy(out.host_rows[: len(requests)])
     device = [out.tokens, out.parents, out.depths, out.ancestor_mask, out.num_nodes]
     if copy_device:
         device = [t.clone() for t in device]
     trees = []
-    for b in range(count):
+    for b, request in enumerate(requests):
         on_device = DeviceTree(*[t[b] for t in device])
-        trees.append(PendingTree(on_device, depth, functools.partial(_host_tree, host, b, on_device)))
+        nodes, depth = _bounds(request)
+        trees.append(PendingTree(on_device, nodes, depth, functools.partial(_host_tree, host, b, on_device)))
     return trees
+
+
+def _bounds(request: ProposalRequest) -> tuple[int, int]:
+    """The most nodes (root included) and the deepest depth ``request``'s tree can have. Every candidate of
+    its plan is valid without a threshold, so then the node count is exact."""
+    plan = request.plan[: request.budget.depth]
+    rows, slab, candidates = 1, 0, 0  # depth 0 expands the root alone
+    for depth, step in enumerate(plan):
+        if depth > 0:
+            rows = min(step.expand, slab)  # at most every candidate of the depth before
+        slab = rows * step.children
+        candidates += slab
+    return min(request.budget.total_tokens, 1 + candidates), len(plan)
 
 
 def _host_tree(host: HostCopy, row: int, on_device: DeviceTree) -> DraftTree:

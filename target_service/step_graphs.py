@@ -114,8 +114,8 @@ class _Bucket:
             if pending is not None:
                 rows = slice(b * self.tree, b * self.tree + n)
                 targets += [self.input_ids[rows], self.new_token_mask[b, :n, :n]]
-                sources += [pending.tokens, pending.ancestor_mask]
-                depths.append(pending.depths)
+                sources += [pending.tokens[:n], pending.ancestor_mask[:n, :n]]
+                depths.append(pending.depths[:n])
                 context_lens.append(step.context_len)
                 position_rows.append(self.positions[rows])
             else:

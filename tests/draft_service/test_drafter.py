@@ -106,6 +106,21 @@ def test_device_trees_equal_the_host_search(drafter, policy, salience):
         assert sessions[-1].context.view(0)[0].shape[0] < CONTEXT_LENGTHS[-1]
 
 
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_pending_tree_s_bounds_hold_its_tree_and_are_exact_without_a_threshold(drafter, policy):
+    """The bounds a target sizes its verify by, before it reads the nodes: the tree's own plan's."""
+    plan, budget = POLICIES[policy]
+    requests = [ProposalRequest(s, plan, budget) for s in start_sessions(drafter, CONTEXT_LENGTHS, None)]
+    for pending in drafter.propose_pending(requests):
+        tree = pending.tree()
+        assert tree.max_depth <= pending.max_depth == min(len(plan), budget.depth)
+        assert torch.equal(pending.on_device.tokens[: tree.num_nodes].cpu(), tree.tokens)
+        if budget.threshold == 0:
+            assert tree.num_nodes == pending.num_nodes
+        else:
+            assert tree.num_nodes <= pending.num_nodes
+
+
 def test_one_batch_mixes_plans_budgets_thresholds_and_salience(drafter):
     """Widths, depths, budgets and thresholds differ per session: each pads to the batch's widest and is masked."""
     full_context = start_sessions(drafter, CONTEXT_LENGTHS, None, seed=1)

@@ -52,7 +52,8 @@ def _tree(root: int, truth: list[int], extra: int, seed: int) -> DraftTree:
 
 def _pending(tree: DraftTree, capacity: int, mask: torch.Tensor | None = None, depth_bound: int = 8) -> PendingTree:
     """``tree`` as the drafter hands it out: a device copy padded to ``capacity`` nodes (on the CPU here), bounds
-    for the target's size checks, and the host tree behind ``tree()``."""
+    for the target's size checks (``capacity`` nodes: a thresholded tree may keep fewer than its plan allows),
+    and the host tree behind ``tree()``."""
     n = tree.num_nodes
     padded_mask = torch.eye(capacity, dtype=torch.bool)
     padded_mask[:n, :n] = tree.ancestor_mask() if mask is None else mask
@@ -64,7 +65,7 @@ def _pending(tree: DraftTree, capacity: int, mask: torch.Tensor | None = None, d
         ancestor_mask=padded_mask,
         num_nodes=torch.tensor(n),
     )
-    return PendingTree(on_device, max(depth_bound, tree.max_depth), lambda: tree)
+    return PendingTree(on_device, capacity, max(depth_bound, tree.max_depth), lambda: tree)
 
 
 def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int, device_trees: bool = False) -> list[tuple]:
