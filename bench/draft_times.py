@@ -81,10 +81,12 @@ def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, b
     proposer = drafter.proposer
     run = next(r for r in proposer._runs.values() if r.graph is not None)
     attended = sum(s.context.attended_tokens for s in sessions)
-    layer = head.midlayer
-    read_per_depth = (drafter.fused.qkv, layer.self_attn.o_proj.weight, drafter.fused.gate_up, layer.mlp.down_proj.weight, head.lm_head.weight)
+    read_per_depth = [head.lm_head.weight]  # every layer's weights, then the vocabulary head
+    for index, fused in enumerate(drafter.fused):
+        layer = head.decoder_layer(index)
+        read_per_depth += [fused.qkv, layer.self_attn.o_proj.weight, fused.gate_up, layer.mlp.down_proj.weight]
     head_bytes = sum(w.numel() * w.element_size() for w in read_per_depth)
-    context_bytes = attended * 2 * c.num_kv_heads * c.head_dim * head.fc.weight.element_size()
+    context_bytes = c.num_layers * attended * 2 * c.num_kv_heads * c.head_dim * head.fc.weight.element_size()
     depth = len(run.shape.widths)
     floor = depth * (head_bytes + context_bytes) / bandwidth
     return {

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from diffspec.errors import InvalidRequest
 from draft_service.eagle3_head import Eagle3Head
 
 
@@ -45,8 +46,11 @@ def ttt_forward(
 
     Output k at position t has read tokens t+1..t+1+k and predicts the target's distribution at
     t+1+k. It runs at position t+k, as a depth-k tree node sits k past its root (the reference's
-    ``position_ids + lck``). Positions whose token t+1+k lies past the window are dropped.
+    ``position_ids + lck``). Positions whose token t+1+k lies past the window are dropped. One decoder
+    layer only: a deeper head's upper layers would need their own unroll, so it is refused, not half trained.
     """
+    if head.config.num_layers != 1:
+        raise InvalidRequest(f"the TTT unroll trains one-layer heads; this head has {head.config.num_layers} layers")
     seq = token_ids.shape[1]
     positions = torch.arange(seq - 1, device=token_ids.device).expand(token_ids.shape[0], -1)
     hidden = head.fuse(features[:, :-1])

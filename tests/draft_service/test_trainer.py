@@ -80,6 +80,13 @@ def test_ttt_attention_matches_explicit_mask() -> None:
                 torch.testing.assert_close(out[b, t, h], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_ttt_forward_refuses_a_head_of_two_layers() -> None:
+    head = random_head(num_layers=2)
+    token_ids, features = torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 5, 3 * HIDDEN)
+    with pytest.raises(InvalidRequest, match="one-layer heads; this head has 2 layers"):
+        ttt_forward(head, token_ids, features, ttt_steps=2)
+
+
 def test_ttt_forward_pairs_and_shifts_like_inference() -> None:
     """Step 0 == forward_dense on (feature t, token t+1); step 1 reads token t+2 at position t+1."""
     head = random_head()
