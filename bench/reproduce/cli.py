@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
                    help="build the 8B-shaped pair from the models with SHARED_DIR/tools/inflate.py and run on it")
     p.add_argument("--shared-dir", type=Path, help="the shared folder: default data files and tools/inflate.py")
     p.add_argument("--out-dir", type=Path, help="write here instead of results/<preset>_<timestamp>/")
+    p.add_argument("--resume", action="store_true", default=None, help="continue the run in --out-dir: its "
+                   "finished runs are reused, the rest are generated (the same flags as that run)")
     p.add_argument("--nsys", action="store_true", help="profile with Nsight Systems: one report spanning "
                    "the first evaluated prompt's arms at the first context (needs nsys on PATH)")
     p.add_argument("--profile-window", action="store_true", default=None, help=argparse.SUPPRESS)  # set by --nsys
@@ -69,6 +71,8 @@ def config_from(args: argparse.Namespace) -> ProtocolConfig:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    if args.resume and args.out_dir is None:
+        parser().error("--resume needs --out-dir: the folder of the run to continue")
     try:
         config = config_from(args)
     except InvalidRequest as bad:

@@ -1,6 +1,7 @@
 """What a run leaves in its folder: results.json (everything, raw runs included), results.md (the
 tables), tuned_profile.json (the tuning pass's winners, for ``DIFFSPEC_TUNING_PROFILE``), one plot per
-dataset, and reproduce.log (written while it ran)."""
+dataset, reproduce.log (written while it ran), and runs.jsonl with protocol.json (each run as it
+finished, for ``--resume``: ``checkpoint.py``)."""
 
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ class ProtocolConfig:
     inflate_8b: bool = False
     shared_dir: Path = SHARED_DIR  # ../shared beside the repo: default data files and tools/inflate.py
     out_dir: Path | None = None  # None = results/<preset>_<timestamp>/
+    resume: bool = False  # continue the run recorded in out_dir, reusing its finished runs (checkpoint.py)
     profile_window: bool = False  # bracket the first evaluated prompt (all arms) for Nsight Systems
 
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +30,7 @@ from transformers.utils import logging as transformers_logging
 
 from bench.reproduce import arms as arm_names
 from bench.reproduce.arms import Arm, baseline_arms, tuning_grid
+from bench.reproduce.checkpoint import RunCheckpoint
 from bench.reproduce.draft_steps import DraftStep, build_recording_engine, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult, classify, first_divergence, rounding_gap
 from bench.reproduce.inflate import inflate_pair
@@ -101,8 +103,11 @@ def run_protocol(
         longest = max((len(ids) for d in datasets for ids in d.prompt_ids), default=0)
         contexts = [c for c in config.context_targets if c <= longest]
         settings = settings.model_copy(update={"num_pages": pages_for(settings, max(contexts, default=0), config)})
+        checkpoint = RunCheckpoint(out_dir, protocol_fingerprint(config, settings), config.resume)
+        if config.resume:
+            log.info("resuming: %d runs recorded in %s", checkpoint.num_done, out_dir)
         engine = engine_factory(settings)
-        result = asyncio.run(_Protocol(config, engine, settings, out_dir).run(datasets, contexts))
+        result = asyncio.run(_Protocol(config, engine, settings, out_dir, checkpoint).run(datasets, contexts))
         write_outputs(result, config, settings, argv, started)
         return result
     finally:
@@ -121,6 +126,12 @@ def model_settings(config: ProtocolConfig) -> DiffSpecSettings:
     return settings.model_copy(update={"base_model": base, "draft_model": draft})
 
 
+def protocol_fingerprint(config: ProtocolConfig, settings: DiffSpecSettings) -> dict:
+    """What decides a run's records: the protocol's fields and the engine's settings, not where it writes."""
+    fields = {k: v for k, v in asdict(config).items() if k not in ("out_dir", "resume", "profile_window")}
+    return json.loads(json.dumps({**fields, "settings": settings.model_dump(mode="json")}, default=str))
+
+
 def pages_for(settings: DiffSpecSettings, context: int, config: ProtocolConfig) -> int:
     """KV pages for two sequences of the longest context plus generation, and never fewer than set."""
     tokens = context + max(config.eval_max_new_tokens, config.tune_max_new_tokens) + 2 * SLACK_TOKENS
@@ -128,8 +139,12 @@ def pages_for(settings: DiffSpecSettings, context: int, config: ProtocolConfig) 
 
 
 class _Protocol:
-    def __init__(self, config: ProtocolConfig, engine: Engine, settings: DiffSpecSettings, out_dir: Path) -> None:
+    def __init__(
+        self, config: ProtocolConfig, engine: Engine, settings: DiffSpecSettings, out_dir: Path,
+        checkpoint: RunCheckpoint,
+    ) -> None:
         self.config = config
+        self.checkpoint = checkpoint  # runs an earlier process finished (--resume), and where each new one goes
         self.settings = settings  # the engine's: the exactness replays and the fp32 rerun build from them
         self.base_model = settings.base_model
         self.engine = engine
@@ -163,7 +178,8 @@ class _Protocol:
         warmed: set[int] = set()
         with tqdm(total=total, unit="run", desc="reproduce", dynamic_ncols=True) as bar:
             for case in cases:
-                if case.context not in warmed:  # on a tuning prompt: the prefix cache must not hold an evaluated one
+                if case.context not in warmed and self._has_runs_left(case, shortest):
+                    # on a tuning prompt: the prefix cache must not hold an evaluated one
                     bar.set_postfix_str(f"warm-up {case.context}")
                     drafts = [a.draft for a in self.baselines + self.candidates]
                     await warm_up_generations(self.engine, case.tune_prompts[0][1], drafts, self.config.warmup_tokens)
@@ -210,10 +226,32 @@ class _Protocol:
             raise SystemExit("no (dataset, context) pair has prompts long enough: lower --context-targets")
         return cases
 
+    def _has_runs_left(self, case: Case, shortest: int) -> bool:
+        """Whether any run of ``case`` is still to generate, not recorded by an earlier process (``--resume``):
+        its warm-up is skipped otherwise. The tuned arm's runs count once the recorded tuning runs choose it."""
+        tuned = [self._recorded("tune", case, prompt, arm) for prompt in case.tune_prompts for arm in self.candidates]
+        if any(run is None for run in tuned):
+            return True
+        chosen = next(arm for arm, score in zip(self.candidates, score_candidates(self.candidates, tuned)) if score.chosen)
+        labels = [arm.label for arm in (*self.baselines, chosen)]
+        evaluated = [(prompt, label) for prompt in case.eval_prompts for label in labels]
+        if self.reference is not None and case.context == shortest:
+            evaluated += [(prompt, self.reference.label) for prompt in self._reference_prompts(case)]
+        return any(self._recorded("eval", case, prompt, label) is None for prompt, label in evaluated)
+
+    def _recorded(self, phase: str, case: Case, prompt: tuple[int, list[int]], arm: Arm | str) -> RunRecord | None:
+        label = arm if isinstance(arm, str) else arm.label
+        return self.checkpoint.done((phase, case.dataset, case.context, prompt[0], label))
+
     async def _run(self, bar: tqdm, phase: str, case: Case, prompt: tuple[int, list[int]], arm: Arm, n: int) -> RunRecord:
+        done = self._recorded(phase, case, prompt, arm)
+        if done is not None:
+            return self._record(bar, phase, case, prompt, done)
         with nvtx_range(f"{phase} {case.context} p{prompt[0]} {arm.label}"):
             run = await generate_run(self.engine, prompt[1], arm, n, self.sampling)
-        return self._record(bar, phase, case, prompt, run)
+        self._record(bar, phase, case, prompt, run)
+        self.checkpoint.record(run)
+        return run
 
     def _record(self, bar: tqdm, phase: str, case: Case, prompt: tuple[int, list[int]], run: RunRecord) -> RunRecord:
         run.phase, run.dataset, run.context, run.prompt = phase, case.dataset, case.context, prompt[0]
@@ -250,11 +288,17 @@ class _Protocol:
     def _evaluate_reference(self, reference: TransformersReference, case: Case, bar: tqdm) -> None:
         """``transformers`` ``generate`` on the first evaluated prompts, after one untimed warm-up generation."""
         bar.set_postfix_str(f"{REFERENCE} {case.dataset} {case.context}")
-        reference.generate(case.tune_prompts[0][1], self.config.warmup_tokens)
+        if any(self._recorded("eval", case, p, reference.label) is None for p in self._reference_prompts(case)):
+            reference.generate(case.tune_prompts[0][1], self.config.warmup_tokens)
         for prompt in self._reference_prompts(case):
+            done = self._recorded("eval", case, prompt, reference.label)
+            if done is not None:
+                self._record(bar, "eval", case, prompt, done)
+                continue
             with nvtx_range(f"eval {case.context} p{prompt[0]} {reference.label}"):
                 run = reference.generate(prompt[1], self.config.eval_max_new_tokens)
             self._record(bar, "eval", case, prompt, run)
+            self.checkpoint.record(run)
 
     def _judge_exactness(self, serving_dtype: str) -> int:
         """Verdicts for every evaluated arm against Auto's run of the same prompt; 1 on any engine arm's

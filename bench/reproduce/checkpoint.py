@@ -1,0 +1,73 @@
+"""Runs finished so far, one JSON line each, so a stopped protocol resumes where it stopped (``--resume``).
+
+The full preset outlasts a device lease or a job's time limit, and a crash late in a run would lose
+every earlier measurement. Each finished run is appended to ``runs.jsonl`` in the run's folder as
+soon as it ends, with its exact figures. A run resumed in the same folder under the same protocol
+reuses those records instead of generating them again and generates the rest; the tuning choice,
+the summaries and the exactness judgment are made from all of them, as in one uninterrupted run.
+The protocol is stored beside them (``protocol.json``): resuming under another one is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from bench.reproduce.draft_steps import DraftStep
+from bench.reproduce.runs import RunRecord
+from gateway.request import GenerationStats
+
+RUNS_FILE = "runs.jsonl"
+PROTOCOL_FILE = "protocol.json"
+
+RunKey = tuple[str, str, int, int, str]  # (phase, dataset, context, prompt, arm label)
+
+
+def run_key(run: RunRecord) -> RunKey:
+    return run.phase, run.dataset, run.context, run.prompt, run.label
+
+
+class RunCheckpoint:
+    """The runs recorded in ``out_dir``; without ``resume`` a fresh run starts the record over."""
+
+    def __init__(self, out_dir: Path, protocol: dict, resume: bool) -> None:
+        self.runs_path, protocol_path = out_dir / RUNS_FILE, out_dir / PROTOCOL_FILE
+        self._done: dict[RunKey, RunRecord] = {}
+        if resume:
+            if not protocol_path.exists():
+                raise SystemExit(f"--resume: {out_dir} holds no earlier run of the protocol ({PROTOCOL_FILE})")
+            recorded = json.loads(protocol_path.read_text())
+            if recorded != protocol:
+                changed = sorted(k for k in protocol.keys() | recorded.keys() if protocol.get(k) != recorded.get(k))
+                raise SystemExit(f"--resume: {out_dir} was run with other settings ({', '.join(changed)})")
+            lines = self.runs_path.read_text().splitlines() if self.runs_path.exists() else []
+            self._done = {run_key(run): run for run in map(_decode, filter(None, lines))}
+        else:
+            protocol_path.write_text(json.dumps(protocol, indent=1))
+            self.runs_path.write_text("")
+
+    @property
+    def num_done(self) -> int:
+        return len(self._done)
+
+    def done(self, key: RunKey) -> RunRecord | None:
+        """The recorded run of ``key``, if an earlier process finished it."""
+        return self._done.get(key)
+
+    def record(self, run: RunRecord) -> None:
+        with self.runs_path.open("a") as runs:
+            runs.write(json.dumps(_encode(run)) + "\n")
+
+
+def _encode(run: RunRecord) -> dict:
+    """Every field at full precision (``RunRecord.to_dict`` rounds for the report)."""
+    fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name not in ("stats", "exactness")}
+    fields["draft_steps"] = [step.to_list() for step in run.draft_steps]
+    return {**fields, "stats": dataclasses.asdict(run.stats)}
+
+
+def _decode(line: str) -> RunRecord:
+    fields = json.loads(line)
+    fields["draft_steps"] = [DraftStep.from_list(step) for step in fields["draft_steps"]]
+    return RunRecord(**{**fields, "stats": GenerationStats(**fields["stats"])})

@@ -1,0 +1,59 @@
+"""A stopped reproduce run resumes from its folder: the recorded runs are reused, only the rest generate,
+and the results are those of one uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.reproduce.checkpoint import RUNS_FILE
+from bench.reproduce.cli import main
+
+KEPT_RUNS = 4  # of the smoke run's 7: its tuning pass and Auto's and one baseline's evaluation
+
+
+def _argv(code_prompts: Path, out_dir: Path, eval_tokens: int = 16) -> list[str]:
+    """The smoke run's flags (tests/bench/conftest.py), into ``out_dir``."""
+    return ["--preset", "smoke", "--data-files", str(code_prompts), "--context-targets", "1024",
+            "--tune-max-new-tokens", "8", "--eval-max-new-tokens", str(eval_tokens), "--warmup-tokens", "4",
+            "--out-dir", str(out_dir)]
+
+
+def _runs(results: dict) -> list[tuple]:
+    return [(r["phase"], r["prompt"], r["label"], r["token_ids"]) for r in results["runs"]]
+
+
+def test_a_resumed_run_generates_only_what_is_missing_and_ends_as_one_run(smoke_run, code_prompts, tmp_path):
+    _, smoke_dir, whole = smoke_run
+    recorded = (smoke_dir / RUNS_FILE).read_text().splitlines()
+    assert len(recorded) == len(whole["runs"]) == 7
+    stopped = tmp_path / "stopped"
+    shutil.copytree(smoke_dir, stopped)
+    (stopped / "results.json").unlink()
+    (stopped / RUNS_FILE).write_text("".join(line + "\n" for line in recorded[:KEPT_RUNS]))
+
+    assert main([*_argv(code_prompts, stopped), "--resume"]) == 0
+    resumed = json.loads((stopped / "results.json").read_text())
+    lines = (stopped / RUNS_FILE).read_text().splitlines()
+    assert lines[:KEPT_RUNS] == recorded[:KEPT_RUNS] and len(lines) == len(recorded)  # only the 3 missing ran
+    assert _runs(resumed) == _runs(whole)  # greedy fp32: the same tokens, the same order
+    reused = [r["request_seconds"] for r in resumed["runs"][:KEPT_RUNS]]
+    assert reused == [r["request_seconds"] for r in whole["runs"][:KEPT_RUNS]]  # reused, not re-timed
+    assert resumed["exactness"]["passed"] and [s["arm"] for s in resumed["summaries"]] == [
+        s["arm"] for s in whole["summaries"]]
+
+
+def test_resuming_under_other_flags_or_without_a_folder_is_refused(smoke_run, code_prompts, tmp_path, capsys):
+    _, smoke_dir, _ = smoke_run
+    stopped = tmp_path / "stopped"
+    shutil.copytree(smoke_dir, stopped)
+    with pytest.raises(SystemExit, match="was run with other settings \\(eval_max_new_tokens\\)"):
+        main([*_argv(code_prompts, stopped, eval_tokens=12), "--resume"])
+    with pytest.raises(SystemExit, match="holds no earlier run"):
+        main([*_argv(code_prompts, tmp_path / "empty"), "--resume"])
+    with pytest.raises(SystemExit):
+        main(["--preset", "smoke", "--resume"])
+    assert "--resume needs --out-dir" in capsys.readouterr().err
