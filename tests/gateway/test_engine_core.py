@@ -30,7 +30,7 @@ from gateway.request import GenerationChunk, GenerationRequest
 from target_service.backend import TargetBatch, TargetBatchResult, VerifyStep
 from target_service.runtime import TargetRuntime
 from tests.gateway.conftest import CODE_PROMPTS, assert_all_released, collect, collect_async
-from tests.gateway.recording import RecordingTarget, recording_engine
+from tests.gateway.recording import RecordingDraft, RecordingTarget, recording_engine
 
 NEW_TOKENS = 24
 TEXTS = [
@@ -360,5 +360,42 @@ def test_every_decoding_stream_is_verified_in_one_target_call(target, draft, tok
         roots_only = sorted(step.tree.num_nodes == 1 for step in first_four.verifies)
         assert roots_only == [False, False, True, True]  # two Auto steps beside two speculative trees
         assert max(len(b.proposes) for _, b in engine.draft.batches) == 2  # both trees from one draft call
+    finally:
+        engine.close()
+
+
+class FixedVerifyTimeTarget(RecordingTarget):
+    """Reports every verify as taking ``seconds`` on the device (None: unmeasured, as over the wire)."""
+
+    def __init__(self, inner: TargetRuntime, seconds: float | None) -> None:
+        super().__init__(inner)
+        self.seconds = seconds
+
+    def step(self, batch: TargetBatch) -> TargetBatchResult:
+        result = super().step(batch)
+        return replace(result, verify_seconds=self.seconds if result.verifies else None)
+
+
+@pytest.mark.parametrize("reported", [1234.5, None], ids=["device-span", "wall-time"])
+def test_the_draft_learns_the_verify_cost_the_target_measured(target, draft, tokenizer, prompt_ids, reported):
+    """A verify-only iteration's cost reaches the next draft call: the target's device span when it reports
+    one (the verify runs behind a pending proposal, so the call's wall time holds the proposal too), else
+    the call's wall time."""
+    timed = FixedVerifyTimeTarget(target, reported)
+    recording = RecordingDraft(draft)
+    engine = SpeculativeEngine(timed, recording, tokenizer, LIMITS)
+    timed.core = recording.core = engine.core
+    try:
+        collect(engine, GenerationRequest(prompt_ids[0], NEW_TOKENS, draft=FULL))
+        costs = [batch.verify_cost for _, batch in recording.batches if batch.verify_cost is not None]
+        verified = {it: batch for it, batch in timed.batches if batch.verifies and not batch.prefills}
+        assert len(costs) >= 3
+        for (it, batch), cost in zip(sorted(verified.items()), costs):
+            assert cost.tree_tokens == batch.tree_tokens
+        if reported is not None:
+            assert {cost.seconds for cost in costs} == {reported}
+        else:
+            assert all(0.0 < cost.seconds < 60.0 for cost in costs)
+        assert_all_released(engine)
     finally:
         engine.close()
