@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.warmup import warm_up_target
+from bench.warmup import warm_up_draft, warm_up_target
 from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
@@ -149,7 +149,7 @@ def main() -> int:
         cuts += args.requests_per_stream
         return per_stream
 
-    print(f"recorded {warm_up_target(engine)} step graphs", flush=True)
+    print(f"recorded {warm_up_target(engine)} step graphs, proposed {warm_up_draft(engine)} warm-up trees", flush=True)
     rows = []
     for mode in args.modes:
         for streams in args.streams:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol
 
 from draft_service.options import DraftOptions
+from draft_service.runtime import DraftRuntime
 from gateway.request import GenerationChunk, GenerationRequest
 from target_service.runtime import TargetRuntime
 
@@ -18,6 +19,15 @@ def warm_up_target(engine: object) -> int:
     or with an engine that does not expose an in-process target: then the warm-up generations record them)."""
     target = getattr(engine, "target", None)
     return target.warm_up() if isinstance(target, TargetRuntime) else 0
+
+
+def warm_up_draft(engine: object) -> int:
+    """Propose once each tree an ``online`` session starts from (``DraftRuntime.warm_up``), so their kernels
+    compile before timing; returns the proposals (0 without an in-process draft). A recorder around the
+    draft (``bench.reproduce.draft_steps``) is looked through."""
+    draft = getattr(engine, "draft", None)
+    draft = getattr(draft, "draft", draft)
+    return draft.warm_up() if isinstance(draft, DraftRuntime) else 0
 
 
 async def warm_up_generations(

@@ -7,14 +7,18 @@ engine over them at ``--target`` / ``--draft`` (in process when unset). With ``h
 before the models load and stopped after the gRPC drain.
 
 Each role imports only what it serves: a gateway over a remote target and a remote draft loads
-no torch (``docker/gateway.Dockerfile`` installs none).
+no torch (``docker/gateway.Dockerfile`` installs none). A model in this process warms up before its
+service turns ready (``warm_up``): the target records its step graphs, the draft proposes the trees
+its policies start from, so no request pays for a compile or a capture.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from diffspec.serving import Loading, ServiceHost
 from diffspec.settings import DiffSpecSettings
@@ -23,6 +27,11 @@ if TYPE_CHECKING:
     from gateway.engine import SpeculativeEngine
 
 Load = Callable[[], Awaitable[None]]
+log = logging.getLogger("diffspec.serve")
+
+
+class WarmsUp(Protocol):
+    def warm_up(self) -> int: ...  # how many graphs or proposals it made
 
 
 def add_target(host: ServiceHost, settings: DiffSpecSettings) -> Load:
@@ -36,6 +45,8 @@ def add_target(host: ServiceHost, settings: DiffSpecSettings) -> Load:
 
     async def load() -> None:
         loaded = await asyncio.to_thread(TargetRuntime, settings)
+        if settings.warm_up:
+            await warm_up(loaded, "the target's step graphs recorded")
         target.set(loaded)
         host.metrics.watch_target(loaded)
 
@@ -54,6 +65,8 @@ def add_draft(host: ServiceHost, settings: DiffSpecSettings) -> Load:
 
     async def load() -> None:
         loaded = await asyncio.to_thread(load_draft_runtime, settings)
+        if settings.warm_up:
+            await warm_up(loaded, "the draft's first trees proposed")
         draft.set(loaded)
         host.metrics.watch_draft(loaded)
 
@@ -75,6 +88,11 @@ def add_gateway(host: ServiceHost, settings: DiffSpecSettings, engine: Loading[S
 
     async def load() -> None:
         loaded = await load_engine(settings)
+        if settings.warm_up:  # the backends in this process; a service over gRPC warms itself
+            if not isinstance(loaded.target, RemoteTarget):
+                await warm_up(loaded.target, "the target's step graphs recorded")
+            if loaded.draft is not None and not isinstance(loaded.draft, RemoteDraft):
+                await warm_up(loaded.draft, "the draft's first trees proposed")
         engine.set(loaded)
         if isinstance(loaded.target, RemoteTarget):
             host.metrics.watch_wire("target", loaded.target.wire)
@@ -86,6 +104,13 @@ def add_gateway(host: ServiceHost, settings: DiffSpecSettings, engine: Loading[S
             host.metrics.watch_draft(loaded.draft)
 
     return load
+
+
+async def warm_up(runtime: WarmsUp, what: str) -> None:
+    """Run ``runtime``'s warm-up in a worker thread before it serves, and say what it did in one log line."""
+    started = time.perf_counter()
+    count = await asyncio.to_thread(runtime.warm_up)
+    log.info("warm-up: %d of %s in %.1f s", count, what, time.perf_counter() - started)
 
 
 async def serve(role: str, settings: DiffSpecSettings) -> None:

@@ -49,6 +49,11 @@ class DiffSpecSettings(BaseSettings):
         description="Replay the target's verify and decode steps from CUDA graphs, one per (batch, tree size) "
         "bucket (GPU with the triton backend; other steps run eagerly), and the draft head's steps on a GPU.",
     )
+    warm_up: bool = Field(
+        True,
+        description="Before serving: record every step graph of the target and run one proposal of each tree "
+        "the draft's policies start from, so kernel compiles and graph captures do not land in a request.",
+    )
     graph_batch_sizes: str = Field("1,2,4,8,16", description="Comma-separated batch-size buckets of the step graphs.")
     graph_tree_sizes: str = Field(
         "1,8,16,32,64,128,256", description="Comma-separated tree-size buckets (new tokens per sequence) of the step graphs."

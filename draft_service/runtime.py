@@ -107,6 +107,20 @@ class DraftRuntime:
                 self.sessions.pop(sid, None)
         return DraftBatchResult(trees, released, failures)
 
+    @torch.no_grad()
+    def warm_up(self, context_tokens: int = 256) -> int:
+        """Propose once, over a throwaway session, every tree an ``online`` session starts from (its dynamic
+        candidates, the probe and the first hazard-shaped tree): each tree size's Triton kernels compile
+        here rather than inside a request. Returns the proposals made."""
+        c, weight = self.head.config, self.head.fc.weight
+        features = torch.zeros(context_tokens, 3 * c.target_hidden_size, dtype=weight.dtype, device=weight.device)
+        session = self.drafter.start([0] * context_tokens, features, 0)
+        planner = TreePlanner.start(self.candidate_grid[0], SharedMeasurements(), self.candidate_grid)
+        candidates = [*planner.dynamic, planner.probe, planner.shaped]
+        for candidate in candidates:
+            self.drafter.propose_many([ProposalRequest(session, list(candidate.plan), candidate.budget)])
+        return len(candidates)
+
     @staticmethod
     def _guard(session_id: str, failures: dict[str, DiffSpecError], work, item) -> None:  # noqa: ANN001
         try:

@@ -43,7 +43,7 @@ from bench.reproduce.replay import Fp32Rerun, TargetReplay
 from bench.reproduce.report import ArmSummary, summarise
 from bench.reproduce.runs import Engine, RunRecord, generate_run
 from bench.reproduce.tuning import CandidateScore, score_candidates
-from bench.warmup import warm_up_generations, warm_up_target
+from bench.warmup import warm_up_draft, warm_up_generations, warm_up_target
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from gateway.assembly import load_tokenizer
@@ -171,7 +171,8 @@ class _Protocol:
         if self.config.reference_prompts > 0:
             self.reference = TransformersReference(
                 self.base_model, _torch_dtype(info.dtype), torch.device(info.device), info.eos_token_ids)
-        log.info("recorded %d target step graphs", warm_up_target(self.engine))
+        log.info("recorded %d target step graphs, proposed %d warm-up trees", warm_up_target(self.engine),
+                 warm_up_draft(self.engine))
         total = sum(len(c.tune_prompts) * len(self.candidates) + len(c.eval_prompts) * (len(self.baselines) + 1)
                     + (len(self._reference_prompts(c)) if self.reference and c.context == shortest else 0)
                     for c in cases)
