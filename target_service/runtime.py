@@ -108,7 +108,9 @@ class TargetRuntime:
                 self._guard(opening.session_id, failures, self._open, opening)
             prefills = self._sample_first_tokens(batch.collects, failures)
             with record_function("target.verify"):
-                verifies, verify_seconds = self._verify([v for v in batch.verifies if v.session_id not in failures], failures)
+                verifies, verify_seconds = self._verify(
+                    [v for v in batch.verifies if v.session_id not in failures], failures
+                )
             with record_function("target.prefill"):
                 prefills |= self._prefill([w for w in batch.prefills if w.session_id not in failures], failures)
             if not batch.first_tokens_next_step:
@@ -304,7 +306,8 @@ class TargetRuntime:
         for step, offset in zip(steps, ran.row_offsets):
             if isinstance(step.tree, PendingTree):
                 tree = step.tree.tree()
-                self._guard(step.session_id, failures, self.limits.check_tree_nodes, self.sessions[step.session_id], tree)
+                session = self.sessions[step.session_id]
+                self._guard(step.session_id, failures, self.limits.check_tree_nodes, session, tree)
                 if step.session_id in failures:
                     continue
                 step = VerifyStep(step.session_id, tree)

@@ -233,7 +233,8 @@ class _Protocol:
         tuned = [self._recorded("tune", case, prompt, arm) for prompt in case.tune_prompts for arm in self.candidates]
         if any(run is None for run in tuned):
             return True
-        chosen = next(arm for arm, score in zip(self.candidates, score_candidates(self.candidates, tuned)) if score.chosen)
+        scores = score_candidates(self.candidates, tuned)
+        chosen = next(arm for arm, score in zip(self.candidates, scores) if score.chosen)
         labels = [arm.label for arm in (*self.baselines, chosen)]
         evaluated = [(prompt, label) for prompt in case.eval_prompts for label in labels]
         if self.reference is not None and case.context == shortest:
