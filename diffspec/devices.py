@@ -49,12 +49,34 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def copy_in(target: torch.Tensor, host: torch.Tensor) -> None:
-    """``target`` (on a device) filled from ``host`` without a stream sync (see ``upload``)."""
-    if host.device.type != "cpu" or target.device.type != "cuda":
-        target.copy_(host)
-        return
-    target.copy_(host.pin_memory(), non_blocking=True)
+class PinnedStaging:
+    """Small per-step int64 uploads staged through one host buffer, pinned once and grown as needed.
+
+    ``upload`` pins a new buffer per call, and pinning allocates from the driver whenever the host
+    cache has no free block: such an allocation takes a driver lock and can stall for milliseconds. A
+    reused buffer never allocates. Before it is overwritten, the device's read of the last upload is
+    waited for (by the next step it is long done)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: torch.Tensor | None = None  # [capacity] int64, pinned
+        self._read: torch.cuda.Event | None = None  # the last upload's copy, once the device has done it
+
+    def upload(self, values: list[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor on the device, without a stream sync."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+        if self._read is not None:
+            self._read.synchronize()
+        if self._host is None or self._host.numel() < len(values):
+            self._host = torch.empty(max(len(values), 2 * (self._host.numel() if self._host is not None else 64)),
+                                     dtype=torch.int64, pin_memory=True)  # fmt: skip
+        staged = self._host[: len(values)]
+        staged.copy_(torch.tensor(values, dtype=torch.int64))
+        on_device = staged.to(self.device, non_blocking=True)
+        self._read = torch.cuda.Event()
+        self._read.record(torch.cuda.current_stream(self.device))
+        return on_device
 
 
 class HostCopy:
@@ -69,7 +91,7 @@ class HostCopy:
         self._host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
         self._host.copy_(source, non_blocking=True)
         self._done = torch.cuda.Event()
-        self._done.record()
+        self._done.record(torch.cuda.current_stream(source.device))
 
     def get(self) -> torch.Tensor:
         if self._done is not None:

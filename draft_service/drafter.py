@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffspec.devices import upload
+from diffspec.devices import PinnedStaging, upload
 from diffspec.tree import DraftTree, PendingTree
 from draft_service.draft_attention import causal_attention
 from draft_service.draft_context import DraftContext, refresh_all
@@ -59,6 +59,7 @@ class Drafter:
         self.fused = head.fused_projections()  # per decoder layer; a serving head's weights are final
         graphed = cuda_graphs and head.fc.weight.device.type == "cuda"
         self.proposer = TreeProposer(head, self.fused, capture=graphed)
+        self.staging = PinnedStaging(head.fc.weight.device)  # an accept's tokens, positions and last rows
 
     @torch.no_grad()
     def start(
@@ -106,8 +107,8 @@ class Drafter:
         # tokens, positions and each session's last row, in one host-to-device copy
         tokens_up = [t for e in extensions for t in e.next_tokens]
         positions_up = [p for n, c in zip(firsts, counts) for p in range(n, n + c)]
-        rows = torch.tensor([*tokens_up, *positions_up, *(end - 1 for end in ends)], dtype=torch.int64)
-        tokens, positions, last_rows = upload(rows, device).split([total, total, len(extensions)])
+        rows = self.staging.upload([*tokens_up, *positions_up, *(end - 1 for end in ends)])
+        tokens, positions, last_rows = rows.split([total, total, len(extensions)])
         claims = [e.session.context.claim(n) for e, n in zip(extensions, counts)]  # [session][layer]: keys, values
         queries, hiddens = [], []
         first_session = 0  # the first session whose last row is in this chunk or a later one

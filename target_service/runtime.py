@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from diffspec.devices import DeviceTimer, dtype_name, resolve_device, resolve_dtype, upload
+from diffspec.devices import DeviceTimer, PinnedStaging, dtype_name, resolve_device, resolve_dtype, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import SamplingParams, sample, target_probs, token_logprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
@@ -84,6 +84,7 @@ class TargetRuntime:
             if settings.cuda_graphs and self.device.type == "cuda" and backend_name in GRAPH_SAFE_BACKENDS
             else None
         )
+        self.commit_staging = PinnedStaging(self.device)  # a step's committed rows and their slots
         self.sessions: dict[str, TargetSession] = {}
         self._first_tokens_due: dict[str, _FirstTokenDue] = {}  # finished prompts not yet reported
         self._lock = threading.Lock()
@@ -359,12 +360,8 @@ class TargetRuntime:
             rows += commit.rows
             slots += session_slots
         if rows:
-            self.cache.write(
-                out.new_k,
-                out.new_v,
-                upload(torch.tensor(rows, dtype=torch.int64), self.device),
-                upload(torch.tensor(slots, dtype=torch.int64), self.device),
-            )
+            rows_and_slots = self.commit_staging.upload([*rows, *slots])
+            self.cache.write(out.new_k, out.new_v, *rows_and_slots.split([len(rows), len(slots)]))
 
     # -- one session at a time (tests, tools) --------------------------------------------------
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from diffspec.cuda_graphs import record_graph
-from diffspec.devices import copy_in
 from diffspec.tree import DeviceTree, DraftTree, PendingTree
 from kernels.attention_metadata import AttentionMetadata
 from target_service.kv_cache import PagedKVCache
@@ -82,6 +81,15 @@ class _Bucket:
         rows = batch * tree
         self.batch, self.tree = batch, tree
         self.host_identity = torch.eye(tree, dtype=torch.bool).repeat(batch, 1, 1)  # every row sees only itself
+        # host mirrors the inputs are written into, pinned once on a GPU so a step's copies up never allocate
+        pinned = device.type == "cuda"
+        self.host_ids = torch.zeros(batch, tree, dtype=torch.int64, pin_memory=pinned)
+        self.host_positions = torch.zeros(batch, tree, dtype=torch.int64, pin_memory=pinned)
+        self.host_mask = torch.zeros(batch, tree, tree, dtype=torch.bool, pin_memory=pinned)
+        self.host_context = torch.zeros(batch, dtype=torch.int32, pin_memory=pinned)
+        # [batch * max_pages_per_seq]: a step's [batch, width] block tables, contiguous at its front
+        self.host_tables = torch.zeros(batch * max_pages_per_seq, dtype=torch.int32, pin_memory=pinned)
+        self._read: torch.cuda.Event | None = None  # the last fill's copies up, once the device has done them
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.meta = AttentionMetadata(
@@ -96,21 +104,24 @@ class _Bucket:
         self.outputs: tuple[PagedForwardOutput, torch.Tensor] | None = None
 
     def fill(self, steps: list[StepInput]) -> None:
-        """Copy the steps into the static buffers: one host-to-device copy per buffer, none waiting on
-        the GPU, then one device copy for everything the drafter left on the device (a pending tree's
+        """Copy the steps into the static buffers: through the host mirrors, one copy per buffer, none waiting
+        on the GPU, then one device copy for everything the drafter left on the device (a pending tree's
         tokens, positions and mask; a host tree's mask), which the host never reads."""
-        device = self.input_ids.device
-        ids = torch.zeros(self.batch, self.tree, dtype=torch.int64)
-        positions = torch.zeros(self.batch, self.tree, dtype=torch.int64)
-        mask = self.host_identity.clone()
-        context = torch.zeros(self.batch, dtype=torch.int32)
+        if self._read is not None:
+            self._read.synchronize()  # the mirrors are rewritten: the last step's copies up are long done
+        ids, positions, mask, context = self.host_ids, self.host_positions, self.host_mask, self.host_context
         width = max(1, max(len(s.block_table) for s in steps))
-        tables = torch.zeros(self.batch, width, dtype=torch.int32)
+        # a contiguous [batch, width] view of the mirror: a strided host source would be copied through
+        # unpinned memory, which waits for the GPU (columns past width are never read)
+        tables = self.host_tables[: self.batch * width].view(self.batch, width)
+        for mirror in (ids, positions, context, tables):
+            mirror.zero_()
+        mask.copy_(self.host_identity)
         targets, sources = [], []  # device copies
         depths, context_lens, position_rows = [], [], []  # pending trees' positions, made on the device
         for b, step in enumerate(steps):
             n = step.num_rows
-            pending = step.device_tree(device)
+            pending = step.device_tree(self.input_ids.device)
             if pending is not None:
                 rows = slice(b * self.tree, b * self.tree + n)
                 targets += [self.input_ids[rows], self.new_token_mask[b, :n, :n]]
@@ -120,7 +131,7 @@ class _Bucket:
                 position_rows.append(self.positions[rows])
             else:
                 ids[b, :n], positions[b, :n] = step.tokens, step.positions
-                drafted_mask = step.device_mask(device)
+                drafted_mask = step.device_mask(self.input_ids.device)
                 if drafted_mask is None:
                     mask[b, :n, :n] = step.mask
                 else:
@@ -128,11 +139,14 @@ class _Bucket:
                     sources.append(drafted_mask[:n, :n])
             context[b] = step.context_len
             tables[b, : len(step.block_table)] = torch.tensor(step.block_table, dtype=torch.int32)
-        copy_in(self.input_ids, ids.flatten())
-        copy_in(self.positions, positions.flatten())
-        copy_in(self.meta.new_token_mask, mask.flatten(0, 1))
-        copy_in(self.meta.context_lens_t, context)
-        copy_in(self.meta.block_tables[:, :width], tables)  # columns past width are never read
+        self.input_ids.copy_(ids.flatten(), non_blocking=True)
+        self.positions.copy_(positions.flatten(), non_blocking=True)
+        self.meta.new_token_mask.copy_(mask.flatten(0, 1), non_blocking=True)
+        self.meta.context_lens_t.copy_(context, non_blocking=True)
+        self.meta.block_tables[:, :width].copy_(tables, non_blocking=True)
+        if self.input_ids.device.type == "cuda":
+            self._read = torch.cuda.Event()
+            self._read.record(torch.cuda.current_stream(self.input_ids.device))
         if depths:
             targets += position_rows
             sources += torch._foreach_add(depths, context_lens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffspec.devices import DeviceTimer, HostCopy, resolve_device
+from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, resolve_device
 from diffspec.errors import InvalidRequest
 
 
@@ -30,6 +30,24 @@ def test_on_the_cpu_a_host_copy_is_the_tensor_and_a_timer_the_wall_clock():
     torch.ones(64, 64) @ torch.ones(64, 64)
     timer.stop()
     assert 0.0 < timer.seconds() < 60.0
+
+
+def test_staged_uploads_are_int64_on_the_device():
+    staging = PinnedStaging(torch.device("cpu"))
+    assert torch.equal(staging.upload([3, 1, 2]), torch.tensor([3, 1, 2]))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_staged_uploads_reuse_one_pinned_buffer_and_grow_past_it():
+    staging = PinnedStaging(resolve_device("cuda"))
+    first = staging.upload(list(range(10)))
+    buffer = staging._host
+    second = staging.upload(list(range(100, 130)))  # overwrites the buffer once the first upload is read
+    assert staging._host is buffer and buffer.is_pinned()
+    grown = staging.upload(list(range(1000)))
+    assert staging._host is not buffer and staging._host.numel() >= 1000
+    assert first.tolist() == list(range(10)) and second.tolist() == list(range(100, 130))
+    assert grown.tolist() == list(range(1000)) and grown.device.type == "cuda"
 
 
 @pytest.mark.gpu
