@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass
 
 import torch
 
@@ -57,6 +57,10 @@ class PendingTree:
     def max_depth(self) -> int:
         return self.depth_bound
 
+    def device_copy(self, device: torch.device) -> DeviceTree | None:
+        """The tree's tensors when they already are on ``device`` (a verify there reads them in place), else None."""
+        return self.on_device if self.on_device.tokens.device == device else None
+
     def to_nodes(self) -> TreeNodes:
         return self.tree().to_nodes()
 
@@ -73,7 +77,6 @@ class DraftTree:
     tokens: torch.Tensor  # [num_nodes] int64, target-vocab ids; tokens[0] is the root
     parents: torch.Tensor  # [num_nodes] int64, parents[0] == -1, parents[i] < i
     draft_probs: torch.Tensor  # [num_nodes] float32, draft probability of each node given its parent (root: 1)
-    on_device: DeviceTree | None = field(default=None, compare=False, repr=False)  # set by the drafter
     check: InitVar[bool] = True  # False only where the builder guarantees the shape (the drafter's own search)
 
     def __post_init__(self, check: bool) -> None:
@@ -116,7 +119,8 @@ class DraftTree:
 
     @staticmethod
     def of(tree: ProposedTree) -> DraftTree:
-        """``tree`` as tensors: a DraftTree as it is (its device copy kept), any other form from its nodes."""
+        """``tree`` as tensors: a DraftTree as it is, a pending one once its host copy is read, any other form
+        from its nodes."""
         if isinstance(tree, DraftTree):
             return tree
         if isinstance(tree, PendingTree):

@@ -165,7 +165,7 @@ class Drafter:
 
     def propose_many(self, requests: list[ProposalRequest]) -> list[DraftTree]:
         """One tree per session, all grown together; each follows its own plan and keeps its best
-        ``total_tokens`` nodes. The trees carry their device tensors too (``DraftTree.on_device``)."""
+        ``total_tokens`` nodes, read on the host (``propose_pending`` keeps the device copy)."""
         return [DraftTree.of(tree) for tree in self.propose_pending(requests)]
 
     def propose_pending(self, requests: list[ProposalRequest]) -> list[DraftTree | PendingTree]:

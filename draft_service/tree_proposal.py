@@ -266,7 +266,8 @@ def _trees(out: TreeTensors, requests: list[ProposalRequest], copy_device: bool)
     for b, request in enumerate(requests):
         on_device = DeviceTree(*[t[b] for t in device])
         nodes, depth = _bounds(request)
-        trees.append(PendingTree(on_device, nodes, depth, functools.partial(_host_tree, host, b, on_device)))
+        host_tree = functools.partial(_host_tree, host, b, out.tokens.shape[1])
+        trees.append(PendingTree(on_device, nodes, depth, host_tree))
     return trees
 
 
@@ -283,16 +284,15 @@ def _bounds(request: ProposalRequest) -> tuple[int, int]:
     return min(request.budget.total_tokens, 1 + candidates), len(plan)
 
 
-def _host_tree(host: HostCopy, row: int, on_device: DeviceTree) -> DraftTree:
-    """Tree ``row`` of the proposal's host copy: tokens | parents | draft_probs, each padded, then the node count."""
-    nodes = on_device.tokens.numel()
+def _host_tree(host: HostCopy, row: int, nodes: int) -> DraftTree:
+    """Tree ``row`` of the proposal's host copy: tokens | parents | draft_probs, each padded to ``nodes``, then
+    the node count."""
     values = host.get()[row]
     num_nodes = int(values[-1])
     return DraftTree(
         tokens=values[:num_nodes].long(),
         parents=values[nodes : nodes + num_nodes].long(),
         draft_probs=values[2 * nodes : 2 * nodes + num_nodes].float(),
-        on_device=on_device,
         check=False,  # the rerank keeps a node's parent, and keeps it earlier
     )
 

@@ -277,7 +277,7 @@ class TargetRuntime:
 
     def _verifiable(self, tree: ProposedTree) -> DraftTree | PendingTree:
         """A pending tree on this device as it is (the forward reads its device copy); any other as host tensors."""
-        if isinstance(tree, PendingTree) and tree.on_device.tokens.device == self.device:
+        if isinstance(tree, PendingTree) and tree.device_copy(self.device) is not None:
             return tree
         return DraftTree.of(tree)
 
@@ -466,6 +466,6 @@ class TargetRuntime:
 def _host_mask(step: StepInput) -> torch.Tensor:
     """The tree's mask [n, n] on the host: the drafter's own where it grew the tree on the host (the CPU), else
     built from the parents (a device mask would be a wait for the device)."""
-    drafted = step.device_mask(torch.device("cpu"))
+    drafted = step.device_tree(torch.device("cpu"))
     n = step.tokens.numel()  # a pending tree's device mask is padded, its real nodes first
-    return drafted[:n, :n] if drafted is not None else step.mask
+    return drafted.ancestor_mask[:n, :n] if drafted is not None else step.mask

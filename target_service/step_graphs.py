@@ -42,9 +42,7 @@ class StepInput:
 
     def device_tree(self, device: torch.device) -> DeviceTree | None:
         """The tree where the drafter left it, when that is ``device`` and the host has not read it, else None."""
-        if isinstance(self.tree, PendingTree) and self.tree.on_device.tokens.device == device:
-            return self.tree.on_device
-        return None
+        return self.tree.device_copy(device) if isinstance(self.tree, PendingTree) else None
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -60,11 +58,6 @@ class StepInput:
     def mask(self) -> torch.Tensor:
         """[n, n] bool (host): row i sees new token j (its ancestors and itself)."""
         return DraftTree.of(self.tree).ancestor_mask()
-
-    def device_mask(self, device: torch.device) -> torch.Tensor | None:
-        """The mask where the drafter left it on ``device`` ([capacity, capacity], padded), else None."""
-        on_device = self.tree.on_device
-        return on_device.ancestor_mask if on_device is not None and on_device.ancestor_mask.device == device else None
 
 
 @dataclass(frozen=True)
@@ -106,7 +99,7 @@ class _Bucket:
     def fill(self, steps: list[StepInput]) -> None:
         """Copy the steps into the static buffers: through the host mirrors, one copy per buffer, none waiting
         on the GPU, then one device copy for everything the drafter left on the device (a pending tree's
-        tokens, positions and mask; a host tree's mask), which the host never reads."""
+        tokens, positions and mask), which the host never reads."""
         if self._read is not None:
             self._read.synchronize()  # the mirrors are rewritten: the last step's copies up are long done
         ids, positions, mask, context = self.host_ids, self.host_positions, self.host_mask, self.host_context
@@ -130,13 +123,7 @@ class _Bucket:
                 context_lens.append(step.context_len)
                 position_rows.append(self.positions[rows])
             else:
-                ids[b, :n], positions[b, :n] = step.tokens, step.positions
-                drafted_mask = step.device_mask(self.input_ids.device)
-                if drafted_mask is None:
-                    mask[b, :n, :n] = step.mask
-                else:
-                    targets.append(self.new_token_mask[b, :n, :n])
-                    sources.append(drafted_mask[:n, :n])
+                ids[b, :n], positions[b, :n], mask[b, :n, :n] = step.tokens, step.positions, step.mask
             context[b] = step.context_len
             tables[b, : len(step.block_table)] = torch.tensor(step.block_table, dtype=torch.int32)
         self.input_ids.copy_(ids.flatten(), non_blocking=True)

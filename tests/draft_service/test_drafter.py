@@ -151,9 +151,10 @@ def test_reused_buffers_leave_no_trace(drafter):
 def test_device_tree_matches_the_host_tree(drafter):
     plan, budget = POLICIES["online"]
     sessions = start_sessions(drafter, CONTEXT_LENGTHS, None)
-    for tree in drafter.propose_many([ProposalRequest(s, plan, budget) for s in sessions]):
-        device, n = tree.on_device, tree.num_nodes
-        assert device is not None and int(device.num_nodes) == n
+    for pending in drafter.propose_pending([ProposalRequest(s, plan, budget) for s in sessions]):
+        tree = pending.tree()
+        device, n = pending.on_device, tree.num_nodes
+        assert int(device.num_nodes) == n
         assert torch.equal(device.tokens[:n], tree.tokens) and torch.equal(device.parents[:n], tree.parents)
         assert torch.equal(device.depths[:n], tree.depths())
         assert torch.equal(device.ancestor_mask[:n, :n], tree.ancestor_mask())
@@ -224,15 +225,15 @@ def test_graph_replays_equal_the_eager_proposal(dtype, num_layers):
                 shapes = [POLICIES[names[offset]]] * len(shapes)  # a lone policy's shape
             picked = slice(0, 3) if offset % 3 == 0 else slice(None)  # 3 sessions pad to a batch of 4
             trees = [
-                d.propose_many([ProposalRequest(s, *p) for s, p in zip(sessions[picked], shapes)])
+                d.propose_pending([ProposalRequest(s, *p) for s, p in zip(sessions[picked], shapes)])
                 for d, sessions in zip((graphed, eager), pairs)
             ]
-            for got, want in zip(*trees):
+            for got_pending, want_pending in zip(*trees):
+                got, want = got_pending.tree(), want_pending.tree()
                 assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
                 torch.testing.assert_close(got.draft_probs, want.draft_probs)
-                assert got.on_device is not None and want.on_device is not None
-                assert got.on_device.tokens.device.type == "cuda"
-                assert torch.equal(got.on_device.ancestor_mask, want.on_device.ancestor_mask)
+                assert got_pending.on_device.tokens.device.type == "cuda"
+                assert torch.equal(got_pending.on_device.ancestor_mask, want_pending.on_device.ancestor_mask)
         hidden = graphed.head.config.target_hidden_size
         accepted = [torch.randn(round_ + 2, 3 * hidden, device="cuda", generator=generator) for _ in pairs[0]]
         for d, sessions in zip((graphed, eager), pairs):  # the same commits on both: longer contexts, new roots
