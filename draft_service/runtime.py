@@ -116,7 +116,7 @@ class DraftRuntime:
         features = torch.zeros(context_tokens, 3 * c.target_hidden_size, dtype=weight.dtype, device=weight.device)
         session = self.drafter.start([0] * context_tokens, features, 0)
         planner = TreePlanner.start(self.candidate_grid[0], SharedMeasurements(), self.candidate_grid)
-        candidates = [*planner.dynamic, planner.probe, planner.shaped]
+        candidates = list(dict.fromkeys([*planner.dynamic, planner.probe, planner.shaped]))  # the probe may be one
         for candidate in candidates:
             self.drafter.propose_many([ProposalRequest(session, list(candidate.plan), candidate.budget)])
         return len(candidates)
