@@ -233,13 +233,16 @@ class _Protocol:
         tuned = [self._recorded("tune", case, prompt, arm) for prompt in case.tune_prompts for arm in self.candidates]
         if any(run is None for run in tuned):
             return True
-        scores = score_candidates(self.candidates, tuned)
-        chosen = next(arm for arm, score in zip(self.candidates, scores) if score.chosen)
-        labels = [arm.label for arm in (*self.baselines, chosen)]
+        labels = [arm.label for arm in (*self.baselines, self._choose(tuned)[1])]
         evaluated = [(prompt, label) for prompt in case.eval_prompts for label in labels]
         if self.reference is not None and case.context == shortest:
             evaluated += [(prompt, self.reference.label) for prompt in self._reference_prompts(case)]
         return any(self._recorded("eval", case, prompt, label) is None for prompt, label in evaluated)
+
+    def _choose(self, tuned: list[RunRecord]) -> tuple[list[CandidateScore], Arm]:
+        """The tuning pass's scores of its runs, and the candidate they choose."""
+        scores = score_candidates(self.candidates, tuned)
+        return scores, next(arm for arm, score in zip(self.candidates, scores) if score.chosen)
 
     def _recorded(self, phase: str, case: Case, prompt: tuple[int, list[int]], arm: Arm | str) -> RunRecord | None:
         label = arm if isinstance(arm, str) else arm.label
@@ -269,9 +272,8 @@ class _Protocol:
         bar.set_postfix_str(f"tune {case.dataset} {case.context}")
         tuned = [await self._run(bar, "tune", case, prompt, arm, self.config.tune_max_new_tokens)
                  for prompt in case.tune_prompts for arm in self.candidates]
-        scores = score_candidates(self.candidates, tuned)
+        scores, best = self._choose(tuned)
         self.scores += scores
-        best = next(arm for arm, score in zip(self.candidates, scores) if score.chosen)
         self.chosen[(case.dataset, case.context)] = best
         log.info("tuned %s @ %d: %s", case.dataset, case.context, best.label)
 
