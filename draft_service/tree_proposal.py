@@ -1,20 +1,24 @@
 """A batch of sessions' draft trees, proposed on the device: eagerly, or replayed as one CUDA graph.
 
 Shape. Every session brings its own plan (a ``DepthPlan`` per depth), budget and context. A
-proposal pads them to one static ``ProposalShape``: the batch to a bucket, each depth's frontier
-rows and children to the batch's widest rounded up to a width bucket, the contexts to a capacity
-bucket. What differs per session (plan widths, threshold, total tokens, context length,
-position) sits in static input tensors, so each session's choices are masks, never host branches.
+proposal pads them to one static ``ProposalShape``: the batch to a bucket, the contexts to a
+capacity bucket, the nodes to the most any session's plan and budget can keep, and each depth's
+frontier rows and children to the full tree's (``FULL_TOP_K`` by ``FULL_TOP_K``) whenever every
+plan fits in it: chain, uniform, full and online plans, however their widths change, share the
+widths of their depth. A wider plan pads each depth to the batch's widest, rounded up to a width
+bucket. What differs per session (plan widths, threshold, total tokens, context length, position)
+sits in static input tensors, so each session's choices are masks, never host branches, and the
+padding changes no session's tree.
 
 Run. ``_search`` is the whole proposal: first the root's output (the last committed entry's
 attention and output pass in the last decoder layer, left by the accept for this run), then per
 depth the head over the frontier rows, layer after layer, each layer attending over its staged
 context and its tree's own entries (``TreeKV``), the top children of every row and the next
 frontier; at the end the rerank to ``total_tokens`` and the device tree (``tree_search``). Without
-``capture`` it runs eagerly; with it, a shape met a second time is recorded and from then on replayed: one launch per
-proposal. Either way nothing waits for it: the finished trees' host copy is queued behind it and read
-when their nodes are first needed (``PendingTree``), so a target in the same process queues its verify
-first.
+``capture`` it runs eagerly; with it, a shape is recorded the first time it comes and replayed from
+then on: one launch per proposal (the shapes are few, so no capture goes to a passing one). Either
+way nothing waits for it: the finished trees' host copy is queued behind it and read when their
+nodes are first needed (``PendingTree``), so a target in the same process queues its verify first.
 
 Staging. Before a run the contexts of every layer are copied into a static buffer per (batch,
 capacity) (device to device; keys past a session's length are masked) and the per-session facts go
@@ -23,7 +27,6 @@ in with one host-to-device copy. Padded sessions have no plan: they grow nothing
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 from dataclasses import dataclass, field
@@ -38,6 +41,7 @@ from diffspec.tree import DeviceTree, DraftTree, PendingTree
 from draft_service.draft_attention import draft_attention
 from draft_service.draft_context import DraftContext, copy_contexts
 from draft_service.eagle3_head import Eagle3Head, FusedProjections
+from draft_service.tree_budget import FULL_TOP_K, DepthPlan
 from draft_service.tree_kv import TreeKV
 from draft_service.tree_search import Candidates, Frontier, TreeTensors, grow, rerank, root_frontier, top_children
 
@@ -66,20 +70,37 @@ class ProposalShape:
 
     @staticmethod
     def of(requests: list[ProposalRequest], context_lengths: list[int]) -> ProposalShape:
+        """The shape of a batch: the full tree's widths when every plan fits in them, so that plans changing
+        from step to step meet shapes (graphs, kernel compiles) already made; else ``bucketed_widths``."""
         plans = [r.plan[: r.budget.depth] for r in requests]
         depth = max(len(plan) for plan in plans)
-        widths, rows = [], 1
-        for d in range(depth):
-            k = _bucket(max(plan[d].children for plan in plans if len(plan) > d), WIDTH_BUCKETS)
-            widths.append((rows, k))
-            if d + 1 < depth:
-                widest = max(plan[d + 1].expand for plan in plans if len(plan) > d + 1)
-                rows = min(_bucket(widest, WIDTH_BUCKETS), rows * k)
-        slots = sum(rows * k for rows, k in widths)
-        nodes = min(max(r.budget.total_tokens for r in requests), 1 + slots)
+        fits = all(step.expand <= FULL_TOP_K and step.children <= FULL_TOP_K for plan in plans for step in plan)
+        widths = full_widths(depth) if fits else bucketed_widths(plans)
         return ProposalShape(
-            _bucket(len(requests), BATCH_BUCKETS), _context_capacity(max(context_lengths)), tuple(widths), nodes
+            _bucket(len(requests), BATCH_BUCKETS),
+            _context_capacity(max(context_lengths)),
+            widths,
+            max(_bounds(r)[0] for r in requests),  # padded slots hold no valid candidate: no node beyond these
         )
+
+
+def full_widths(depth: int) -> tuple[tuple[int, int], ...]:
+    """(frontier rows, children) per depth of the full tree: the root's ``FULL_TOP_K`` children, then
+    ``FULL_TOP_K`` rows of ``FULL_TOP_K`` children at each depth below."""
+    return tuple((1 if d == 0 else FULL_TOP_K, FULL_TOP_K) for d in range(depth))
+
+
+def bucketed_widths(plans: list[list[DepthPlan]]) -> tuple[tuple[int, int], ...]:
+    """(frontier rows, children) per depth: the widest plan's at that depth, rounded up to a width bucket."""
+    depth = max(len(plan) for plan in plans)
+    widths, rows = [], 1
+    for d in range(depth):
+        k = _bucket(max(plan[d].children for plan in plans if len(plan) > d), WIDTH_BUCKETS)
+        widths.append((rows, k))
+        if d + 1 < depth:
+            widest = max(plan[d + 1].expand for plan in plans if len(plan) > d + 1)
+            rows = min(_bucket(widest, WIDTH_BUCKETS), rows * k)
+    return tuple(widths)
 
 
 @dataclass
@@ -109,8 +130,12 @@ class TreeProposer:
         self.target_ids = head.to_target_ids(draft_ids)  # [draft_vocab] int64, read by the top-children step
         self._contexts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._runs: dict[ProposalShape, _Run] = {}
-        self._sightings: collections.Counter[ProposalShape] = collections.Counter()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def shapes_met(self) -> frozenset[ProposalShape]:
+        """Proposal shapes staged so far: what a GPU has compiled kernels (and, with ``capture``, graphs) for."""
+        return frozenset(self._runs)
 
     @property
     def num_recorded(self) -> int:
@@ -127,14 +152,10 @@ class TreeProposer:
             return [DraftTree.root_only(r.session.root_token) for r in requests]
         with record_function("draft.propose.stage"):
             run = self._stage(shape, requests, contexts, lengths)
-        # A shape is recorded the second time it comes: one met once (a passing width of an online
-        # plan, a batch size between arrivals) runs eagerly rather than paying for a capture.
-        self._sightings[shape] += 1
-        graphed = self.capture and self._sightings[shape] > 1
         with record_function("draft.propose.search"):
-            out = self._replay(run) if graphed else self._search(run)
+            out = self._replay(run) if self.capture else self._search(run)
         with record_function("draft.propose.trees"):
-            return _trees(out, requests, copy_device=graphed)
+            return _trees(out, requests, copy_device=self.capture)
 
     def _stage(
         self, shape: ProposalShape, requests: list[ProposalRequest], contexts: list[DraftContext], lengths: list[int]

@@ -43,8 +43,13 @@ def _slot_keys(
 
 
 # The widths are runtime values, not specialised: an online policy meets many of them, and a compile per
-# width would stall its first proposals for seconds each.
-@triton.jit(do_not_specialize=["first_slot", "children_stride", "expand_rows_stride", "R", "K", "next_rows"])
+# width would stall its first proposals for seconds each. Nor is the alignment of children_ptr and
+# expand_rows_ptr: they point into columns of the proposal's facts, 16-byte aligned or not by the column's
+# parity (which follows the depth and the tree's depth), and each is one scalar load per program.
+@triton.jit(
+    do_not_specialize=["first_slot", "children_stride", "expand_rows_stride", "R", "K", "next_rows"],
+    do_not_specialize_on_alignment=["children_ptr", "expand_rows_ptr"],
+)
 def _frontier_kernel(
     frontier_log_probs_ptr,  # [B, R] float64
     frontier_valid_ptr,  # [B, R] uint8 (bool)

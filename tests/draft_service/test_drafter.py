@@ -22,7 +22,8 @@ from draft_service.eagle3_head import Eagle3Head
 from draft_service.hazard import widths_to_plan
 from draft_service.target_embedding import load_target_embedding
 from draft_service.tree_budget import DepthPlan, TreeBudget
-from draft_service.tree_proposal import ProposalShape
+from draft_service.tree_proposal import ROOT_TOKEN, ProposalShape, bucketed_widths, full_widths
+from draft_service.tree_search import TreeTensors
 from draft_service.working_set import WorkingSetConfig
 from tests.draft_service.reference_proposal import reference_tree, root_output
 
@@ -187,20 +188,88 @@ def test_the_search_reads_nothing_back_to_the_host(drafter, monkeypatch):
 @pytest.mark.parametrize(
     "plans, lengths, want",
     [
-        ([POLICIES["full"]] * 3, [5, 300, 40], ProposalShape(4, 1024, ((1, 10),) + ((10, 10),) * 7, 64)),
-        ([POLICIES["uniform2"]], [1025], ProposalShape(1, 1152, ((1, 2), (2, 2), (4, 2)), 15)),
-        ([POLICIES["chain"]] * 2, [4500, 3], ProposalShape(2, 4608, ((1, 1),) * 6, 7)),
-        (  # online widths per session: each depth takes the batch's widest, rounded up to a width bucket
+        ([POLICIES["full"]] * 3, [5, 300, 40], ProposalShape(4, 1024, full_widths(8), 64)),
+        ([POLICIES["uniform2"]], [1025], ProposalShape(1, 1152, ((1, 10), (10, 10), (10, 10)), 15)),
+        ([POLICIES["chain"]] * 2, [4500, 3], ProposalShape(2, 4608, ((1, 10),) + ((10, 10),) * 5, 7)),
+        (  # online widths up to the full tree's: its widths, whatever each session's
             [(widths_to_plan([5, 2]), TreeBudget(16, 0.0, 2)), (widths_to_plan([1, 7, 3]), TreeBudget(24, 0.0, 3))],
             [70_000, 10],
-            ProposalShape(2, 73_728, ((1, 6), (6, 8), (8, 3)), 24),
+            ProposalShape(2, 73_728, full_widths(3), 24),
         ),
+        (  # a wider plan: each depth takes the batch's widest, rounded up to a width bucket
+            [(widths_to_plan([5, 2]), TreeBudget(16, 0.0, 2)), (widths_to_plan([1, 12, 3]), TreeBudget(24, 0.0, 3))],
+            [70_000, 10],
+            ProposalShape(2, 73_728, ((1, 6), (6, 12), (12, 3)), 24),
+        ),
+        ([POLICIES["uniform3"]], [10], ProposalShape(1, 1024, ((1, 3), (3, 3), (9, 3), (16, 3)), 40)),  # expands 14
     ],
 )
 def test_shapes_pad_to_buckets(drafter, plans, lengths, want):
     session = start_sessions(drafter, (3,), None)[0]
     requests = [ProposalRequest(session, plan, budget) for plan, budget in plans]
     assert ProposalShape.of(requests, lengths) == want
+
+
+SHAPED = (widths_to_plan([4, 3, 2, 1]), TreeBudget(25, 0.0, 4))
+PLAN_MIXES = {  # one batch's plans, session i taking plan i % len
+    "chain": [POLICIES["chain"]],
+    "uniform2": [POLICIES["uniform2"]],
+    "shaped": [SHAPED],
+    "mixed": [POLICIES["chain"], POLICIES["uniform2"], SHAPED, POLICIES["online-threshold"]],
+    "full-and-chain": [POLICIES["full"], POLICIES["chain"]],  # the full tree's own widths, a chain beside it
+}
+
+
+def _proposals_on_both_widths(
+    drafter: Drafter, plans: list[tuple[list[DepthPlan], TreeBudget]]
+) -> tuple[TreeTensors, TreeTensors]:
+    """The same requests' TreeTensors on the full tree's widths (what ``ProposalShape.of`` picks), then on the
+    batch's own bucketed widths."""
+    sessions = start_sessions(drafter, CONTEXT_LENGTHS, None, seed=6)
+    requests = [ProposalRequest(s, *plans[i % len(plans)]) for i, s in enumerate(sessions)]
+    contexts = [s.context for s in sessions]
+    lengths = [c.attended_tokens for c in contexts]
+    canonical = ProposalShape.of(requests, lengths)
+    exact = replace(canonical, widths=bucketed_widths([r.plan[: r.budget.depth] for r in requests]))
+    assert canonical.widths == full_widths(canonical.depth)
+    with torch.no_grad():
+        got, want = (
+            drafter.proposer._search(drafter.proposer._stage(shape, requests, contexts, lengths))
+            for shape in (canonical, exact)
+        )
+    return got, want
+
+
+@pytest.mark.parametrize("mix", list(PLAN_MIXES))
+def test_padded_rows_and_children_are_masked_bit_for_bit(drafter, monkeypatch, mix):
+    """With a stand-in head whose children (log-probs from a few levels, so ties are common) are a fixed
+    function of a row's token, the search on the full tree's widths equals the one on the bucketed widths,
+    every field bit for bit: what a padded frontier row or child adds is never a candidate."""
+    vocab, gen = 50, torch.Generator().manual_seed(7)
+    levels = torch.tensor([-0.5, -1.0, -2.0, -3.0])
+    table_log_probs = levels[torch.randint(4, (vocab, 10), generator=gen)].sort(dim=1, descending=True).values
+    table_tokens = torch.randint(vocab, (vocab, 10), generator=gen)
+    proposer = type(drafter.proposer)
+    monkeypatch.setattr(proposer, "_root_pass", lambda self, run: run.facts[:, ROOT_TOKEN, None, None] % vocab)
+    monkeypatch.setattr(proposer, "_head_pass", lambda self, run, depth, frontier, *_: frontier.tokens[..., None])
+    monkeypatch.setattr(
+        proposer, "_top_children",
+        lambda self, tokens, k: (table_log_probs[tokens[..., 0]][..., :k], table_tokens[tokens[..., 0]][..., :k]),
+    )  # fmt: skip
+    got, want = _proposals_on_both_widths(drafter, PLAN_MIXES[mix])
+    assert int(got.num_nodes.min()) > 1
+    for name in ("tokens", "parents", "draft_probs", "depths", "ancestor_mask", "num_nodes", "host_rows"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("mix", list(PLAN_MIXES))
+def test_the_full_tree_s_widths_give_the_bucketed_widths_trees(drafter, mix):
+    """The same with the bundled head: the same trees. Only the draft probabilities may differ, in the last
+    bits: the head's matmuls over more rows round differently (a CPU GEMM's blocking follows the row count)."""
+    got, want = _proposals_on_both_widths(drafter, PLAN_MIXES[mix])
+    for name in ("tokens", "parents", "depths", "ancestor_mask", "num_nodes"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=1e-5, atol=1e-6)
 
 
 def _graphed_and_eager(dtype: torch.dtype, num_layers: int = 1) -> tuple[Drafter, Drafter]:
@@ -245,14 +314,14 @@ def test_graph_replays_equal_the_eager_proposal(dtype, num_layers):
 
 
 @pytest.mark.gpu
-def test_a_shape_is_recorded_the_second_time_it_comes():
-    """A proposal shape met once runs eagerly; the second proposal of that shape records its graph."""
+def test_a_shape_is_recorded_the_first_time_it_comes():
+    """The first proposal of a shape records its graph; the next replays it, and both give the same trees."""
     graphed, _ = _graphed_and_eager(torch.bfloat16)
     plan, budget = POLICIES["full"]
     sessions = start_sessions(graphed, CONTEXT_LENGTHS, None)
     requests = [ProposalRequest(s, plan, budget) for s in sessions]
     first = graphed.propose_many(requests)
-    assert graphed.proposer.num_recorded == 0
+    assert graphed.proposer.num_recorded == 1
     second = graphed.propose_many(requests)
     assert graphed.proposer.num_recorded == 1
     for a, b in zip(first, second):

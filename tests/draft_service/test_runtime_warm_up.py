@@ -6,6 +6,7 @@ import torch
 
 from draft_service.runtime import DraftRuntime
 from draft_service.tree_plan import SharedMeasurements, TreePlanner
+from draft_service.tree_proposal import full_widths
 from tests.draft_service.test_drafter import load_head
 
 
@@ -16,8 +17,8 @@ def test_warm_up_proposes_each_starting_tree_once_and_keeps_no_session():
     assert planner.probe in planner.dynamic  # with the default grid, the probe is its largest tree
     assert runtime.warm_up() == len(set(starting)) == 6
     assert runtime.sessions == {}
-    met = runtime.drafter.proposer._sightings  # proposal shapes seen: what a GPU compiled kernels for
-    assert sum(met.values()) == 6 and set(met.values()) == {1}  # one proposal each, none twice
+    met = runtime.drafter.proposer.shapes_met  # what a GPU compiled kernels (and recorded graphs) for
     trees = {(c.plan, c.budget.total_tokens) for c in starting}
-    assert len(met) == len(trees) == 6
-    assert {len(shape.widths) for shape in met} == {len(c.plan) for c in starting}
+    assert len(met) == len(trees) == 6  # six proposals, six shapes: none proposed twice
+    assert {shape.depth for shape in met} == {len(c.plan) for c in starting}
+    assert all(shape.widths == full_widths(shape.depth) for shape in met)  # every starting tree fits the full tree's

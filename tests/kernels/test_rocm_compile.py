@@ -174,7 +174,8 @@ def tree_frontier_cases() -> list[Case]:
 
 
 def tree_rerank_cases() -> list[Case]:
-    """The launch blocks of a small tree, two of the proposal's usual sizes, and the largest the kernel takes."""
+    """The launch blocks of a depth-1 tree, of the full trees an online session proposes (10 + 100 * (depth - 1)
+    slots on the full tree's widths, at depths 4 to 10 and their budgets), and of the largest the kernel takes."""
     from kernels.tree_rerank_triton import MAX_NODES, MAX_SLOTS, OTHERS, launch_blocks
 
     signature = {
@@ -185,7 +186,8 @@ def tree_rerank_cases() -> list[Case]:
         "host_rows_ptr": "*fp64", **scalars("root_tokens_stride total_tokens_stride S N max_depth", "i32"),
         **scalars("BLOCK OTHERS NODE_BLOCK ROW_BLOCK LOWEST", "constexpr"),
     }
-    blocks = sorted({launch_blocks(slots, nodes) for slots, nodes in [(12, 8), (310, 64), (528, 128), (MAX_SLOTS, MAX_NODES)]})
+    sizes = [(10, 8), (310, 16), (510, 32), (710, 64), (910, 96), (MAX_SLOTS, MAX_NODES)]  # (slots, nodes)
+    blocks = sorted({launch_blocks(slots, nodes) for slots, nodes in sizes})
     return [
         Case(
             f"tree_rerank[block={block},nodes={node_block},rows={row_block}]", "kernels.tree_rerank_triton",
