@@ -76,7 +76,7 @@ def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, b
         # each accept grows the context by a few entries: the proposal's capacity stays in one bucket
         drafter.extend_many([Extension(s, accept_features, [7] * ACCEPTED_PER_STEP) for s in sessions])
 
-    for _ in range(3):  # the proposal shape is recorded as a graph the second time it comes
+    for _ in range(3):  # the proposal shape is recorded as a graph the first time it comes
         drafter.propose_many(requests)
     proposer = drafter.proposer
     run = next(r for r in proposer._runs.values() if r.graph is not None)

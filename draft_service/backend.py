@@ -56,7 +56,7 @@ class DraftAccept:
 class VerifyCost:
     """One measured verification batch: what the tree-budget planner learns the verify cost from."""
 
-    tree_tokens: int  # tokens of every tree in the batch together
+    rows: int  # sessions verified x the widest tree's tokens: the padded rows the verify computed
     seconds: float  # wall time of the target step that verified them
 
 

@@ -20,20 +20,21 @@ Shaped trees. A plan gives each depth d a width w_d (children per expanded node;
 w_{d-1} nodes of depth d-1 are expanded). The expected tokens per step are
     E(w) = 1 + sum_d prod_{j<=d} P(pass j | w_j)        (the 1 is the bonus token)
 and the tree holds N(w) = 1 + w_1 + sum_{d>=2} w_{d-1} w_d tokens. ``climb`` improves a plan by
-hill climbing on whatever value the caller scores plans with (``draft_service.tree_plan``: tokens
-per second in the session's batch): each move takes the best neighbour, one child more or fewer
+hill climbing on whatever value the caller scores plans with (``draft_service.tree_plan``: the
+expected tokens within the batch's bound): each move takes the best neighbour, one child more or fewer
 at one depth or one depth more or fewer, while it raises the value. Widths so grow where the
 hazard is high (a wider fan there saves the path most often), and the depth stops where S(d) is
 too small for another level to pay for itself. A few moves per re-plan, from the last plan: the
 plan follows the hazard and the costs step by step, and no re-plan searches from scratch.
 
-Costs. ``StepCostModel`` measures a step: draft seconds per depth, and verify seconds as a line
-in the batch's tree tokens, one line per context bucket (verify attention over a long context
-turns compute-bound with far fewer tree tokens than over a short one).
+Costs. ``StepCostModel`` measures a step: draft seconds per depth, and verify seconds against the
+batch's padded rows (sessions x the widest tree), one table per context bucket (verify attention
+over a long context turns compute-bound with far fewer tree tokens than over a short one).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -180,47 +181,56 @@ CONTEXT_BUCKETS = 24  # context buckets [2^(k-1), 2^k) tokens, k = bit length: u
 
 
 @dataclass
-class VerifyLine:
-    """Running least-squares line c(N) = a + b N of the verify seconds at one context bucket."""
+class VerifyTable:
+    """Verify seconds against padded rows at one context bucket: a decayed mean per rows value measured.
 
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed n, sum N, sum N^2, sum c, sum N c
+    A batch's trees are padded to its widest, so a verify computes batch x widest rows; its cost is flat
+    while the weights' read dominates and steep once the attention and matmuls turn compute-bound. A
+    table keeps each size it measured (a size decays only when measured again), so a batch that stays
+    at one size for long still knows what the others cost.
+    """
 
-    def observe(self, tree_tokens: int, seconds: float, decay: float) -> None:
-        self.sums = [s * decay for s in self.sums]
-        for i, value in enumerate((1.0, tree_tokens, tree_tokens**2, seconds, tree_tokens * seconds)):
-            self.sums[i] += value
+    cells: dict[int, tuple[float, float]] = field(default_factory=dict)  # rows -> (decayed steps, decayed seconds)
+
+    def observe(self, rows: int, seconds: float, decay: float) -> None:
+        steps, total = self.cells.get(rows, (0.0, 0.0))
+        self.cells[rows] = (steps * decay + 1.0, total * decay + seconds)
 
     @property
     def measured(self) -> bool:
-        return self.sums[0] >= 1.0
+        return bool(self.cells)
 
-    def seconds(self, tree_tokens: int) -> float:
-        """The fitted cost; a line measured at one N only is flat there (a larger tree looks free until
-        one is measured, so the planner tries it)."""
-        intercept, slope = self.fit()
-        return intercept + slope * tree_tokens
+    def curve(self) -> Callable[[int], float]:
+        """Seconds at any rows: linear between the measured sizes around it, flat past the smallest and the
+        largest (a larger batch looks no dearer than the largest measured until one is measured, so the
+        planner tries it once)."""
+        points = sorted((rows, total / steps) for rows, (steps, total) in self.cells.items())
+        sizes = [rows for rows, _ in points]
 
-    def fit(self) -> tuple[float, float]:
-        """(intercept seconds, slope seconds per tree token) of the line ``seconds`` evaluates."""
-        n, sx, sxx, sy, sxy = self.sums
-        spread = n * sxx - sx * sx
-        slope = (n * sxy - sx * sy) / spread if spread > 1e-9 * max(1.0, n * sxx) else 0.0
-        slope = max(slope, 0.0)
-        return max((sy - slope * sx) / n, 1e-9), slope
+        def seconds(rows: int) -> float:
+            above = bisect.bisect_left(sizes, rows)
+            if above == len(points):
+                return points[-1][1]
+            if above == 0 or sizes[above] == rows:
+                return points[above][1]
+            (r0, c0), (r1, c1) = points[above - 1], points[above]
+            return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+
+        return seconds
 
 
 @dataclass
 class StepCostModel:
-    """Verify seconds per (context bucket, batch tree tokens), plus draft time per depth.
+    """Verify seconds per (context bucket, padded rows), plus draft time per depth.
 
     Seconds are as measured by whoever feeds it; before any measurement the defaults make a
-    verification of N tokens cost like N/100 extra decode steps and a draft depth 5% of one. A
+    verification of N rows cost like N/100 extra decode steps and a draft depth 5% of one. A
     verify measurement is filed under the context of the batch proposed just before it
     (``note_batch``): the verify that follows a proposal verifies that proposal's trees.
     """
 
-    decay: float = 0.98
-    lines: list[VerifyLine] = field(default_factory=lambda: [VerifyLine() for _ in range(CONTEXT_BUCKETS)])
+    decay: float = 0.9
+    tables: list[VerifyTable] = field(default_factory=lambda: [VerifyTable() for _ in range(CONTEXT_BUCKETS)])
     draft_seconds_per_depth: float = 0.05  # replaced by the first measurement, then a running average
     default_intercept: float = 1.0
     default_slope: float = 0.01
@@ -231,8 +241,9 @@ class StepCostModel:
         """The mean context per session of the batch whose trees the next verify measures."""
         self.batch_context = context_tokens
 
-    def observe_verify(self, tree_tokens: int, seconds: float) -> None:
-        self.lines[_bucket(self.batch_context)].observe(tree_tokens, seconds, self.decay)
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        """One verify of ``rows`` padded rows (sessions x the widest tree's tokens)."""
+        self.tables[_bucket(self.batch_context)].observe(rows, seconds, self.decay)
 
     def observe_draft(self, depths: int, seconds: float) -> None:
         if depths <= 0:
@@ -242,20 +253,19 @@ class StepCostModel:
         else:
             self.draft_seconds_per_depth = 0.9 * self.draft_seconds_per_depth + 0.1 * seconds / depths
 
-    def verify_seconds(self, tree_tokens: int, context_tokens: int = 0) -> float:
-        return self.verify_line(context_tokens)(tree_tokens)
+    def verify_seconds(self, rows: int, context_tokens: int = 0) -> float:
+        return self.verify_curve(context_tokens)(rows)
 
-    def verify_line(self, context_tokens: int) -> Callable[[int], float]:
-        """Verify seconds against tree tokens at ``context_tokens``: the line of the context's bucket, else of
-        the nearest measured bucket (the longer on a tie), else the defaults. The line is fitted now, once for
-        the many trees a plan scores: measurements made later do not move it."""
+    def verify_curve(self, context_tokens: int) -> Callable[[int], float]:
+        """Verify seconds against padded rows at ``context_tokens``: the table of the context's bucket, else of
+        the nearest measured bucket (the longer on a tie), else the defaults. Read now, once for the many
+        batches a plan scores: measurements made later do not move it."""
         home = _bucket(context_tokens)
-        measured = [k for k, line in enumerate(self.lines) if line.measured]
+        measured = [k for k, table in enumerate(self.tables) if table.measured]
         if not measured:
             intercept, slope = self.default_intercept, self.default_slope
-        else:
-            intercept, slope = self.lines[min(measured, key=lambda k: (abs(k - home), -k))].fit()
-        return lambda tree_tokens: intercept + slope * tree_tokens
+            return lambda rows: intercept + slope * rows
+        return self.tables[min(measured, key=lambda k: (abs(k - home), -k))].curve()
 
 
 def _bucket(context_tokens: int) -> int:
@@ -269,15 +279,6 @@ def tree_size(widths: list[int]) -> int:
         total += expanded * w
         expanded = w
     return total
-
-
-@dataclass(frozen=True)
-class BatchLoad:
-    """What the rest of a verify batch brings: the other sessions' trees at the last step."""
-
-    tree_tokens: int = 0  # tokens of the other sessions' trees
-    expected_tokens: float = 0.0  # tokens the other sessions expect to emit per step
-    depth: int = 0  # the deepest of their trees: a batched proposal runs that many head passes anyway
 
 
 def expected_tokens(passes: list[list[float]], widths: list[int]) -> float:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from diffspec.devices import resolve_device, resolve_dtype
 from diffspec.model_config import load_llama_config
-from diffspec.settings import DiffSpecSettings
+from diffspec.settings import DiffSpecSettings, parse_sizes
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.head_fit import check_head_fits_target, feature_layers_for, read_head_config
 from draft_service.runtime import DraftRuntime
@@ -43,4 +43,5 @@ def load_draft_runtime(settings: DiffSpecSettings, target: TargetRuntime | None 
     if embedding is None:
         embedding = load_target_embedding(settings.base_model, device, dtype)
     head = Eagle3Head.load(settings.draft_model, embedding, device, dtype)
-    return DraftRuntime(head, working_set_config(settings), settings.cuda_graphs)
+    batches = parse_sizes(settings.graph_batch_sizes)  # the batches the target records graphs for
+    return DraftRuntime(head, working_set_config(settings), settings.cuda_graphs, batches)

@@ -41,7 +41,7 @@ def batch_to_proto(batch: DraftBatch) -> tuple[draft_pb2.DraftStep, WireRows | N
         proposes=batch.proposes,
     )
     if batch.verify_cost is not None:
-        step.verify_tree_tokens, step.verify_seconds = batch.verify_cost.tree_tokens, batch.verify_cost.seconds
+        step.verify_rows, step.verify_seconds = batch.verify_cost.rows, batch.verify_cost.seconds
     rows = [wire_rows(s.features) for s in batch.starts] + [wire_rows(a.features) for a in batch.accepts]
     features = WireRows.concat(rows) if rows else None
     step.feature_rows = 0 if features is None else len(features)
@@ -72,7 +72,7 @@ def batch_from_proto(step: draft_pb2.DraftStep, features: Features, scope: str) 
         DraftAccept(scope + a.session_id, list(a.emitted_tokens), take(len(a.emitted_tokens)), a.verified_draft_tree)
         for a in step.accepts
     ]
-    cost = VerifyCost(step.verify_tree_tokens, step.verify_seconds) if step.verify_tree_tokens > 0 else None
+    cost = VerifyCost(step.verify_rows, step.verify_seconds) if step.verify_rows > 0 else None
     return DraftBatch(
         releases=[scope + s for s in step.releases],
         starts=starts,

@@ -19,21 +19,21 @@ from diffspec.tree import DraftTree, PendingTree
 from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats
 from draft_service.drafter import Drafter, DraftSession, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.hazard import BatchLoad, HazardProfile, StepCostModel, expected_tokens
+from draft_service.batch_plan import REPLAN_EVERY, BatchCost, BatchPlanner, SessionOutlook
+from draft_service.hazard import HazardProfile, StepCostModel, expected_tokens
 from draft_service.options import DraftOptions, validate_options
 from draft_service.tree_budget import MAX_DEPTH
 from draft_service.tree_plan import (
     CANDIDATE_GRID,
+    Bound,
     Candidate,
     SharedMeasurements,
-    StepValue,
     TreePlanner,
     fixed_candidate,
     prober,
 )
 from draft_service.working_set import WorkingSetConfig
 
-REPLAN_EVERY = 4  # steps between a session's plans: planning is host time, and a hazard moves slowly
 OBSERVED_PER_STEP = 4  # online sessions whose verified tree a step hands their planner (host time per step)
 REQUEST_DECAY = 0.9  # a request's hazard forgets old steps fast: it follows the text
 GLOBAL_DECAY = 0.995  # the global prior moves slowly
@@ -64,9 +64,15 @@ class DraftRuntime:
     """Thread-safe: one lock serialises steps (several gateways may share one draft)."""
 
     def __init__(
-        self, head: Eagle3Head, working_set: WorkingSetConfig = WorkingSetConfig(), cuda_graphs: bool = True
+        self,
+        head: Eagle3Head,
+        working_set: WorkingSetConfig = WorkingSetConfig(),
+        cuda_graphs: bool = True,
+        warm_up_batches: tuple[int, ...] = (1,),
     ) -> None:
+        """``warm_up_batches``: the batch sizes ``warm_up`` proposes at (a server's expected batches)."""
         self.head = head
+        self.warm_up_batches = warm_up_batches
         self.working_set = working_set
         self.drafter = Drafter(head, cuda_graphs)
         self.sessions: dict[str, _SessionState] = {}
@@ -75,6 +81,7 @@ class DraftRuntime:
         self.shared_measurements = SharedMeasurements()  # online: every request's, the prior of each one's own
         self.candidate_grid = CANDIDATE_GRID  # the dynamic trees an online session chooses among, beside its own
         self.proposals = 0  # batch proposals so far: when an online session probes
+        self.batch_plan = BatchPlanner()  # the bound every online session's tree keeps within
         # the last proposal's depth and device span, read at the next one (it returned before the device ran it)
         self._timed_proposal: tuple[int, DeviceTimer] | None = None
         self._lock = threading.Lock()
@@ -85,7 +92,7 @@ class DraftRuntime:
         with self._lock:
             released = {sid: self._release(sid) for sid in batch.releases if sid in self.sessions}
             if batch.verify_cost is not None:
-                self.step_cost.observe_verify(batch.verify_cost.tree_tokens, batch.verify_cost.seconds)
+                self.step_cost.observe_verify(batch.verify_cost.rows, batch.verify_cost.seconds)
             with record_function("draft.start"):
                 for start in batch.starts:
                     self._guard(start.session_id, failures, self._start, start)
@@ -110,16 +117,18 @@ class DraftRuntime:
     @torch.no_grad()
     def warm_up(self, context_tokens: int = 256) -> int:
         """Propose once, over a throwaway session, every tree an ``online`` session starts from (its dynamic
-        candidates, the probe and the first hazard-shaped tree): each tree size's Triton kernels compile
-        here rather than inside a request. Returns the proposals made."""
+        candidates, the probe and the first hazard-shaped tree), at every batch of ``warm_up_batches``: each
+        proposal shape's Triton kernels compile and its graph is recorded here rather than inside a request.
+        Returns the proposals made."""
         c, weight = self.head.config, self.head.fc.weight
         features = torch.zeros(context_tokens, 3 * c.target_hidden_size, dtype=weight.dtype, device=weight.device)
         session = self.drafter.start([0] * context_tokens, features, 0)
         planner = TreePlanner.start(self.candidate_grid[0], SharedMeasurements(), self.candidate_grid)
         candidates = list(dict.fromkeys([*planner.dynamic, planner.probe, planner.shaped]))  # the probe may be one
-        for candidate in candidates:
-            self.drafter.propose_many([ProposalRequest(session, list(candidate.plan), candidate.budget)])
-        return len(candidates)
+        for batch in self.warm_up_batches:
+            for candidate in candidates:
+                self.drafter.propose_many([ProposalRequest(session, list(candidate.plan), candidate.budget)] * batch)
+        return len(candidates) * len(self.warm_up_batches)
 
     @staticmethod
     def _guard(session_id: str, failures: dict[str, DiffSpecError], work, item) -> None:  # noqa: ANN001
@@ -195,35 +204,62 @@ class DraftRuntime:
         return dict(zip(session_ids, trees))
 
     def _plan_batch(self, sessions: list[_SessionState]) -> list[Candidate]:
-        """Each session's tree, ``online`` ones as a best response to the rest of the batch's current trees.
+        """Each session's tree: a fixed policy's own; an ``online`` one's best within the batch's bound
+        (``batch_plan``), chosen again every few proposals.
 
-        Re-plans only the sessions due, each every ``REPLAN_EVERY`` proposals (sessions started together are
-        staggered, so a step re-plans about a quarter of the batch, and a change of the batch reaches every
-        plan within ``REPLAN_EVERY`` steps); the others propose their current candidate as it is. Now and then one online session proposes its
-        probe instead (``tree_plan.prober``).
+        Between choices, online sessions re-plan within the bound in turn, each every ``REPLAN_EVERY``
+        proposals (sessions started together are staggered, so a step re-plans about a quarter of the
+        batch), and a session whose tree lies outside the bound re-plans at once. Now and then one
+        online session proposes its probe instead, when the batch can afford it (``tree_plan.prober``).
         """
         for session in sessions:
             self._observe_proposal(session)
-        sizes = [s.candidate.tokens for s in sessions]
-        total_size, total_expected = sum(sizes), sum(s.expected_tokens for s in sessions)
-        depths = sorted((s.candidate.depth for s in sessions), reverse=True) + [0]
+        online = [s for s in sessions if s.planner is not None]
         context = sum(s.drafter_state.num_entries for s in sessions) // len(sessions)
         self.step_cost.note_batch(context)
-        for session, size in zip(sessions, sizes):
-            if session.steps_to_replan <= 0:
-                deepest_other = depths[1] if session.candidate.depth == depths[0] else depths[0]
-                others = BatchLoad(total_size - size, total_expected - session.expected_tokens, deepest_other)
-                self._replan(session, StepValue(self.step_cost, others, context))
+        cost = BatchCost(self.step_cost, len(sessions), context)
+        for session in sessions:
+            if session.planner is None and session.steps_to_replan <= 0:
+                passes = session.hazard.pass_table(max(1, session.candidate.depth))
+                session.expected_tokens = expected_tokens(passes, session.candidate.widths)
+                session.steps_to_replan = REPLAN_EVERY
+        if online:
+            self._bound_online(sessions, online, cost)
+        for session in sessions:
             session.steps_to_replan -= 1
         chosen = [s.candidate for s in sessions]
-        online = [i for i, s in enumerate(sessions) if s.planner is not None]
-        probing = prober(self.proposals, len(online))
+        online_indices = [i for i, s in enumerate(sessions) if s.planner is not None]
+        probing = prober(self.proposals, len(online_indices))
         self.proposals += 1
         if probing is not None:
-            planner = sessions[online[probing]].planner
+            i = online_indices[probing]
+            planner = sessions[i].planner
             assert planner is not None
-            chosen[online[probing]] = planner.probe
+            if self.batch_plan.allows_probe(planner.probe, cost):
+                chosen[i] = planner.probe
         return chosen
+
+    def _bound_online(self, sessions: list[_SessionState], online: list[_SessionState], cost: BatchCost) -> None:
+        """Choose the batch's bound when due, then re-plan the online sessions whose turn it is within it."""
+        plan = self.batch_plan
+        if plan.bound is None:
+            plan.start([Bound(s.candidate.tokens, s.candidate.depth) for s in online], len(sessions))
+        elif plan.due(len(sessions)):
+            outlooks = [
+                SessionOutlook(s.planner.expectations(s.hazard), False) if s.planner is not None
+                else SessionOutlook({s.candidate: s.expected_tokens}, True)
+                for s in sessions
+            ]  # fmt: skip
+            plan.choose([b for s in online if s.planner is not None for b in s.planner.bounds()], outlooks, cost)
+        plan.step()
+        bound = plan.bound
+        assert bound is not None
+        for session in online:
+            if session.steps_to_replan <= 0 or not bound.fits(session.candidate):
+                assert session.planner is not None
+                session.candidate, session.expected_tokens = session.planner.choose(session.hazard, bound)
+                if session.steps_to_replan <= 0:  # a re-plan forced by the bound keeps the session's turn
+                    session.steps_to_replan = REPLAN_EVERY
 
     def _observed(self, sessions: list[_SessionState], chosen: list[Candidate]) -> list[int]:
         """The online sessions whose trees their planners will learn from: ``OBSERVED_PER_STEP`` of them in
@@ -238,15 +274,6 @@ class DraftRuntime:
         proposed, session.proposed = session.proposed, None
         if session.planner is not None and proposed is not None and session.hazard.steps == proposed.hazard_steps + 1:
             session.planner.observe(DraftTree.of(proposed.tree), proposed.candidate, session.hazard.last_passed_ranks)
-
-    def _replan(self, session: _SessionState, value: StepValue) -> None:
-        """A new choice (``online``: from the measured acceptance and the batch's cost) and what it expects to emit."""
-        if session.planner is not None:
-            session.candidate, session.expected_tokens = session.planner.choose(session.hazard, value)
-        else:
-            passes = session.hazard.pass_table(max(1, session.candidate.depth))
-            session.expected_tokens = expected_tokens(passes, session.candidate.widths)
-        session.steps_to_replan = REPLAN_EVERY
 
     def _observe_step(self, session: _SessionState, accepted: list[int]) -> None:
         """Feed the hazard profile: the sibling rank that passed at each depth, and where the path stopped."""

@@ -1,4 +1,5 @@
-"""The ``online`` policy: which tree a session proposes, chosen by predicted tokens per second.
+"""The ``online`` policy per session: its candidate trees, what it measured of them, and its choice within
+the batch's bound.
 
 Candidates. A session's candidates are
 - *dynamic* trees, EAGLE-2's as ``full`` grows them (every depth expands the ``FULL_TOP_K`` best
@@ -19,32 +20,26 @@ Prediction. A candidate's tokens per step E (accepted drafts + the bonus):
   every candidate, so every dynamic step measures it; a candidate's E is the base's decayed mean
   plus the candidate's mean difference from the base over the steps that measured both (paired on
   the same text, the difference varies far less than an accepted length). In one batch proposal of
-  every ``PROBE_EVERY`` one online session, in turn, proposes its *probe*, the dynamic tree
+  every ``PROBE_EVERY`` one online session, in turn, may propose its *probe*, the dynamic tree
   containing every candidate, so candidates larger than the current trees stay measured (for that
-  session, and through the global estimates for all) at the cost of one large tree per
-  ``PROBE_EVERY`` steps whatever the batch. Each estimate is smoothed toward the
+  session, and through the global estimates for all); the batch allows it only where its padded
+  verify costs little more (``batch_plan``). Each estimate is smoothed toward the
   global one (all requests' sessions), and where nothing is measured toward the rank model's E of
   the uniform static tree of the same size and depth.
 - shaped: the rank model's E(w) (``hazard.expected_tokens``) times the ratio shaped trees realised
   of it (the model takes the path's node to be expanded at every depth, which a static tree's
   best-w rule does not guarantee).
 
-Cost and choice. A candidate verified beside the batch's other trees (``BatchLoad``) is worth
-    V(c) = (E(c) + E_others) / (max(D(c), D_others) * t_draft + c_verify(N(c) + N_others, context))
-with t_draft the measured draft seconds per depth and c_verify the measured verify line of the
-batch's context bucket (``hazard.StepCostModel``). The session keeps its current candidate unless
-the best one beats it by ``PLAN_HYSTERESIS``, and keeps the request's own budget (where a tuned
-profile starts it) until it has measured it ``START_STEPS`` times. Since every fixed configuration
-is a candidate, the choice's predicted value is at least each fixed configuration's, by construction
-(up to the hysteresis while the current one is kept).
-
-Cadence. The runtime re-plans a session every few steps (the batch's sessions in turn); a
-re-plan scores each dynamic candidate once and climbs the shaped tree a few moves from where it
-was, so it costs a bounded number of evaluations (``StepValue.evaluations``), never a search.
-Between re-plans a session proposes its current candidate unchanged (or the probe). Learning from
-a verified tree costs one pass over its nodes and one sort of them; the runtime hands a step's trees
-to a few sessions' planners in turn (``runtime.OBSERVED_PER_STEP``), so a large batch's host time
-stays bounded.
+Choice. How large and deep the trees may be is the batch's choice (``draft_service.batch_plan``): a
+verify pads every tree of its batch to the widest, and a batched proposal runs as many head passes as
+the deepest plan, so one session's larger tree costs every session. Within the batch's ``Bound`` a
+session proposes what it expects to emit most from: its best dynamic candidate that fits, or its
+hazard-shaped tree, grown by ``hazard.climb`` within the bound (wider where paths stop). A re-plan
+scores each dynamic candidate once and climbs the shaped tree a few moves from where it was, so it
+costs a bounded number of evaluations, never a search. Between re-plans a session proposes its
+current candidate unchanged (or the probe). Learning from a verified tree costs one pass over its
+nodes and one sort of them; the runtime hands a step's trees to a few sessions' planners in turn
+(``runtime.OBSERVED_PER_STEP``), so a large batch's host time stays bounded.
 """
 
 from __future__ import annotations
@@ -57,9 +52,7 @@ from typing import TYPE_CHECKING, Callable
 from draft_service.hazard import (
     MAX_WIDTH,
     PRIOR_WEIGHT,
-    BatchLoad,
     HazardProfile,
-    StepCostModel,
     climb,
     expected_tokens,
     tree_size,
@@ -73,8 +66,6 @@ if TYPE_CHECKING:
 CANDIDATE_GRID = tuple(
     TreeBudget.parse(config) for config in ("16:0.0:4", "32:0.0:6", "48:0.0:8", "64:0.0:8", "96:0.0:10")
 )
-PLAN_HYSTERESIS = 0.03  # a new candidate must beat the current one by 3% to replace it
-START_STEPS = 4  # a session proposes its own budget until it has measured it this many steps
 PROBE_EVERY = 8  # batch proposals between probes: in one step of this many, one online session probes
 SESSION_ACCEPT_DECAY = 0.97  # a request's acceptance means follow its text over ~30 steps
 GLOBAL_ACCEPT_DECAY = 0.995  # the global means, every request's prior, move slowly
@@ -286,23 +277,16 @@ class Calibration:
         return (self.realised + CALIBRATION_PRIOR_TOKENS * prior) / (self.predicted + CALIBRATION_PRIOR_TOKENS)
 
 
-@dataclass
-class StepValue:
-    """Predicted tokens per second of one session's tree verified beside the rest of its batch."""
+@dataclass(frozen=True)
+class Bound:
+    """What every tree of a verify batch may hold: the batch pads its trees to the widest, and proposes
+    as deep as the deepest."""
 
-    cost: StepCostModel
-    load: BatchLoad = BatchLoad()
-    context_tokens: int = 0  # mean committed tokens per session of the batch
-    evaluations: int = 0  # candidates scored: a re-plan's cost
+    tokens: int  # tree tokens per session, root included
+    depth: int  # draft depths
 
-    def __post_init__(self) -> None:
-        self._verify_seconds = self.cost.verify_line(self.context_tokens)
-
-    def __call__(self, expected: float, tokens: int, depth: int) -> float:
-        self.evaluations += 1
-        load = self.load
-        draft = max(depth, load.depth) * self.cost.draft_seconds_per_depth
-        return (load.expected_tokens + expected) / (draft + self._verify_seconds(load.tree_tokens + tokens))
+    def fits(self, candidate: Candidate) -> bool:
+        return candidate.tokens <= self.tokens and candidate.depth <= self.depth
 
 
 @dataclass
@@ -374,21 +358,35 @@ class TreePlanner:
             return 1.0 + self.accepted.mean(candidate.budget, guess)
         return self.calibration.ratio * expected_tokens(passes, candidate.widths)
 
-    def choose(self, hazard: HazardProfile, value: StepValue) -> tuple[Candidate, float]:
-        """The best candidate by predicted tokens per second, unless the current one is within the
-        hysteresis or not yet measured ``START_STEPS`` times; with the tokens per step it expects."""
+    def expectations(self, hazard: HazardProfile) -> dict[Candidate, float]:
+        """E of each candidate (dynamic ones and the current shaped tree) from the measurements so far."""
+        passes = hazard.pass_table(self.max_depth)
+        return {c: self.expected(c, passes) for c in [*self.dynamic, self.shaped]}
+
+    def bounds(self) -> list[Bound]:
+        """The bounds of its dynamic candidates: what a batch may choose among for it."""
+        return [Bound(c.tokens, c.depth) for c in self.dynamic]
+
+    @staticmethod
+    def best_within(bound: Bound, expectations: dict[Candidate, float]) -> tuple[Candidate, float] | None:
+        """The candidate expected to emit most within ``bound`` (the fewer tokens on a tie), if any fits."""
+        fitting = [(e, -c.tokens, i, c) for i, (c, e) in enumerate(expectations.items()) if bound.fits(c)]
+        if not fitting:
+            return None
+        expected, _, _, best = max(fitting)
+        return best, expected
+
+    def choose(self, hazard: HazardProfile, bound: Bound) -> tuple[Candidate, float]:
+        """Re-plan within ``bound``: climb the shaped tree a few moves toward the most expected tokens, then
+        take the best candidate that fits; with the tokens per step it expects."""
         passes, ratio = hazard.pass_table(self.max_depth), self.calibration.ratio
-        widths = climb(
-            lambda w: value(ratio * expected_tokens(passes, w), tree_size(w), len(w)),
-            self.shaped.widths, self.max_tokens, self.max_depth,
-        )  # fmt: skip
+        start = self.shaped.widths
+        if not bound.fits(self.shaped):
+            start = list(uniform_widths(TreeBudget(bound.tokens, 0.0, bound.depth)))
+        widths = climb(lambda w: ratio * expected_tokens(passes, w), start, bound.tokens, bound.depth)
         self.shaped = Candidate.shaped(widths, self.shaped.budget.threshold)
-        scored = [(value(self.expected(c, passes), c.tokens, c.depth), c) for c in [*self.dynamic, self.shaped]]
-        best_value, best = max(scored, key=lambda pair: pair[0])  # the first listed wins a tie
-        kept = next((v for v, c in scored if c == self.current), None)
-        if kept is None:
-            kept = value(self.expected(self.current, passes), self.current.tokens, self.current.depth)
-        if best_value > kept * (1 + PLAN_HYSTERESIS) and self.observed_steps >= START_STEPS:
-            self.current = best
+        best = self.best_within(bound, {c: self.expected(c, passes) for c in [*self.dynamic, self.shaped]})
+        assert best is not None  # the shaped tree fits
+        self.current = best[0]
         self.current_model_tokens = expected_tokens(passes, self.current.widths)
-        return self.current, self.expected(self.current, passes)
+        return best

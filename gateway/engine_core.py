@@ -321,7 +321,7 @@ class EngineCore:
             self.timing.batch_sizes.append(len(batch.verifies))
         if result.verifies and not batch.prefills:  # a prompt chunk in the same call is no verify cost
             measured = result.verify_seconds if result.verify_seconds is not None else seconds
-            self._verify_cost = VerifyCost(batch.tree_tokens, measured)
+            self._verify_cost = VerifyCost(batch.padded_rows, measured)
             self.timing.verify_only_iterations += 1
             self.timing.verify_only_seconds += seconds
         for session_id, failure in result.failures.items():

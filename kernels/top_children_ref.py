@@ -14,5 +14,7 @@ def top_children_reference(
     target_ids: torch.Tensor,  # [vocab] int64: the target id of each draft id
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, k] float32 log-probs, best first; [rows, k] int64 target ids
     log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    top_log_probs, top_ids = log_probs.topk(k, dim=-1)
-    return top_log_probs, target_ids[top_ids]
+    # a stable sort, not topk: exact ties go to the lower draft id whatever k is (topk's order among ties
+    # depends on k, and a proposal padded to more children than a plan keeps must pick the same ones)
+    values, ids = log_probs.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], target_ids[ids[..., :k]]

@@ -60,9 +60,9 @@ class TargetBatch:
     collects: list[str] = field(default_factory=list)  # sessions whose deferred finished prompt to report
 
     @property
-    def tree_tokens(self) -> int:
-        """Tokens the verify forward computes: the sum of the trees' sizes."""
-        return sum(step.tree.num_nodes for step in self.verifies)
+    def padded_rows(self) -> int:
+        """Rows the verify forward computes: every tree is padded to the widest."""
+        return len(self.verifies) * max((step.tree.num_nodes for step in self.verifies), default=0)
 
     def __bool__(self) -> bool:
         return bool(self.releases or self.opens or self.prefills or self.verifies or self.collects)

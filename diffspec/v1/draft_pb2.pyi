@@ -40,22 +40,22 @@ class DraftAccept(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., emitted_tokens: _Optional[_Iterable[int]] = ..., verified_draft_tree: _Optional[bool] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("releases", "starts", "accepts", "proposes", "verify_tree_tokens", "verify_seconds", "feature_rows")
+    __slots__ = ("releases", "starts", "accepts", "proposes", "verify_rows", "verify_seconds", "feature_rows")
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_FIELD_NUMBER: _ClassVar[int]
     PROPOSES_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_ROWS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
     releases: _containers.RepeatedScalarFieldContainer[str]
     starts: _containers.RepeatedCompositeFieldContainer[DraftStart]
     accepts: _containers.RepeatedCompositeFieldContainer[DraftAccept]
     proposes: _containers.RepeatedScalarFieldContainer[str]
-    verify_tree_tokens: int
+    verify_rows: int
     verify_seconds: float
     feature_rows: int
-    def __init__(self, releases: _Optional[_Iterable[str]] = ..., starts: _Optional[_Iterable[_Union[DraftStart, _Mapping]]] = ..., accepts: _Optional[_Iterable[_Union[DraftAccept, _Mapping]]] = ..., proposes: _Optional[_Iterable[str]] = ..., verify_tree_tokens: _Optional[int] = ..., verify_seconds: _Optional[float] = ..., feature_rows: _Optional[int] = ...) -> None: ...
+    def __init__(self, releases: _Optional[_Iterable[str]] = ..., starts: _Optional[_Iterable[_Union[DraftStart, _Mapping]]] = ..., accepts: _Optional[_Iterable[_Union[DraftAccept, _Mapping]]] = ..., proposes: _Optional[_Iterable[str]] = ..., verify_rows: _Optional[int] = ..., verify_seconds: _Optional[float] = ..., feature_rows: _Optional[int] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
     __slots__ = ("step", "features")

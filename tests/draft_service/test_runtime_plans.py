@@ -7,11 +7,12 @@ import torch
 
 from diffspec.tree import DraftTree
 
-from draft_service.backend import DraftAccept, DraftBatch, DraftStart
+from draft_service.backend import DraftAccept, DraftBatch, DraftStart, VerifyCost
 from draft_service.options import DraftOptions
-from draft_service.runtime import OBSERVED_PER_STEP, REPLAN_EVERY, DraftRuntime
+from draft_service.batch_plan import REPLAN_EVERY, START_STEPS
+from draft_service.runtime import OBSERVED_PER_STEP, DraftRuntime
 from draft_service.tree_budget import TreeBudget
-from draft_service.tree_plan import CANDIDATE_GRID, PROBE_EVERY, TreePlanner
+from draft_service.tree_plan import CANDIDATE_GRID, DYNAMIC, PROBE_EVERY, Bound, Candidate, TreePlanner
 from tests.draft_service.test_drafter import load_head
 
 SESSIONS, STEPS = 6, 2 * PROBE_EVERY
@@ -33,21 +34,32 @@ def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work
         prompt = torch.randint(0, c.vocab_size, (20 + 10 * i,), generator=generator).tolist()
         starts.append(DraftStart(sid, prompt, features(len(prompt)), 1, DraftOptions("online", "24:0.0:5")))
     trees = runtime.step(DraftBatch(starts=starts, proposes=ids)).trees
-    plans_per_step, observed_per_step = [len(chooses)], []
+    plans_per_step, observed_per_step, bounds = [len(chooses)], [], [runtime.batch_plan.bound]
     for _ in range(STEPS):
         observed = sum(s.planner.observed_steps for s in runtime.sessions.values())
         # the target accepts each tree's first child, then a bonus token
         accepts = [DraftAccept(sid, [int(DraftTree.of(trees[sid]).tokens[1]), 2], features(2)) for sid in ids]
-        trees = runtime.step(DraftBatch(accepts=accepts, proposes=ids)).trees
+        flat = VerifyCost(rows=SESSIONS * 24, seconds=0.01)  # one size measured: every size costs the same
+        trees = runtime.step(DraftBatch(accepts=accepts, proposes=ids, verify_cost=flat)).trees
         plans_per_step.append(len(chooses) - sum(plans_per_step))
         observed_per_step.append(sum(s.planner.observed_steps for s in runtime.sessions.values()) - observed)
+        bounds.append(runtime.batch_plan.bound)
     allowed = {TreeBudget.parse("24:0.0:5"), *CANDIDATE_GRID, TreeBudget.parse("96:0.0:10")}
     for batch in requests:
         assert {r.budget for r in batch if r.plan[0].children == 10} <= allowed  # dynamic trees: the grid's or own
-    # sessions started together re-plan in turn: about a quarter of the batch a step
-    assert sum(plans_per_step[: REPLAN_EVERY]) == SESSIONS and max(plans_per_step) <= -(-SESSIONS // REPLAN_EVERY)
-    # one probe in PROBE_EVERY proposals, by one session
-    probes = [sum(r.budget == TreeBudget.parse("96:0.0:10") for r in batch) for batch in requests]
+    # the batch starts from its own budget, then its bound is chosen every REPLAN_EVERY proposals
+    assert bounds[: START_STEPS] == [Bound(24, 5)] * START_STEPS
+    # sessions started together re-plan in turn, about a quarter of the batch a step, except that a new bound
+    # re-plans at once every session whose tree it no longer holds
+    assert sum(plans_per_step[: REPLAN_EVERY]) == SESSIONS
+    for step, plans in enumerate(plans_per_step[1:], 1):
+        if bounds[step] == bounds[step - 1]:
+            assert plans <= -(-SESSIONS // REPLAN_EVERY)
+    probe = TreeBudget.parse("96:0.0:10")
+    for batch, bound in zip(requests, bounds):  # every tree within the bound, but a probe
+        assert all(bound.fits(Candidate(DYNAMIC, tuple(r.plan), r.budget)) for r in batch if r.budget != probe)
+    # one probe in PROBE_EVERY proposals, by one session (on a flat verify the batch affords it)
+    probes = [sum(r.budget == probe for r in batch) for batch in requests]
     assert [i for i, n in enumerate(probes) if n] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
     assert max(probes) == 1
     # a step hands at most OBSERVED_PER_STEP sessions' trees to their planners (and the probe's)

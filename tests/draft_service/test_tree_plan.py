@@ -1,5 +1,5 @@
-"""The online tree planner: counterfactual acceptance of contained dynamic trees, the choice by predicted tokens
-per second over the fixed configurations and beyond, its hysteresis and cost, and a simulated convergence."""
+"""The online tree planner per session: counterfactual acceptance of contained dynamic trees, the choice within
+the batch's bound, the probe, and a simulated convergence with the batch's choice of bound."""
 
 from __future__ import annotations
 
@@ -9,18 +9,17 @@ import pytest
 import torch
 
 from diffspec.tree import DraftTree
-from draft_service.hazard import CLIMB_MOVES, BatchLoad, HazardProfile, StepCostModel
+from draft_service.batch_plan import BatchCost, BatchPlanner, SessionOutlook
+from draft_service.hazard import HazardProfile, StepCostModel, tree_size
 from draft_service.tree_budget import TreeBudget
 from draft_service.tree_plan import (
-    CANDIDATE_GRID,
     DYNAMIC,
-    PLAN_HYSTERESIS,
     PROBE_EVERY,
-    START_STEPS,
+    SHAPED,
+    Bound,
     Calibration,
     Candidate,
     SharedMeasurements,
-    StepValue,
     TreePlanner,
     counterfactual_accepted,
     prober,
@@ -72,7 +71,7 @@ MEANS = {"16:0.0:4": 2.0, "32:0.0:6": 2.6, "48:0.0:8": 3.0, "64:0.0:8": 3.2, "96
 
 def planner_with(start: str, means: dict[str, float], shaped_ratio: float = 1.0) -> TreePlanner:
     """A planner whose dynamic candidates measured ``means`` (every step the same), whose shaped trees realised
-    ``shaped_ratio`` of the rank model's prediction, past its start."""
+    ``shaped_ratio`` of the rank model's prediction."""
     planner = TreePlanner.start(B(start), SharedMeasurements())
     measured = {B(config): drafts for config, drafts in means.items()}
     measured[planner.accepted.base] = measured.get(planner.accepted.base, 0)
@@ -80,76 +79,28 @@ def planner_with(start: str, means: dict[str, float], shaped_ratio: float = 1.0)
         planner.accepted.observe(measured)
     planner.calibration = Calibration(1.0)
     planner.calibration.observe(shaped_ratio * 1000.0, 1000.0)
-    planner.observed_steps = START_STEPS
     return planner
 
 
-def values(planner: TreePlanner, value: StepValue) -> dict[Candidate, float]:
-    passes = HazardProfile(16, 0.9).pass_table(planner.max_depth)
-    return {c: value(planner.expected(c, passes), c.tokens, c.depth) for c in [*planner.dynamic, planner.shaped]}
-
-
-FLAT = StepCostModel(default_intercept=1.0, default_slope=0.0, draft_seconds_per_depth=0.01)
-MODERATE = StepCostModel(default_intercept=1.0, default_slope=0.005, draft_seconds_per_depth=0.02)
-STEEP = StepCostModel(default_intercept=1.0, default_slope=0.03, draft_seconds_per_depth=0.03)
-
-
-@pytest.mark.parametrize("cost", [FLAT, MODERATE, STEEP], ids=["flat", "moderate", "steep"])
-@pytest.mark.parametrize("start", ["16:0.0:4", "48:0.0:8", "64:0.0:8"])
-@pytest.mark.parametrize("shaped_ratio", [0.5, 1.0])
-def test_the_choice_is_worth_at_least_every_fixed_configuration(cost, start, shaped_ratio):
-    planner = planner_with(start, MEANS, shaped_ratio)
+@pytest.mark.parametrize("bound", [Bound(16, 4), Bound(40, 6), Bound(64, 8), Bound(96, 10), Bound(12, 3)])
+@pytest.mark.parametrize("shaped_ratio", [0.3, 1.0])
+def test_the_choice_within_a_bound_fits_it_and_expects_the_most(bound, shaped_ratio):
+    planner = planner_with("64:0.0:8", MEANS, shaped_ratio)
     hazard = HazardProfile(16, 0.9)
-    chosen, _ = planner.choose(hazard, StepValue(cost))
-    predicted = values(planner, StepValue(cost))
-    fixed = [Candidate.dynamic(budget) for budget in CANDIDATE_GRID]
-    if chosen == Candidate.dynamic(B(start)):  # kept: nothing beats the start by the hysteresis
-        assert all(predicted[chosen] * (1 + PLAN_HYSTERESIS) >= predicted[f] for f in fixed)
-    else:
-        assert predicted[chosen] == max(predicted.values())
-        assert all(predicted[chosen] >= predicted[f] for f in fixed)
+    chosen, expected = planner.choose(hazard, bound)
+    assert bound.fits(chosen) and planner.current == chosen
+    assert tree_size(planner.shaped.widths) <= bound.tokens and len(planner.shaped.widths) <= bound.depth
+    expectations = planner.expectations(hazard)
+    assert expected == pytest.approx(expectations[chosen])
+    assert all(expected >= e for c, e in expectations.items() if bound.fits(c))
 
 
-def test_a_flat_cheap_verify_grows_the_tree_and_a_compute_bound_one_shrinks_it():
+def test_a_tight_bound_leaves_the_shaped_tree_and_a_loose_one_the_largest_dynamic_tree():
     hazard = HazardProfile(16, 0.9)
-    grown, _ = planner_with("48:0.0:8", MEANS, 0.5).choose(hazard, StepValue(FLAT))
-    shrunk, _ = planner_with("48:0.0:8", MEANS, 0.5).choose(hazard, StepValue(STEEP))
-    assert (grown.kind, grown.budget) == (DYNAMIC, B("96:0.0:10"))
-    assert (shrunk.kind, shrunk.budget) == (DYNAMIC, B("16:0.0:4"))
-
-
-def test_a_batch_of_sixteen_on_a_steep_verify_line_gets_smaller_trees_than_one_alone():
-    cost = StepCostModel(default_intercept=1.0, default_slope=0.004, draft_seconds_per_depth=0.01)
-    hazard = HazardProfile(16, 0.9)
-    alone, _ = planner_with("64:0.0:8", MEANS, 0.5).choose(hazard, StepValue(cost))
-    others = BatchLoad(tree_tokens=15 * 32, expected_tokens=15 * 3.6, depth=6)
-    batched, _ = planner_with("64:0.0:8", MEANS, 0.5).choose(hazard, StepValue(cost, others))
-    assert alone.tokens == 64 and batched.tokens == 16
-
-
-def test_hysteresis_keeps_a_near_equal_choice_and_yields_to_a_clear_gain():
-    free = StepCostModel(default_intercept=1.0, default_slope=0.0, draft_seconds_per_depth=0.0)  # value ~ E
-    hazard = HazardProfile(16, 0.9)
-    near = planner_with("64:0.0:8", {**MEANS, "96:0.0:10": 3.25}, shaped_ratio=0.1)  # E 4.25 vs 4.2: +1.2%
-    for _ in range(5):
-        assert near.choose(hazard, StepValue(free))[0].budget == B("64:0.0:8")
-    clear = planner_with("64:0.0:8", {**MEANS, "96:0.0:10": 3.5}, shaped_ratio=0.1)  # E 4.5 vs 4.2: +7%
-    assert clear.choose(hazard, StepValue(free))[0].budget == B("96:0.0:10")
-
-
-def test_a_session_proposes_its_own_budget_until_it_has_measured_it():
-    planner = TreePlanner.start(B("48:0.0:8"), SharedMeasurements())
-    chosen, _ = planner.choose(HazardProfile(16, 0.9), StepValue(FLAT))
-    assert chosen == Candidate.dynamic(B("48:0.0:8"))
-
-
-def test_a_plan_scores_a_bounded_number_of_candidates():
-    planner = planner_with("64:0.0:8", MEANS)
-    value = StepValue(MODERATE)
-    planner.choose(HazardProfile(16, 0.9), value)
-    dynamic = len(planner.dynamic)  # the grid and the request's own budget
-    assert dynamic == 5
-    assert value.evaluations <= dynamic + 1 + 1 + (1 + CLIMB_MOVES * (2 * planner.max_depth + 2))
+    tight, _ = planner_with("64:0.0:8", MEANS, 1.0).choose(hazard, Bound(12, 3))  # no dynamic candidate fits
+    loose, _ = planner_with("64:0.0:8", MEANS, 0.3).choose(hazard, Bound(96, 10))
+    assert tight.kind == SHAPED
+    assert (loose.kind, loose.budget) == (DYNAMIC, B("96:0.0:10"))
 
 
 @pytest.mark.parametrize(
@@ -168,15 +119,17 @@ def test_the_probe_contains_every_candidate():
 
 
 def simulate(cost: StepCostModel, start: str, sessions: int, steps: int, seed: int) -> list[Candidate]:
-    """Sessions one after another on one runtime's shared measurements, each re-planning every 4 steps; the
-    candidate each ends with."""
+    """Sessions one after another on one runtime's shared measurements, each a batch of one: the batch chooses
+    its bound and the session its tree within it every 4 steps; the candidate each ends with."""
     shared, global_hazard, rng = SharedMeasurements(), HazardProfile(32, 0.995), random.Random(seed)
-    ends = []
+    batch_plan, ends = BatchPlanner(), []
     for _ in range(sessions):
         planner, hazard = TreePlanner.start(B(start), shared), HazardProfile(32, 0.9, prior=global_hazard)
         for step in range(steps):
             if step % 4 == 0:
-                planner.choose(hazard, StepValue(cost))
+                outlook = SessionOutlook(planner.expectations(hazard), fixed=False)
+                bound = batch_plan.choose(planner.bounds(), [outlook], BatchCost(cost, batch=1, context_tokens=0))
+                planner.choose(hazard, bound)
             world = World(random.Random(rng.random()))
             proposed = planner.probe if prober(step, 1) is not None else planner.current
             tree, paths = grow(world, list(proposed.plan), proposed.budget)

@@ -1,0 +1,108 @@
+"""The batch's bound for online sessions: chosen by predicted tokens per second over the padded verify, worth at
+least every fixed configuration, shrinking as the batch grows on a compute-bound verify, with hysteresis, a
+start from the own budgets, and probes only where the batch can afford them."""
+
+from __future__ import annotations
+
+import pytest
+
+from draft_service.batch_plan import (
+    PLAN_HYSTERESIS,
+    REPLAN_EVERY,
+    START_STEPS,
+    BatchCost,
+    BatchPlanner,
+    SessionOutlook,
+)
+from draft_service.hazard import HazardProfile, StepCostModel
+from draft_service.tree_budget import TreeBudget
+from draft_service.tree_plan import CANDIDATE_GRID, Bound, Candidate
+from tests.draft_service.test_tree_plan import MEANS, planner_with
+
+GRID_BOUNDS = [Bound(b.total_tokens, b.depth) for b in CANDIDATE_GRID]
+
+
+def measured(points: dict[int, float], draft_seconds_per_depth: float = 0.0002) -> StepCostModel:
+    """A cost model that measured ``points`` (padded rows -> verify seconds)."""
+    cost = StepCostModel(draft_seconds_per_depth=draft_seconds_per_depth, draft_measured=True)
+    for rows, seconds in points.items():
+        cost.observe_verify(rows, seconds)
+    return cost
+
+
+# Flat while the weights' read dominates, then about 17 us per row (as an 8B target's verify on an H200).
+KNEE = measured({1: 0.0062, 64: 0.0064, 256: 0.0068, 1024: 0.0200, 2048: 0.0375})
+FLAT = measured({1: 0.0062, 4096: 0.0063})
+
+
+def outlooks(sessions: int, means: dict[str, float] = MEANS) -> list[SessionOutlook]:
+    """``sessions`` like online sessions that measured ``means``; their shaped trees realise half the model's E."""
+    expectations = planner_with("64:0.0:8", means, shaped_ratio=0.5).expectations(HazardProfile(16, 0.9))
+    return [SessionOutlook(expectations, False)] * sessions
+
+
+def value(bound: Bound, looks: list[SessionOutlook], cost: BatchCost) -> float:
+    """The module's V(T, D) for online sessions alone, written out."""
+    expected = sum(max((e for c, e in o.expectations.items() if bound.fits(c)), default=1.0) for o in looks)
+    return expected / cost.step_seconds(bound)
+
+
+@pytest.mark.parametrize("cost", [KNEE, FLAT], ids=["knee", "flat"])
+@pytest.mark.parametrize("sessions", [1, 4, 16])
+def test_the_bound_is_worth_at_least_every_fixed_configuration(cost, sessions):
+    looks, batch = outlooks(sessions), BatchCost(cost, sessions, 2048)
+    chosen = BatchPlanner().choose(GRID_BOUNDS, looks, batch)
+    assert all(value(chosen, looks, batch) >= value(b, looks, batch) for b in GRID_BOUNDS)
+
+
+def test_sixteen_sessions_on_a_compute_bound_verify_get_a_smaller_bound_than_one():
+    alone = BatchPlanner().choose(GRID_BOUNDS, outlooks(1), BatchCost(KNEE, 1, 2048))
+    sixteen = BatchPlanner().choose(GRID_BOUNDS, outlooks(16), BatchCost(KNEE, 16, 2048))
+    on_flat = BatchPlanner().choose(GRID_BOUNDS, outlooks(16), BatchCost(FLAT, 16, 2048))
+    assert alone.tokens >= 64 and on_flat.tokens >= 64
+    assert sixteen == Bound(16, 4)
+
+
+def test_a_fixed_sessions_tree_pads_the_batch_so_online_trees_fill_up_to_it():
+    """Beside a fixed 64-token tree every bound up to 64 costs the same verify: the online sessions take what
+    expects most within it rather than shrinking for nothing."""
+    fixed = Candidate.dynamic(TreeBudget.parse("64:0.0:8"))
+    looks = [*outlooks(15), SessionOutlook({fixed: 4.0}, True)]
+    chosen = BatchPlanner().choose(GRID_BOUNDS, looks, BatchCost(KNEE, 16, 2048))
+    assert chosen == Bound(64, 8)
+
+
+def test_hysteresis_keeps_a_near_equal_bound_and_yields_to_a_clear_gain():
+    looks, planner = outlooks(1, {**MEANS, "96:0.0:10": 3.25}), BatchPlanner()  # E 4.25 against 4.2
+    flat = BatchCost(measured({1: 0.0062}, draft_seconds_per_depth=0.0), 1, 2048)  # value ~ E
+    planner.bound = Bound(64, 8)
+    assert value(Bound(96, 10), looks, flat) > value(Bound(64, 8), looks, flat)  # better, by under 3%
+    assert value(Bound(96, 10), looks, flat) < value(Bound(64, 8), looks, flat) * (1 + PLAN_HYSTERESIS)
+    assert planner.choose(GRID_BOUNDS, looks, flat) == Bound(64, 8)
+    knee = BatchCost(KNEE, 16, 2048)
+    assert planner.choose(GRID_BOUNDS, outlooks(16), knee) == Bound(16, 4)
+
+
+def test_a_batch_starts_from_the_largest_own_budget_and_chooses_again_when_due():
+    planner = BatchPlanner()
+    assert planner.due(3)
+    assert planner.start([Bound(24, 5), Bound(64, 8), Bound(48, 10)], batch=3) == Bound(64, 10)
+    for _ in range(START_STEPS):
+        assert not planner.due(3)
+        planner.step()
+    assert planner.due(3)
+    planner.choose(GRID_BOUNDS, outlooks(3), BatchCost(KNEE, 3, 2048))
+    assert not planner.due(2)  # 2 and 3 share a power of two
+    assert planner.due(4)  # the batch crossed one: the verify cost moved
+    for _ in range(REPLAN_EVERY):
+        planner.step()
+    assert planner.due(3)
+
+
+def test_a_probe_goes_ahead_only_where_the_padded_verify_stays_cheap():
+    probe = Candidate.dynamic(TreeBudget.parse("96:0.0:10"))
+    planner = BatchPlanner()
+    planner.bound = Bound(16, 4)
+    assert planner.allows_probe(probe, BatchCost(KNEE, 1, 2048))  # 96 rows: still the weights' read
+    assert not planner.allows_probe(probe, BatchCost(KNEE, 16, 2048))  # 1,536 rows against 256
+    assert planner.allows_probe(probe, BatchCost(FLAT, 16, 2048))
