@@ -2,7 +2,7 @@
 
 Shape. Every session brings its own plan (a ``DepthPlan`` per depth), budget and context. A
 proposal pads them to one static ``ProposalShape``: the batch to a bucket, the contexts to a
-capacity bucket, the nodes to the most any session's plan and budget can keep, and each depth's
+capacity bucket, the nodes to a bucket holding the most any session's plan and budget can keep, and each depth's
 frontier rows and children to the full tree's (``FULL_TOP_K`` by ``FULL_TOP_K``) whenever every
 plan fits in it: chain, uniform, full and online plans, however their widths change, share the
 widths of their depth. A wider plan pads each depth to the batch's widest, rounded up to a width
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+NODE_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 192, 256)
 MIN_CONTEXT_CAPACITY = 1024  # shorter contexts share one capacity
 CONTEXT_STEPS_PER_DOUBLING = 8  # capacities step by 1/8 of a power of two: at most 12.5% of the keys are padding
 
@@ -80,8 +81,16 @@ class ProposalShape:
             _bucket(len(requests), BATCH_BUCKETS),
             _context_capacity(max(context_lengths)),
             widths,
-            max(_bounds(r)[0] for r in requests),  # padded slots hold no valid candidate: no node beyond these
+            _node_capacity(requests, widths),
         )
+
+
+def _node_capacity(requests: list[ProposalRequest], widths: tuple[tuple[int, int], ...]) -> int:
+    """Nodes out per session: the most any session's plan and budget can keep, rounded up to a node bucket
+    (hazard-shaped trees change size from step to step) within the slots the widths hold; each session
+    keeps only its own total_tokens, so the rounding changes no tree."""
+    slots = 1 + sum(rows * k for rows, k in widths)
+    return min(_bucket(max(_bounds(r)[0] for r in requests), NODE_BUCKETS), slots)
 
 
 def full_widths(depth: int) -> tuple[tuple[int, int], ...]:

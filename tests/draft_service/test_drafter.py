@@ -189,19 +189,19 @@ def test_the_search_reads_nothing_back_to_the_host(drafter, monkeypatch):
     "plans, lengths, want",
     [
         ([POLICIES["full"]] * 3, [5, 300, 40], ProposalShape(4, 1024, full_widths(8), 64)),
-        ([POLICIES["uniform2"]], [1025], ProposalShape(1, 1152, ((1, 10), (10, 10), (10, 10)), 15)),
-        ([POLICIES["chain"]] * 2, [4500, 3], ProposalShape(2, 4608, ((1, 10),) + ((10, 10),) * 5, 7)),
+        ([POLICIES["uniform2"]], [1025], ProposalShape(1, 1152, ((1, 10), (10, 10), (10, 10)), 16)),
+        ([POLICIES["chain"]] * 2, [4500, 3], ProposalShape(2, 4608, ((1, 10),) + ((10, 10),) * 5, 8)),
         (  # online widths up to the full tree's: its widths, whatever each session's
             [(widths_to_plan([5, 2]), TreeBudget(16, 0.0, 2)), (widths_to_plan([1, 7, 3]), TreeBudget(24, 0.0, 3))],
             [70_000, 10],
-            ProposalShape(2, 73_728, full_widths(3), 24),
+            ProposalShape(2, 73_728, full_widths(3), 32),
         ),
         (  # a wider plan: each depth takes the batch's widest, rounded up to a width bucket
             [(widths_to_plan([5, 2]), TreeBudget(16, 0.0, 2)), (widths_to_plan([1, 12, 3]), TreeBudget(24, 0.0, 3))],
             [70_000, 10],
-            ProposalShape(2, 73_728, ((1, 6), (6, 12), (12, 3)), 24),
+            ProposalShape(2, 73_728, ((1, 6), (6, 12), (12, 3)), 32),
         ),
-        ([POLICIES["uniform3"]], [10], ProposalShape(1, 1024, ((1, 3), (3, 3), (9, 3), (16, 3)), 40)),  # expands 14
+        ([POLICIES["uniform3"]], [10], ProposalShape(1, 1024, ((1, 3), (3, 3), (9, 3), (16, 3)), 48)),  # expands 14
     ],
 )
 def test_shapes_pad_to_buckets(drafter, plans, lengths, want):
