@@ -12,7 +12,7 @@ call, no launch gaps); also with ``triton.testing.do_bench``, which zeroes 256 M
 and so makes each call pay the write-back of that buffer's dirty L2 lines. ``--sweep`` also times
 alternative launch plans at L = 64K, to tune ``plan_tree_attention``.
 
-The draft head's attention (``kernels/draft_attention_triton.py``) at the same 8B shape, B sessions of
+The draft head's attention (``diffspec_kernels/draft_attention_triton.py``) at the same 8B shape, B sessions of
 n = 10 frontier rows over a full context of L keys plus m = 64 tree entries: its time (as served, the
 same cold-L2 graph replays), the reference's, and the bandwidth floor: the context's bytes over the copy
 bandwidth measured in this run. ``--draft-only`` skips the tree attention.
@@ -38,12 +38,12 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from diffspec.tree import DraftTree
-from kernels.attention_metadata import AttentionMetadata
-from kernels.draft_attention_ref import draft_attention_reference
-from kernels.draft_attention_triton import run_draft_attention
-from kernels.draft_attention_triton import default_plan as draft_default_plan
-from kernels.tree_attention_ref import gather_context, tree_attention_reference
-from kernels.tree_attention_triton import TreeAttentionPlan, default_plan, run_tree_attention
+from diffspec_kernels.attention_metadata import AttentionMetadata
+from diffspec_kernels.draft_attention_ref import draft_attention_reference
+from diffspec_kernels.draft_attention_triton import run_draft_attention
+from diffspec_kernels.draft_attention_triton import default_plan as draft_default_plan
+from diffspec_kernels.tree_attention_ref import gather_context, tree_attention_reference
+from diffspec_kernels.tree_attention_triton import TreeAttentionPlan, default_plan, run_tree_attention
 
 PAGE_SIZE = 16
 CONTEXT_LENS = (4096, 16384, 65536, 131072)

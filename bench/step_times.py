@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from diffspec.tree import DraftTree
-from kernels.attention_metadata import AttentionMetadata
+from diffspec_kernels.attention_metadata import AttentionMetadata
 from target_service.attention_backends import attention_backend
 from diffspec.model_config import parse_llama_config
 from target_service.kv_cache import PagedKVCache

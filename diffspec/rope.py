@@ -1,7 +1,7 @@
 """Rotary position embeddings (RoPE) shared by the target and the draft, with Llama-3.1's ``llama3`` scaling.
 
 transformers' convention: frequencies repeated over both halves of the head dimension; the
-rotation itself (``x * cos + rotate_half(x) * sin``) is ``kernels.layer_ops_ref.apply_rotary``.
+rotation itself (``x * cos + rotate_half(x) * sin``) is ``diffspec_kernels.layer_ops_ref.apply_rotary``.
 """
 
 from __future__ import annotations

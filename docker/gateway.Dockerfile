@@ -9,7 +9,7 @@ COPY diffspec ./diffspec
 COPY target_service ./target_service
 COPY draft_service ./draft_service
 COPY gateway ./gateway
-COPY kernels ./kernels
+COPY diffspec_kernels ./diffspec_kernels
 COPY cli ./cli
 # Split, the gateway relays features as bytes and trees as lists: it installs pyproject's `gateway`
 # extra (no torch), then the package without its model dependencies.

@@ -13,7 +13,7 @@ COPY diffspec ./diffspec
 COPY target_service ./target_service
 COPY draft_service ./draft_service
 COPY gateway ./gateway
-COPY kernels ./kernels
+COPY diffspec_kernels ./diffspec_kernels
 COPY cli ./cli
 # torch's Linux wheel brings CUDA and Triton; flash-attn (the gpu extra) needs a devel image to build
 RUN pip3 install 'torch==2.13.0' && pip3 install .

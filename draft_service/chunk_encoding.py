@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels.chunk_scoring_ref import chunk_scores_reference
-from kernels.dispatch import triton_kernels_on
+from diffspec_kernels.chunk_scoring_ref import chunk_scores_reference
+from diffspec_kernels.dispatch import triton_kernels_on
 
 
 def _scorer(device: torch.device):  # noqa: ANN202 - one of two functions of the same signature
     """The Triton scorer for a GPU's keys, else the PyTorch reference."""
     if not triton_kernels_on(device):
         return chunk_scores_reference
-    from kernels.chunk_scoring_triton import chunk_scores_triton
+    from diffspec_kernels.chunk_scoring_triton import chunk_scores_triton
 
     return chunk_scores_triton
 

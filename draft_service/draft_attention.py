@@ -4,8 +4,8 @@
 entries, expanding a batch of trees (new entries = ancestors and self, one context per session,
 padded to a capacity: ``ctx_lengths`` says where each session's keys end), and the salience path
 (the context is the working set instead of the whole history). On a GPU it is one split-KV
-Triton kernel that reads only the keys below each length (``kernels.draft_attention_triton``);
-elsewhere the PyTorch reference (``kernels.draft_attention_ref``). Leading dimensions ``...``
+Triton kernel that reads only the keys below each length (``diffspec_kernels.draft_attention_triton``);
+elsewhere the PyTorch reference (``diffspec_kernels.draft_attention_ref``). Leading dimensions ``...``
 (e.g. the batch of sessions) are shared by every argument.
 
 ``causal_attention`` is the plain causal case: the newest rows of a sequence over it, as a layer
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import triton_kernels_on
-from kernels.draft_attention_ref import draft_attention_reference
+from diffspec_kernels.dispatch import triton_kernels_on
+from diffspec_kernels.draft_attention_ref import draft_attention_reference
 
 
 def draft_attention(
@@ -34,7 +34,7 @@ def draft_attention(
 ) -> torch.Tensor:  # [..., n, heads, hd] in q's dtype
     if not triton_kernels_on(q.device):
         return draft_attention_reference(q, ctx_k, ctx_v, new_k, new_v, new_mask, scale, ctx_lengths)
-    from kernels.draft_attention_triton import draft_attention_triton
+    from diffspec_kernels.draft_attention_triton import draft_attention_triton
 
     return draft_attention_triton(q, ctx_k, ctx_v, new_k, new_v, new_mask, scale, ctx_lengths)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draft_service.eagle3_config import Eagle3Config
-from kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
+from diffspec_kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
 
 
 def layer_ops(device: torch.device) -> LayerOps:

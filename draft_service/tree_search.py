@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import triton_kernels_on
-from kernels.tree_rerank_ref import ancestor_mask, ranked, rerank_reference  # noqa: F401 - ancestor_mask: for its tests
+from diffspec_kernels.dispatch import triton_kernels_on
+from diffspec_kernels.tree_rerank_ref import ancestor_mask, ranked, rerank_reference  # noqa: F401 - ancestor_mask: for its tests
 
 
 @dataclass
@@ -112,13 +112,13 @@ def top_children(
     k: int,
     target_ids: torch.Tensor,  # [vocab] int64: the target id of each draft id
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, rows, k] float32 log-probs, best first; [B, rows, k] int64 target ids
-    """Each row's ``k`` best children: one Triton kernel on a GPU (``kernels.top_children_triton``), the PyTorch
+    """Each row's ``k`` best children: one Triton kernel on a GPU (``diffspec_kernels.top_children_triton``), the PyTorch
     reference elsewhere."""
     if not triton_kernels_on(logits.device):
-        from kernels.top_children_ref import top_children_reference
+        from diffspec_kernels.top_children_ref import top_children_reference
 
         return top_children_reference(logits, k, target_ids)
-    from kernels.top_children_triton import top_children_triton
+    from diffspec_kernels.top_children_triton import top_children_triton
 
     return top_children_triton(logits, k, target_ids)
 
@@ -135,12 +135,12 @@ def grow(
     first_slot: int,  # the slab's first candidate slot
 ) -> tuple[Candidates, Frontier | None]:
     """One depth: ``expand`` then ``best_frontier`` (None at the last depth). On a GPU both are one Triton
-    kernel (``kernels.tree_frontier_triton``), bit for bit the same; these tensor ops are its reference."""
+    kernel (``diffspec_kernels.tree_frontier_triton``), bit for bit the same; these tensor ops are its reference."""
     if not triton_kernels_on(top_log_probs.device):
         slab = expand(frontier, top_log_probs, top_tokens, children, min_log_prob, depth)
         k = top_log_probs.shape[2]
         return slab, best_frontier(slab, next_rows, k, expand_rows, first_slot) if next_rows else None
-    from kernels.tree_frontier_triton import frontier_step_triton
+    from diffspec_kernels.tree_frontier_triton import frontier_step_triton
 
     batch, rows, k = top_log_probs.shape
     cumulative, valid, parent_slots, *following = frontier_step_triton(
@@ -162,14 +162,14 @@ def rerank(
     candidates: Candidates, root_tokens: torch.Tensor, total_tokens: torch.Tensor, nodes: int, max_depth: int
 ) -> TreeTensors:
     """Each session's root plus its best ``total_tokens - 1`` ([B] int64) valid candidates, in slot order, with
-    the trees' ancestor masks: one Triton kernel on a GPU (``kernels.tree_rerank_triton``), its PyTorch
-    reference elsewhere (``kernels.tree_rerank_ref``), bit for bit the same."""
+    the trees' ancestor masks: one Triton kernel on a GPU (``diffspec_kernels.tree_rerank_triton``), its PyTorch
+    reference elsewhere (``diffspec_kernels.tree_rerank_ref``), bit for bit the same."""
     fields = (
         candidates.tokens, candidates.log_probs, candidates.own_log_probs, candidates.valid,
         candidates.parent_slots, candidates.depths,
     )  # fmt: skip
     if not triton_kernels_on(candidates.tokens.device):
         return TreeTensors(*rerank_reference(*fields, root_tokens, total_tokens, nodes, max_depth))
-    from kernels.tree_rerank_triton import rerank_triton
+    from diffspec_kernels.tree_rerank_triton import rerank_triton
 
     return TreeTensors(*rerank_triton(*fields, root_tokens, total_tokens, nodes, max_depth))

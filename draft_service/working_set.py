@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.chunk_scoring_ref import top_chunks_reference
+from diffspec_kernels.chunk_scoring_ref import top_chunks_reference
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,14 @@ import importlib.util
 import torch
 
 from diffspec.errors import InvalidRequest
-from kernels.dispatch import triton_kernels_on
+from diffspec_kernels.dispatch import triton_kernels_on
 from target_service.llama import AttentionBackend
 
 # setting value -> (module, function); every function has the reference's signature
 _BACKENDS = {
-    "torch": ("kernels.tree_attention_ref", "tree_attention_reference"),
-    "triton": ("kernels.tree_attention_triton", "tree_attention_triton"),
-    "flash-attn": ("kernels.tree_attention_flash", "tree_attention_flash"),
+    "torch": ("diffspec_kernels.tree_attention_ref", "tree_attention_reference"),
+    "triton": ("diffspec_kernels.tree_attention_triton", "tree_attention_triton"),
+    "flash-attn": ("diffspec_kernels.tree_attention_flash", "tree_attention_flash"),
 }
 # backends whose module imports its package only when first called, so the check happens here
 _LAZY_PACKAGES = {"flash-attn": "flash_attn"}

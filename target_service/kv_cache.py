@@ -13,8 +13,8 @@ import torch
 
 from diffspec.devices import upload
 
-from kernels.kv_commit_ref import kv_commit_reference
-from kernels.dispatch import triton_kernels_on
+from diffspec_kernels.kv_commit_ref import kv_commit_reference
+from diffspec_kernels.dispatch import triton_kernels_on
 from diffspec.model_config import LlamaConfig
 from target_service.kv_pool import PageCopy
 
@@ -24,7 +24,7 @@ KVCommit = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tor
 def _kv_commit_for(device: torch.device) -> KVCommit:
     if not triton_kernels_on(device):
         return kv_commit_reference
-    from kernels.kv_commit_triton import kv_commit_triton
+    from diffspec_kernels.kv_commit_triton import kv_commit_triton
 
     return kv_commit_triton
 

@@ -5,7 +5,7 @@ sequence's committed KV pages plus each other under a mask: prefill chunks, tree
 the dense causal path (batched full sequences, for the EAGLE-3 trainer and tests). Both can
 return the EAGLE-3 features: the residual-stream inputs of the chosen decoder layers. The
 elementwise steps (norms with the residual add folded in, RoPE, SiLU x up) come from
-``kernels.layer_ops``: fused Triton kernels on a GPU, PyTorch elsewhere.
+``diffspec_kernels.layer_ops``: fused Triton kernels on a GPU, PyTorch elsewhere.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from diffspec.devices import upload
 from diffspec.errors import CheckpointError
 from diffspec.model_config import LlamaConfig, load_llama_config
 from diffspec.rope import RotaryEmbedding
-from kernels.attention_metadata import AttentionMetadata
-from kernels.layer_ops import layer_ops_for
+from diffspec_kernels.attention_metadata import AttentionMetadata
+from diffspec_kernels.layer_ops import layer_ops_for
 
 # attend(layer, q, k, v) -> attention output shaped like q; k/v are the new tokens' keys/values.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class AttentionBackend(Protocol):
-    """Tree attention over paged KV; ``kernels.tree_attention_ref`` defines the semantics."""
+    """Tree attention over paged KV; ``diffspec_kernels.tree_attention_ref`` defines the semantics."""
 
     def __call__(
         self,

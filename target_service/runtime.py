@@ -30,7 +30,7 @@ from diffspec.sampling import SamplingParams, sample, target_probs, token_logpro
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
 from diffspec.tree import DraftTree, PendingTree
 from diffspec.tree_nodes import ProposedTree
-from kernels.attention_metadata import AttentionMetadata, causal_mask
+from diffspec_kernels.attention_metadata import AttentionMetadata, causal_mask
 from target_service.acceptance_step import Commit, accept_batch
 from target_service.attention_backends import GRAPH_SAFE_BACKENDS, attention_backend, resolve_backend_name
 from target_service.backend import (

@@ -22,7 +22,7 @@ import torch
 
 from diffspec.cuda_graphs import record_graph
 from diffspec.tree import DeviceTree, DraftTree, PendingTree
-from kernels.attention_metadata import AttentionMetadata
+from diffspec_kernels.attention_metadata import AttentionMetadata
 from target_service.kv_cache import PagedKVCache
 from target_service.llama import AttentionBackend, LlamaModel, PagedForwardOutput
 

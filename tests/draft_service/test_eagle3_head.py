@@ -13,7 +13,7 @@ from diffspec.errors import CheckpointError
 from draft_service.eagle3_head import Eagle3Config, Eagle3Head
 from draft_service.vocab_map import build_vocab_map, target_to_draft_index
 from diffspec.model_config import RopeConfig
-from kernels.layer_ops_ref import apply_rotary
+from diffspec_kernels.layer_ops_ref import apply_rotary
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 96, 40, 32
 PUBLISHED_KEYS = {

@@ -10,7 +10,7 @@ from draft_service.chunk_arena import ChunkArena
 from draft_service.chunk_encoding import ChunkIndex
 from draft_service.draft_context import DraftContext
 from draft_service.working_set import WorkingSetConfig, WorkingSetSelector
-from kernels.chunk_scoring_ref import chunk_scores_reference
+from diffspec_kernels.chunk_scoring_ref import chunk_scores_reference
 
 KV_HEADS, HEAD_DIM, CHUNK = 2, 16, 8
 

@@ -16,7 +16,7 @@ from draft_service.backend import DraftBatch, DraftStart
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
-from kernels.attention_metadata import AttentionMetadata
+from diffspec_kernels.attention_metadata import AttentionMetadata
 from target_service.runtime import TargetRuntime
 
 TRIALS = 4000

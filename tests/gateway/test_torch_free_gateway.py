@@ -25,7 +25,7 @@ import os, sys
 for name in os.environ["DIFFSPEC_TEST_BLOCKED_MODULES"].split(","):
     sys.modules.setdefault(name, None)
 """
-OWN_PACKAGES = {"diffspec", "gateway", "cli", "target_service", "draft_service", "kernels", "bench", "tests"}
+OWN_PACKAGES = {"diffspec", "gateway", "cli", "target_service", "draft_service", "diffspec_kernels", "bench", "tests"}
 MAX_NEW = 24
 
 

@@ -12,7 +12,7 @@ from diffspec.errors import InvalidRequest, KVPoolExhausted
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from diffspec.tree import DraftTree
-from kernels.attention_metadata import AttentionMetadata
+from diffspec_kernels.attention_metadata import AttentionMetadata
 from target_service.backend import PrefillWork, SessionOpen, TargetBatch, VerifyStep
 from target_service.runtime import TargetRuntime
 from tests.conftest import source_prompts

@@ -12,7 +12,7 @@ from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
 from gateway.request import GenerationRequest
-from kernels.attention_metadata import AttentionMetadata, causal_mask
+from diffspec_kernels.attention_metadata import AttentionMetadata, causal_mask
 from target_service.attention_backends import attention_backend
 from target_service.runtime import TargetRuntime
 

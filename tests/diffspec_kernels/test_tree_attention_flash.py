@@ -8,12 +8,12 @@ import zlib
 import pytest
 import torch
 
-import kernels.tree_attention_flash as flash
+import diffspec_kernels.tree_attention_flash as flash
 from diffspec.errors import InvalidRequest
-from kernels.attention_metadata import AttentionMetadata, causal_mask
-from kernels.tree_attention_ref import tree_attention_reference
+from diffspec_kernels.attention_metadata import AttentionMetadata, causal_mask
+from diffspec_kernels.tree_attention_ref import tree_attention_reference
 from target_service.attention_backends import attention_backend
-from tests.kernels.test_tree_attention import Case, Inputs, make_inputs, relative_error
+from tests.diffspec_kernels.test_tree_attention import Case, Inputs, make_inputs, relative_error
 
 B16, F16 = torch.bfloat16, torch.float16
 

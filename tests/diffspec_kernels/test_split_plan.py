@@ -1,4 +1,4 @@
-"""The split-KV launch plans (``kernels.split_plan``) of tree attention and draft attention, pinned shape by shape:
+"""The split-KV launch plans (``diffspec_kernels.split_plan``) of tree attention and draft attention, pinned shape by shape:
 the tuned tiles at the 8B shapes, the shrunk tiles of wide rows, split counts bounded by the chip, by the keys and
 by the cap, and the small shapes the interpreted kernel tests run."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.draft_attention_triton import plan_draft_attention
-from kernels.tree_attention_triton import plan_tree_attention
+from diffspec_kernels.draft_attention_triton import plan_draft_attention
+from diffspec_kernels.tree_attention_triton import plan_tree_attention
 
 # (num_seqs, num_kv_heads, group, max_q_len, max_context_len, head_dim, num_sms, element_size)
 #   -> (block_m, block_n, num_splits, num_warps)

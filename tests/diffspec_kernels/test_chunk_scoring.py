@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.chunk_scoring_ref import chunk_scores_reference, top_chunks_reference
-from tests.kernels.kernel_cases import kernel_cases
+from diffspec_kernels.chunk_scoring_ref import chunk_scores_reference, top_chunks_reference
+from tests.diffspec_kernels.kernel_cases import kernel_cases
 
 
 def test_reference_top_chunks_are_in_position_order():
@@ -34,7 +34,7 @@ TRITON_CASES = kernel_cases(
 
 @pytest.mark.parametrize("num_chunks, heads, kv_heads, head_dim, dtype", TRITON_CASES)
 def test_triton_scores_match_reference(kernel_device, num_chunks, heads, kv_heads, head_dim, dtype):
-    from kernels.chunk_scoring_triton import chunk_scores_triton
+    from diffspec_kernels.chunk_scoring_triton import chunk_scores_triton
 
     gen = torch.Generator(device=kernel_device).manual_seed(num_chunks)
     keys = torch.randn(num_chunks, 16, kv_heads, head_dim, device=kernel_device, generator=gen).to(dtype)

@@ -1,6 +1,6 @@
 """Each row's best children in the draft vocabulary: log-softmax, top-k and the map to target ids, in PyTorch.
 
-The CPU path and the oracle for ``kernels.top_children_triton``.
+The CPU path and the oracle for ``diffspec_kernels.top_children_triton``.
 """
 
 from __future__ import annotations

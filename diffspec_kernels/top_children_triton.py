@@ -1,6 +1,6 @@
 """Each row's best children in one launch: log-softmax, top-k and the map to target ids.
 
-Same function as ``kernels.top_children_ref`` (equal ids, log-probs to the last bit or two: the
+Same function as ``diffspec_kernels.top_children_ref`` (equal ids, log-probs to the last bit or two: the
 sum of exponentials runs in another order). torch's top-k over a few rows of a 4K-32K vocabulary
 is a radix select of several passes, about 30 us a call on an H200, which made it the largest
 non-matmul cost of a proposal; here one program reads its row once, takes the log-sum-exp, then
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.top_children_ref import top_children_reference
+from diffspec_kernels.top_children_ref import top_children_reference
 
 MAX_VOCAB = 32768  # a row is one block of registers; wider vocabularies take the reference
 MAX_CHILDREN = 64  # beyond this the k sequential picks cost more than torch's select

@@ -1,4 +1,4 @@
-"""Every Triton kernel in kernels/ compiles ahead of time, at the launch plans the runtime uses for a
+"""Every Triton kernel in diffspec_kernels/ compiles ahead of time, at the launch plans the runtime uses for a
 Llama-3.1-8B-shaped model in bf16, for AMD MI300 (gfx942), AMD MI200 (gfx90a) and NVIDIA Hopper (sm_90),
 and each compiled kernel's shared memory fits the target (64 KiB of LDS on both AMD chips).
 
@@ -8,11 +8,11 @@ into libtriton (``make_hsaco`` links in process) and ``backends/amd/lib`` has th
 for NVIDIA, ``backends/nvidia/bin`` has ptxas. So nothing is skipped. This checks that the code
 objects build, not that they run: no kernel has run on an AMD GPU.
 
-The compilation runs in a subprocess (``python -m tests.kernels.test_rocm_compile TARGET``) because the
+The compilation runs in a subprocess (``python -m tests.diffspec_kernels.test_rocm_compile TARGET``) because the
 test session sets TRITON_INTERPRET=1 on a CPU machine, under which ``@triton.jit`` gives interpreted
 functions that cannot be compiled. One subprocess compiles for the three targets in turn (about 45 s of CPU
 each on a 2-core machine, nearly all of it in the attention kernels' tiles). A single-process session starts
-it as soon as it has collected these tests (tests/kernels/conftest.py), at the lowest CPU priority: it takes
+it as soon as it has collected these tests (tests/diffspec_kernels/conftest.py), at the lowest CPU priority: it takes
 the CPU the tests before these leave idle while they wait on servers and subprocesses. Under pytest-xdist
 these tests come first, and the subprocess takes the waiting worker's core while the other worker goes on.
 """
@@ -66,8 +66,8 @@ def scalars(names: str, kind: str) -> dict[str, str]:
 def tree_attention_cases() -> list[Case]:
     """One case per distinct launch over the CUDA-graph buckets (batch sizes x tree sizes), at a short and a
     128K block table, for an H200's 132 SMs and an MI300X's 304 CUs."""
-    from kernels.split_kv_triton import merge_launch
-    from kernels.tree_attention_triton import plan_tree_attention
+    from diffspec_kernels.split_kv_triton import merge_launch
+    from diffspec_kernels.tree_attention_triton import plan_tree_attention
 
     settings = DiffSpecSettings()
     group = NUM_HEADS // NUM_KV_HEADS
@@ -97,7 +97,7 @@ def tree_attention_cases() -> list[Case]:
         *[
             Case(
                 f"tree_attention_partials[m{block_m},n{block_n},w{num_warps}]",
-                "kernels.tree_attention_triton", "_tree_attention_partials_kernel", signature,
+                "diffspec_kernels.tree_attention_triton", "_tree_attention_partials_kernel", signature,
                 {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "PAGE_SIZE": settings.page_size},
                 num_warps, num_stages,
             )
@@ -105,7 +105,7 @@ def tree_attention_cases() -> list[Case]:
         ],
         *[
             Case(
-                f"merge_partials[r{block_r},p{block_p},c{part_chunk}]", "kernels.split_kv_triton",
+                f"merge_partials[r{block_r},p{block_p},c{part_chunk}]", "diffspec_kernels.split_kv_triton",
                 "_merge_partials_kernel", merge_signature,
                 {"BLOCK_R": block_r, "BLOCK_P": block_p, "PART_CHUNK": part_chunk, "HEAD_DIM": HEAD_DIM},
             )
@@ -118,7 +118,7 @@ def draft_attention_cases() -> list[Case]:
     """One case per distinct tile over the proposal's buckets (sessions x frontier rows) at a short and a 128K
     context, with per-session lengths (the proposal) and without (the drafter's one-session call)."""
     from draft_service.tree_proposal import BATCH_BUCKETS, WIDTH_BUCKETS
-    from kernels.draft_attention_triton import plan_draft_attention
+    from diffspec_kernels.draft_attention_triton import plan_draft_attention
 
     group = NUM_HEADS // NUM_KV_HEADS
     plans = [
@@ -142,7 +142,7 @@ def draft_attention_cases() -> list[Case]:
     return [
         Case(
             f"draft_attention_partials[m{block_m},n{block_n},w{num_warps},lengths={lengths}]",
-            "kernels.draft_attention_triton", "_draft_attention_partials_kernel",
+            "diffspec_kernels.draft_attention_triton", "_draft_attention_partials_kernel",
             signature if lengths else {**signature, "ctx_lengths_ptr": "constexpr"},
             {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, **({} if lengths else {"ctx_lengths_ptr": None})},
             num_warps, num_stages,
@@ -165,7 +165,7 @@ def tree_frontier_cases() -> list[Case]:
     }
     return [
         Case(
-            f"tree_frontier[block={block},next={has_next}]", "kernels.tree_frontier_triton", "_frontier_kernel",
+            f"tree_frontier[block={block},next={has_next}]", "diffspec_kernels.tree_frontier_triton", "_frontier_kernel",
             signature, {"HAS_NEXT": has_next, "BLOCK": block, "LOWEST": -1.7976931348623157e308},
         )
         for block in (16, 128)
@@ -176,7 +176,7 @@ def tree_frontier_cases() -> list[Case]:
 def tree_rerank_cases() -> list[Case]:
     """The launch blocks of a depth-1 tree, of the full trees an online session proposes (10 + 100 * (depth - 1)
     slots on the full tree's widths, at depths 4 to 10 and their budgets), and of the largest the kernel takes."""
-    from kernels.tree_rerank_triton import MAX_NODES, MAX_SLOTS, OTHERS, launch_blocks
+    from diffspec_kernels.tree_rerank_triton import MAX_NODES, MAX_SLOTS, OTHERS, launch_blocks
 
     signature = {
         "tokens_ptr": "*i64", "log_probs_ptr": "*fp64", "own_log_probs_ptr": "*fp32", "valid_ptr": "*u8",
@@ -190,7 +190,7 @@ def tree_rerank_cases() -> list[Case]:
     blocks = sorted({launch_blocks(slots, nodes) for slots, nodes in sizes})
     return [
         Case(
-            f"tree_rerank[block={block},nodes={node_block},rows={row_block}]", "kernels.tree_rerank_triton",
+            f"tree_rerank[block={block},nodes={node_block},rows={row_block}]", "diffspec_kernels.tree_rerank_triton",
             "_rerank_kernel", signature,
             {"BLOCK": block, "OTHERS": OTHERS, "NODE_BLOCK": node_block, "ROW_BLOCK": row_block,
              "LOWEST": -1.7976931348623157e308},
@@ -208,21 +208,21 @@ def kernel_cases() -> list[Case]:
         *tree_frontier_cases(),
         *tree_rerank_cases(),
         Case(
-            "chunk_scores", "kernels.chunk_scoring_triton", "_chunk_scores_kernel",
+            "chunk_scores", "diffspec_kernels.chunk_scoring_triton", "_chunk_scores_kernel",
             {**pointers("q_ptr kmin_ptr kmax_ptr", DTYPE), "out_ptr": "*fp32", "num_chunks": "i32",
              **scalars("NUM_KV_HEADS GROUP HEAD_DIM BLOCK_C BLOCK_D", "constexpr")},
             {"NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": NUM_HEADS // NUM_KV_HEADS, "HEAD_DIM": HEAD_DIM, "BLOCK_C": 64,
              "BLOCK_D": HEAD_DIM},
         ),
         Case(
-            "kv_commit", "kernels.kv_commit_triton", "_kv_commit_kernel",
+            "kv_commit", "diffspec_kernels.kv_commit_triton", "_kv_commit_kernel",
             {**pointers("k_pages_ptr v_pages_ptr new_k_ptr new_v_ptr", DTYPE), **pointers("rows_ptr slots_ptr", "i64"),
              **scalars("num_slots num_new_tokens", "i32"), **scalars("TOKEN_SIZE BLOCK", "constexpr")},
             {"TOKEN_SIZE": token_size, "BLOCK": token_size},
         ),
         *[
             Case(
-                f"rms_norm[delta={has_delta}]", "kernels.layer_ops_triton", "_rms_norm_kernel",
+                f"rms_norm[delta={has_delta}]", "diffspec_kernels.layer_ops_triton", "_rms_norm_kernel",
                 {**pointers("x_ptr delta_ptr weight_ptr sum_ptr out_ptr", DTYPE), "hidden": "i32", "eps": "fp32",
                  **scalars("HAS_DELTA BLOCK", "constexpr")},
                 {"HAS_DELTA": has_delta, "BLOCK": norm_block}, num_warps=min(16, max(1, norm_block // 256)),
@@ -230,30 +230,30 @@ def kernel_cases() -> list[Case]:
             for has_delta in (False, True)
         ],
         Case(
-            "silu_mul", "kernels.layer_ops_triton", "_silu_mul_kernel",
+            "silu_mul", "diffspec_kernels.layer_ops_triton", "_silu_mul_kernel",
             {**pointers("gate_ptr up_ptr out_ptr", DTYPE),
              **scalars("n width gate_row_stride up_row_stride", "i32"), "BLOCK": "constexpr"}, {"BLOCK": 1024},
         ),
         Case(
-            "top_children", "kernels.top_children_triton", "_top_children_kernel",
+            "top_children", "diffspec_kernels.top_children_triton", "_top_children_kernel",
             {"logits_ptr": f"*{DTYPE}", "target_ids_ptr": "*i64", "log_probs_ptr": "*fp32", "ids_ptr": "*i64",
              **scalars("vocab row_stride k", "i32"), "BLOCK": "constexpr"},
             {"BLOCK": 32768}, num_warps=16,
         ),
         Case(
-            "head_input", "kernels.layer_ops_triton", "_head_input_kernel",
+            "head_input", "diffspec_kernels.layer_ops_triton", "_head_input_kernel",
             {"token_ids_ptr": "*i64", **pointers("embedding_ptr hidden_ptr token_weight_ptr hidden_weight_ptr out_ptr", DTYPE),
              **scalars("hidden hidden_row_stride", "i32"), "eps": "fp32", "BLOCK": "constexpr"},
             {"BLOCK": norm_block}, num_warps=min(16, max(1, norm_block // 256)),
         ),
         Case(
-            "qkv_rope", "kernels.layer_ops_triton", "_qkv_rope_kernel",
+            "qkv_rope", "diffspec_kernels.layer_ops_triton", "_qkv_rope_kernel",
             {**pointers("qkv_ptr cos_ptr sin_ptr q_ptr k_ptr v_ptr", DTYPE),
              **scalars("rows heads kv_heads qkv_b qkv_r cos_b cos_r k_b k_r v_b v_r", "i32"), "HALF": "constexpr"},
             {"HALF": HEAD_DIM // 2}, num_warps=1, fp_fusion=False,
         ),
         Case(
-            "rotate", "kernels.layer_ops_triton", "_rotate_kernel",
+            "rotate", "diffspec_kernels.layer_ops_triton", "_rotate_kernel",
             {**pointers("x_ptr cos_ptr sin_ptr out_ptr", DTYPE), "heads": "i32", "HALF": "constexpr"},
             {"HALF": HEAD_DIM // 2}, num_warps=1, fp_fusion=False,
         ),
@@ -261,18 +261,18 @@ def kernel_cases() -> list[Case]:
 
 
 def jit_kernels() -> set[tuple[str, str]]:
-    """(module, name) of every @triton.jit kernel in kernels/ that is launched (helpers called from a kernel excluded)."""
+    """(module, name) of every @triton.jit kernel in diffspec_kernels/ that is launched (helpers called from a kernel excluded)."""
     import ast
 
     found = set()
-    for path in sorted((REPO_ROOT / "kernels").glob("*.py")):
+    for path in sorted((REPO_ROOT / "diffspec_kernels").glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in tree.body:
             jit = isinstance(node, ast.FunctionDef) and any(
                 ast.unparse(d.func if isinstance(d, ast.Call) else d) in ("triton.jit", "jit") for d in node.decorator_list
             )  # @triton.jit, or called with options (do_not_specialize=...)
             if jit and node.name.endswith("_kernel"):
-                found.add((f"kernels.{path.stem}", node.name))
+                found.add((f"diffspec_kernels.{path.stem}", node.name))
     return found
 
 
@@ -314,7 +314,7 @@ class Compilations:
         env["TRITON_CACHE_DIR"] = str(self.folder / "cache")  # compile for real, not from a cache
         with open(self.folder / "stderr", "w") as err:
             self.run = subprocess.Popen(
-                [sys.executable, "-m", "tests.kernels.test_rocm_compile", str(self.folder), *TARGETS],
+                [sys.executable, "-m", "tests.diffspec_kernels.test_rocm_compile", str(self.folder), *TARGETS],
                 cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err,
             )  # fmt: skip
         os.setpriority(os.PRIO_PROCESS, self.run.pid, 19)

@@ -1,6 +1,6 @@
 """Fused elementwise steps of a decoder layer: one launch each instead of five to eight.
 
-Same functions as ``kernels.layer_ops_ref``, rounding at the same points. A decode step of an
+Same functions as ``diffspec_kernels.layer_ops_ref``, rounding at the same points. A decode step of an
 8B model runs ~40 kernels per layer, most of them tiny elementwise ones whose fixed cost adds
 up to milliseconds even inside a CUDA graph; these cut a layer to ~16.
 """
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layer_ops_ref import apply_rotary, qkv_rope
+from diffspec_kernels.layer_ops_ref import apply_rotary, qkv_rope
 
 
 @triton.jit
@@ -233,7 +233,7 @@ def qkv_rope_triton(
     num_kv_heads: int,
     kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``kernels.layer_ops_ref.qkv_rope`` in one launch, for one or two leading dims. Leading dims may be
+    """``diffspec_kernels.layer_ops_ref.qkv_rope`` in one launch, for one or two leading dims. Leading dims may be
     strided (cos/sin broadcast over rows that share a position; ``kv_out`` slices of a cache); each
     row's last dims are contiguous."""
     head_dim = cos.shape[-1]

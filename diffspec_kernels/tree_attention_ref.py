@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from diffspec_kernels.attention_metadata import AttentionMetadata
 
 
 def gather_context(pages: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The one rule for which implementation of a kernel runs: Triton on a GPU, the PyTorch reference elsewhere.
 
-Every kernel ships both (``kernels/*_triton.py`` beside ``*_ref.py``); callers ask here rather
+Every kernel ships both (``diffspec_kernels/*_triton.py`` beside ``*_ref.py``); callers ask here rather
 than deciding on their own, so the rule changes in one place (ROCm devices are ``cuda`` to torch).
 """
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.kv_commit_ref import kv_commit_reference
-from tests.kernels.kernel_cases import kernel_cases
+from diffspec_kernels.kv_commit_ref import kv_commit_reference
+from tests.diffspec_kernels.kernel_cases import kernel_cases
 
 
 def random_pool(layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, tokens: int, **where):
@@ -89,7 +89,7 @@ TRITON_CASES = kernel_cases(
 
 @pytest.mark.parametrize("case", TRITON_CASES)
 def test_triton_matches_reference(kernel_device: str, case: CommitCase) -> None:
-    triton_commit = pytest.importorskip("kernels.kv_commit_triton")
+    triton_commit = pytest.importorskip("diffspec_kernels.kv_commit_triton")
     torch.manual_seed(case.num_accepted)
     k_pages, v_pages, new_k, new_v = random_pool(
         case.layers, case.pages, case.page_size, case.kv_heads, case.head_dim, case.tokens,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from diffspec_kernels.attention_metadata import AttentionMetadata
 
 
 def _shape(*dims: object) -> str:

@@ -1,6 +1,6 @@
 """Tree attention with FlashAttention 2 over the committed prefix, PyTorch over the new tokens, an LSE merge.
 
-Same function as ``kernels.tree_attention_ref.tree_attention_reference``. FlashAttention takes no custom
+Same function as ``diffspec_kernels.tree_attention_ref.tree_attention_reference``. FlashAttention takes no custom
 mask, so a tree is split by key set into two softmax partials that merge exactly:
 
 1. Committed prefix: one ``flash_attn_with_kvcache`` call reads each sequence's pages through its block
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.attention_checks import check_attention_inputs
-from kernels.attention_metadata import AttentionMetadata
+from diffspec_kernels.attention_checks import check_attention_inputs
+from diffspec_kernels.attention_metadata import AttentionMetadata
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)  # FlashAttention 2 has no fp32 kernels
 _PAGE_MULTIPLE = 256  # flash-attn 2 refuses paged KV in pages of any other size

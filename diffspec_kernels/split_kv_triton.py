@@ -6,7 +6,7 @@ A partials kernel cuts the keys of each query row into parts; each part folds it
 softmax sum, and that sum's log (base 2, of scores already scaled by ``softmax scale * log2(e)``).
 ``merge_partials`` weighs each part by exp2(its lse - the row's largest) and writes the output dtype.
 A part that saw no key (empty, or every key masked) has lse -inf and weight 0, and its output is not read.
-How the keys are cut into parts, and the tiles, is ``kernels.split_plan``'s.
+How the keys are cut into parts, and the tiles, is ``diffspec_kernels.split_plan``'s.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draft_service.tree_search import Frontier, best_frontier, expand
-from tests.kernels.kernel_cases import kernel_cases
+from tests.diffspec_kernels.kernel_cases import kernel_cases
 
 # (batch, rows, k, next_rows, seed)
 CASES = kernel_cases(
@@ -48,7 +48,7 @@ def _random_depth(batch: int, rows: int, k: int, device: str, seed: int):
 
 @pytest.mark.parametrize("batch, rows, k, next_rows, seed", CASES)
 def test_kernel_equals_expand_then_best_frontier(kernel_device, batch, rows, k, next_rows, seed):
-    from kernels.tree_frontier_triton import frontier_step_triton
+    from diffspec_kernels.tree_frontier_triton import frontier_step_triton
 
     frontier, top, tokens, facts, min_log_prob = _random_depth(batch, rows, k, kernel_device, seed)
     children, expand_rows = facts[:, 0], facts[:, 1]
@@ -70,7 +70,7 @@ def test_kernel_equals_expand_then_best_frontier(kernel_device, batch, rows, k, 
 
 
 def test_a_slab_too_wide_for_the_kernel_is_refused():
-    from kernels.tree_frontier_triton import MAX_SLOTS, frontier_step_triton
+    from diffspec_kernels.tree_frontier_triton import MAX_SLOTS, frontier_step_triton
 
     rows, k = 2, MAX_SLOTS  # 2 x MAX_SLOTS slots
     zeros = torch.zeros(1, rows)
@@ -83,7 +83,7 @@ def test_a_slab_too_wide_for_the_kernel_is_refused():
 
 def test_a_valid_child_of_probability_zero_ranks_ahead_of_every_invalid_slot(kernel_device):
     """Slots 0, 1 hang from an invalid row; 3 is valid at -inf: the next frontier is 2, 3, then 0, 1."""
-    from kernels.tree_frontier_triton import frontier_step_triton
+    from diffspec_kernels.tree_frontier_triton import frontier_step_triton
 
     device = kernel_device
     top = torch.tensor([[[-1.0, float("-inf")], [-1.0, float("-inf")]]], device=device)

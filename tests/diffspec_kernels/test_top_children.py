@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.top_children_ref import top_children_reference
-from tests.kernels.kernel_cases import kernel_cases
+from diffspec_kernels.top_children_ref import top_children_reference
+from tests.diffspec_kernels.kernel_cases import kernel_cases
 
-top_children_triton = pytest.importorskip("kernels.top_children_triton")
+top_children_triton = pytest.importorskip("diffspec_kernels.top_children_triton")
 
 # (dtype, rows, vocab, k): 100 pads its block; 40000 (vocab) and 65 (k) take the reference
 CASES = kernel_cases(

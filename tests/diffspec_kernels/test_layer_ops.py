@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dispatch import triton_kernels_on
-from kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
-from kernels.layer_ops_ref import apply_rotary, rms_norm
+from diffspec_kernels.dispatch import triton_kernels_on
+from diffspec_kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
+from diffspec_kernels.layer_ops_ref import apply_rotary, rms_norm
 from diffspec.model_config import RopeConfig
 from diffspec.rope import RotaryEmbedding
-from tests.kernels.kernel_cases import kernel_cases
+from tests.diffspec_kernels.kernel_cases import kernel_cases
 
 
 def test_rotation_is_a_complex_rotation_of_paired_halves():
@@ -55,7 +55,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def fused_ops(device: str) -> LayerOps:
     """The fused kernels; on a GPU checked to be what the runtime's ``layer_ops_for`` serves there."""
-    layer_ops_triton = pytest.importorskip("kernels.layer_ops_triton")
+    layer_ops_triton = pytest.importorskip("diffspec_kernels.layer_ops_triton")
     ops = LayerOps(
         rms_norm=layer_ops_triton.rms_norm_triton,
         add_rms_norm=layer_ops_triton.add_rms_norm_triton,

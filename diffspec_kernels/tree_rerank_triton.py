@@ -1,12 +1,12 @@
 """A proposal's last step in one launch: its candidates reranked into the final padded trees, with their ancestor masks.
 
-Same function as ``kernels.tree_rerank_ref`` (the PyTorch reference, which the CPU runs), bit for bit:
+Same function as ``diffspec_kernels.tree_rerank_ref`` (the PyTorch reference, which the CPU runs), bit for bit:
 that is some sixty small kernels (a sort, scatters, a cumsum, a gather and a scatter per depth for
 the mask), and in a proposal's CUDA graph each is a node the GPU waits on.
 
 One program per session, in four passes over its slots and nodes:
 
-1. Each slot's place in the ranking is counted rather than sorted, as in ``kernels.tree_frontier_triton``:
+1. Each slot's place in the ranking is counted rather than sorted, as in ``diffspec_kernels.tree_frontier_triton``:
    the slots whose key is larger, plus the equal ones before it (keys: the cumulative log-prob, at least
    the lowest float64, for a valid slot; -inf otherwise), which is the order of a stable descending sort.
    A valid slot ranked below ``total_tokens - 1`` is kept; a running count of the kept slots (a cumsum)
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tree_rerank_ref import LOWEST, rerank_reference
+from diffspec_kernels.tree_rerank_ref import LOWEST, rerank_reference
 
 # More candidates take the reference (a sort): the count is O(slots^2) per session. On an H200, in a CUDA graph,
 # the reference takes 110-175 us whatever the size; a first version of the kernel (its count spilling
@@ -189,7 +189,7 @@ def rerank_triton(
     nodes: int,  # tree nodes out per session, root included
     max_depth: int,  # the deepest candidate's depth
 ) -> tuple[torch.Tensor, ...]:
-    """``kernels.tree_rerank_ref.rerank_reference`` in one launch: the same seven tensors, bit for bit. More
+    """``diffspec_kernels.tree_rerank_ref.rerank_reference`` in one launch: the same seven tensors, bit for bit. More
     than MAX_SLOTS slots or MAX_NODES nodes take the reference."""
     batch, slots = tokens.shape
     if slots > MAX_SLOTS or nodes > MAX_NODES:

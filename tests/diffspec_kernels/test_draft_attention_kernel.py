@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.draft_attention_ref import draft_attention_reference
-from kernels.split_plan import SplitKVPlan
-from tests.kernels.kernel_cases import kernel_cases
-from tests.kernels.test_tree_attention import interpreter_loop_warning, relative_error, skip_if_interpreter_breaks_loops
+from diffspec_kernels.draft_attention_ref import draft_attention_reference
+from diffspec_kernels.split_plan import SplitKVPlan
+from tests.diffspec_kernels.kernel_cases import kernel_cases
+from tests.diffspec_kernels.test_tree_attention import interpreter_loop_warning, relative_error, skip_if_interpreter_breaks_loops
 
-triton_attention = pytest.importorskip("kernels.draft_attention_triton")
+triton_attention = pytest.importorskip("diffspec_kernels.draft_attention_triton")
 
 B16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 TOLERANCE = {F32: 1e-4, F16: 1e-2, B16: 1e-2}  # relative error against the fp32 reference
@@ -220,7 +220,7 @@ def test_strided_mask_and_lengths_are_read_in_place(kernel_device: str) -> None:
     assert relative_error(out, inputs.reference(0.5)) < 1e-4
 
 
-# -- The launch plan (pinned shape by shape in tests/kernels/test_split_plan.py) ------------------------------
+# -- The launch plan (pinned shape by shape in tests/diffspec_kernels/test_split_plan.py) ------------------------------
 
 
 def test_plan_fits_hopper_shared_memory():

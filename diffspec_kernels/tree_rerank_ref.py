@@ -1,6 +1,6 @@
 """A proposal's last step in PyTorch: its candidates reranked into the final padded trees, with their ancestor masks.
 
-The CPU path and the oracle for ``kernels.tree_rerank_triton``. Terms as in ``draft_service.tree_search``:
+The CPU path and the oracle for ``diffspec_kernels.tree_rerank_triton``. Terms as in ``draft_service.tree_search``:
 each session keeps its root and its best ``total_tokens - 1`` valid candidate slots by cumulative
 log-prob (ties to the earlier slot), listed in slot order behind the root; what is left of ``nodes``
 is padding (token 0, parent -1, draft prob 0, depth 0, seeing only itself in the mask).

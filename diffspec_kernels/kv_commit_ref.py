@@ -1,4 +1,4 @@
-"""Plain PyTorch KV commit: the CPU path and the oracle for ``kernels.kv_commit_triton``.
+"""Plain PyTorch KV commit: the CPU path and the oracle for ``diffspec_kernels.kv_commit_triton``.
 
 After verification, the accepted new tokens (rows of the verify batch) are written into the slots the
 block manager gave them (slot = page * page_size + offset), in every layer.

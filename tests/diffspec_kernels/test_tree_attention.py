@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from diffspec.tree import DraftTree
-from kernels.attention_metadata import AttentionMetadata, causal_mask
-from kernels.split_plan import SplitKVPlan
-from kernels.tree_attention_ref import tree_attention_reference
-from tests.kernels.kernel_cases import kernel_cases
+from diffspec_kernels.attention_metadata import AttentionMetadata, causal_mask
+from diffspec_kernels.split_plan import SplitKVPlan
+from diffspec_kernels.tree_attention_ref import tree_attention_reference
+from tests.diffspec_kernels.kernel_cases import kernel_cases
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ interpreter_loop_warning = pytest.mark.filterwarnings("ignore:Conversion of an a
 @interpreter_loop_warning
 @pytest.mark.parametrize("case", TRITON_CASES)
 def test_triton_matches_reference(kernel_device: str, case: Case) -> None:
-    triton_attention = pytest.importorskip("kernels.tree_attention_triton")
+    triton_attention = pytest.importorskip("diffspec_kernels.tree_attention_triton")
     skip_if_interpreter_breaks_loops(kernel_device)
     inputs = make_inputs(case, kernel_device, seed=zlib.crc32(str(case).encode()))
     scale = case.head_dim**-0.5
@@ -237,7 +237,7 @@ def test_triton_any_split_count_matches_reference(
 ) -> None:
     """Split count changes only the order of summation: empty splits (most of them at the largest count: the
     prefix is cut into block_n-aligned shares) and one split both work."""
-    triton_attention = pytest.importorskip("kernels.tree_attention_triton")
+    triton_attention = pytest.importorskip("diffspec_kernels.tree_attention_triton")
     skip_if_interpreter_breaks_loops(kernel_device)
     inputs = make_inputs(case, kernel_device, seed=num_splits)
     ref = tree_attention_reference(*(t.float() for t in inputs.tensors()), inputs.meta, 0.125)
@@ -256,7 +256,7 @@ HOPPER_SHARED_MEMORY = 232448  # bytes per block on an H100/H200
 def test_every_plan_fits_hoppers_shared_memory(head_dim: int, element_size: int, max_q_len: int) -> None:
     """The q tile plus two pipelined key and value tiles of a plan fit one block's shared memory (fp32, as the
     exactness replays run the target, once asked for a 256-row tile that needed 257 KB)."""
-    triton_attention = pytest.importorskip("kernels.tree_attention_triton")
+    triton_attention = pytest.importorskip("diffspec_kernels.tree_attention_triton")
     plan = triton_attention.plan_tree_attention(1, 8, 4, max_q_len, 65536, head_dim, 132, element_size)
     tile_bytes = (plan.block_m + plan.num_stages * 2 * plan.block_n) * head_dim * element_size
     assert tile_bytes <= HOPPER_SHARED_MEMORY
@@ -284,7 +284,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("name, corrupt, error", BAD_INPUTS, ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_inputs_fail_before_the_kernel(name: str, corrupt, error: type[Exception]) -> None:
-    triton_attention = pytest.importorskip("kernels.tree_attention_triton")
+    triton_attention = pytest.importorskip("diffspec_kernels.tree_attention_triton")
     inputs = make_inputs(CHECKED_CASE, "cpu", seed=0)
     args = dict(zip(("q", "k_new", "v_new", "k_pages", "v_pages"), inputs.tensors()), meta=inputs.meta, scale=0.25)
     if name.startswith("meta."):
@@ -298,7 +298,7 @@ def test_bad_inputs_fail_before_the_kernel(name: str, corrupt, error: type[Excep
 
 @pytest.mark.parametrize("head_dim, page_size", [(24, 8), (8, 8), (16, 12)])
 def test_head_dim_and_page_size_must_be_powers_of_two(head_dim: int, page_size: int) -> None:
-    triton_attention = pytest.importorskip("kernels.tree_attention_triton")
+    triton_attention = pytest.importorskip("diffspec_kernels.tree_attention_triton")
     case = dataclasses.replace(CHECKED_CASE, head_dim=head_dim, page_size=page_size)
     inputs = make_inputs(case, "cpu", seed=0)
     with pytest.raises(ValueError, match="power of two"):

@@ -1,6 +1,6 @@
 """The launch plan of a split-KV attention kernel: its tiles, and how many splits each row's keys are cut into.
 
-Both attention kernels here (``kernels.tree_attention_triton``, ``kernels.draft_attention_triton``) launch a grid
+Both attention kernels here (``diffspec_kernels.tree_attention_triton``, ``diffspec_kernels.draft_attention_triton``) launch a grid
 (row tiles, parts, sequences x kv heads). A program owns one tile of the query rows of one (sequence, kv head), a
 row being one query and one query head of that kv head's group, and one part of its keys: splits 0 ..
 num_splits - 1 take equal shares of the committed keys with no mask, and a kernel may add a masked part of new

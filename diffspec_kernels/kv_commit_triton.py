@@ -1,6 +1,6 @@
 """Commit accepted tokens' keys/values into their KV slots, for every layer in one launch.
 
-Same function as ``kernels.kv_commit_ref.kv_commit_reference``. Doing it once for all layers after
+Same function as ``diffspec_kernels.kv_commit_ref.kv_commit_reference``. Doing it once for all layers after
 the forward, from device index tensors, costs one launch and no host sync.
 """
 
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_commit_ref import check_kv_commit_inputs
+from diffspec_kernels.kv_commit_ref import check_kv_commit_inputs
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Triton tree attention over paged KV: split-KV over the committed prefix, a masked new-token block, an LSE merge.
 
-Same function as ``kernels.tree_attention_ref.tree_attention_reference``. Two launches:
+Same function as ``diffspec_kernels.tree_attention_ref.tree_attention_reference``. Two launches:
 
 1. ``_tree_attention_partials_kernel``, grid (row tiles, num_splits + 1, batch * kv heads). A program
    owns one (sequence, kv head) and one tile of its query rows; a query row is one (new token, query
@@ -9,10 +9,10 @@ Same function as ``kernels.tree_attention_ref.tree_attention_reference``. Two la
    committed prefix with no mask (paged, through the block table); the program with split ==
    num_splits attends to the sequence's own new tokens under ``new_token_mask``. Each writes an fp32
    partial output, normalised, and its log-sum-exp (base 2).
-2. ``kernels.split_kv_triton.merge_partials``: each program merges the num_splits + 1 partials of a block of
+2. ``diffspec_kernels.split_kv_triton.merge_partials``: each program merges the num_splits + 1 partials of a block of
    (new token, query head) rows in fp32 and writes the output dtype.
 
-The launch plan (``kernels.split_plan``: tile sizes, split count) depends only on batch size, head counts,
+The launch plan (``diffspec_kernels.split_plan``: tile sizes, split count) depends only on batch size, head counts,
 max_q_len and the block-table width, never on the context lengths, so a padded bucket keeps one plan and a
 CUDA graph can capture it; each program reads its sequence's context length on the device and takes an
 equal share of it (a split past the end is empty and merges with weight 0).
@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_checks import check_attention_inputs, check_triton_head_dim
-from kernels.attention_metadata import AttentionMetadata
-from kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update
-from kernels.split_plan import SplitKVPlan, plan_split_kv, sm_count
+from diffspec_kernels.attention_checks import check_attention_inputs, check_triton_head_dim
+from diffspec_kernels.attention_metadata import AttentionMetadata
+from diffspec_kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update
+from diffspec_kernels.split_plan import SplitKVPlan, plan_split_kv, sm_count
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TUNED_HEAD_DIM = 128  # narrower heads keep this head_dim's tiles (the fp32 ones: 32 keys)

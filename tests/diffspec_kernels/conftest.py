@@ -34,7 +34,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the ahead-of-time compiles of test_rocm_compile.py as soon as the session knows it runs them,
     niced, so they use the CPU that the tests before them leave idle. (A pytest-xdist worker does not know
     yet whether it runs them: there the test's fixture starts them, first thing.)"""
-    from tests.kernels.test_rocm_compile import COMPILATIONS, Compilations, needs_compilations
+    from tests.diffspec_kernels.test_rocm_compile import COMPILATIONS, Compilations, needs_compilations
 
     worker = hasattr(session.config, "workerinput")
     if not worker and needs_compilations(session.items) and COMPILATIONS not in session.stash:
@@ -42,7 +42,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    from tests.kernels.test_rocm_compile import COMPILATIONS
+    from tests.diffspec_kernels.test_rocm_compile import COMPILATIONS
 
     if COMPILATIONS in session.stash:
         session.stash[COMPILATIONS].stop()

@@ -1,6 +1,6 @@
 """Triton draft attention: split-KV over each session's padded context, a masked new-entry part, an LSE merge.
 
-Same function as ``kernels.draft_attention_ref.draft_attention_reference``. Two launches:
+Same function as ``diffspec_kernels.draft_attention_ref.draft_attention_reference``. Two launches:
 
 1. ``_draft_attention_partials_kernel``, grid (row tiles, num_splits + 1, batch * kv heads), the last
    split only when there are new entries. A program owns one (session, kv head) and one tile of its
@@ -10,10 +10,10 @@ Same function as ``kernels.draft_attention_ref.draft_attention_reference``. Two 
    length (never the padding past it; a share past the end reads nothing); the program with split ==
    num_splits attends to the session's new entries under ``new_mask``. Each writes an fp32 partial
    output, normalised, and its log-sum-exp (base 2).
-2. ``kernels.split_kv_triton.merge_partials`` merges the parts of every (query, query head) row in fp32
+2. ``diffspec_kernels.split_kv_triton.merge_partials`` merges the parts of every (query, query head) row in fp32
    and writes q's dtype.
 
-The launch plan (``kernels.split_plan``) depends only on the shapes (batch, heads, n, context capacity, m,
+The launch plan (``diffspec_kernels.split_plan``) depends only on the shapes (batch, heads, n, context capacity, m,
 dtype), never on the lengths, which are read on the device: one plan per padded bucket, no host sync, so a
 CUDA graph can capture the call. A query that sees no key at all gets 0 (the reference gets NaN).
 """
@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_checks import check_draft_attention_inputs, check_triton_head_dim
-from kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update
-from kernels.split_plan import SplitKVPlan, plan_split_kv, sm_count
+from diffspec_kernels.attention_checks import check_draft_attention_inputs, check_triton_head_dim
+from diffspec_kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update
+from diffspec_kernels.split_plan import SplitKVPlan, plan_split_kv, sm_count
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from draft_service.tree_search import Candidates, best_frontier, expand, rerank, root_frontier
-from kernels.dispatch import triton_kernels_on
-from kernels.tree_rerank_ref import rerank_reference
-from tests.kernels.kernel_cases import kernel_cases
+from diffspec_kernels.dispatch import triton_kernels_on
+from diffspec_kernels.tree_rerank_ref import rerank_reference
+from tests.diffspec_kernels.kernel_cases import kernel_cases
 
-tree_rerank_triton = pytest.importorskip("kernels.tree_rerank_triton")
+tree_rerank_triton = pytest.importorskip("diffspec_kernels.tree_rerank_triton")
 
 FIELDS = ("tokens", "parents", "draft_probs", "depths", "ancestor_mask", "num_nodes", "host_rows")
 

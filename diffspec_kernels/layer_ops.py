@@ -7,8 +7,8 @@ from typing import Callable
 
 import torch
 
-from kernels import layer_ops_ref
-from kernels.dispatch import triton_kernels_on
+from diffspec_kernels import layer_ops_ref
+from diffspec_kernels.dispatch import triton_kernels_on
 
 Tensor = torch.Tensor
 
@@ -37,7 +37,7 @@ def layer_ops_for(device: torch.device) -> LayerOps:
     """Fused kernels on CUDA/ROCm, the reference elsewhere."""
     if not triton_kernels_on(device):
         return REFERENCE_OPS
-    from kernels import layer_ops_triton
+    from diffspec_kernels import layer_ops_triton
 
     return LayerOps(
         rms_norm=layer_ops_triton.rms_norm_triton,
