@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
+from cli.services import seed_verify_costs
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
 from gateway.request import GenerationChunk, GenerationRequest
@@ -23,11 +24,15 @@ def warm_up_target(engine: object) -> int:
 
 def warm_up_draft(engine: object) -> int:
     """Propose once each tree an ``online`` session starts from (``DraftRuntime.warm_up``), so their kernels
-    compile before timing; returns the proposals (0 without an in-process draft). A recorder around the
-    draft (``bench.reproduce.draft_steps``) is looked through."""
+    compile before timing, and hand the draft the verify costs the target timed at its warm-up; returns the
+    proposals (0 without an in-process draft). A recorder around the draft (``bench.reproduce.draft_steps``)
+    is looked through."""
     draft = getattr(engine, "draft", None)
     draft = getattr(draft, "draft", draft)
-    return draft.warm_up() if isinstance(draft, DraftRuntime) else 0
+    if not isinstance(draft, DraftRuntime):
+        return 0
+    seed_verify_costs(getattr(engine, "target", None), draft)
+    return draft.warm_up()
 
 
 async def warm_up_generations(

@@ -93,6 +93,8 @@ def add_gateway(host: ServiceHost, settings: DiffSpecSettings, engine: Loading[S
                 await warm_up(loaded.target, "the target's step graphs recorded")
             if loaded.draft is not None and not isinstance(loaded.draft, RemoteDraft):
                 await warm_up(loaded.draft, "the draft's first trees proposed")
+                if not isinstance(loaded.target, RemoteTarget):
+                    seed_verify_costs(loaded.target, loaded.draft)
         engine.set(loaded)
         if isinstance(loaded.target, RemoteTarget):
             host.metrics.watch_wire("target", loaded.target.wire)
@@ -104,6 +106,16 @@ def add_gateway(host: ServiceHost, settings: DiffSpecSettings, engine: Loading[S
             host.metrics.watch_draft(loaded.draft)
 
     return load
+
+
+def seed_verify_costs(target: object, draft: object) -> None:
+    """Hand an in-process draft the verify costs its in-process target timed at warm-up: the planner's
+    start (imported here: a gateway over gRPC runs without torch)."""
+    from draft_service.runtime import DraftRuntime
+    from target_service.runtime import TargetRuntime
+
+    if isinstance(draft, DraftRuntime) and isinstance(target, TargetRuntime):
+        draft.step_cost.seed_verify(target.verify_costs())
 
 
 async def warm_up(runtime: WarmsUp, what: str) -> None:

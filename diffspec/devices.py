@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -49,34 +50,55 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass
+class _Staged:
+    """One pinned host buffer and the event of the last copy out of it."""
+
+    host: torch.Tensor  # [capacity] int64, pinned
+    read: torch.cuda.Event | None = None  # recorded after the last copy was queued
+
+
 class PinnedStaging:
-    """Small per-step int64 uploads staged through one host buffer, pinned once and grown as needed.
+    """Small per-step int64 uploads staged through host buffers pinned once and reused.
 
     ``upload`` pins a new buffer per call, and pinning allocates from the driver whenever the host
     cache has no free block: such an allocation takes a driver lock and can stall for milliseconds. A
-    reused buffer never allocates. Before it is overwritten, the device's read of the last upload is
-    waited for (by the next step it is long done)."""
+    buffer is reused once the device has read its last upload; while every buffer is still waiting to
+    be read (uploads queued behind a long proposal, say), a new one joins the ring rather than the host
+    waiting for the device."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._host: torch.Tensor | None = None  # [capacity] int64, pinned
-        self._read: torch.cuda.Event | None = None  # the last upload's copy, once the device has done it
+        self._ring: list[_Staged] = []
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self._ring)
 
     def upload(self, values: list[int]) -> torch.Tensor:
-        """``values`` as an int64 tensor on the device, without a stream sync."""
+        """``values`` as an int64 tensor on the device, without a stream sync or a wait for the device."""
         if self.device.type != "cuda":
             return torch.tensor(values, dtype=torch.int64, device=self.device)
-        if self._read is not None:
-            self._read.synchronize()
-        if self._host is None or self._host.numel() < len(values):
-            self._host = torch.empty(max(len(values), 2 * (self._host.numel() if self._host is not None else 64)),
-                                     dtype=torch.int64, pin_memory=True)  # fmt: skip
-        staged = self._host[: len(values)]
-        staged.copy_(torch.tensor(values, dtype=torch.int64))
-        on_device = staged.to(self.device, non_blocking=True)
-        self._read = torch.cuda.Event()
-        self._read.record(torch.cuda.current_stream(self.device))
+        staged = self._free(len(values))
+        host = staged.host[: len(values)]
+        host.copy_(torch.tensor(values, dtype=torch.int64))
+        on_device = host.to(self.device, non_blocking=True)
+        staged.read = torch.cuda.Event()
+        staged.read.record(torch.cuda.current_stream(self.device))
         return on_device
+
+    def _free(self, size: int) -> _Staged:
+        """A buffer of at least ``size`` whose last upload the device has read: reused, grown, or new."""
+        done = [s for s in self._ring if s.read is None or s.read.query()]
+        fitting = [s for s in done if s.host.numel() >= size]
+        if fitting:
+            return fitting[0]
+        capacity = max(64, 2 * size)
+        if done:  # grow a free one rather than add another
+            done[0].host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+            return done[0]
+        self._ring.append(_Staged(torch.empty(capacity, dtype=torch.int64, pin_memory=True)))
+        return self._ring[-1]
 
 
 class HostCopy:

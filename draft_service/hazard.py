@@ -241,6 +241,14 @@ class StepCostModel:
         """The mean context per session of the batch whose trees the next verify measures."""
         self.batch_context = context_tokens
 
+    def seed_verify(self, costs: dict[int, float]) -> None:
+        """Seconds per padded rows timed before serving (the target's warm-up, at no context): one observation
+        of each size in every context bucket, so a size the batch has not met yet is predicted from a
+        timing rather than extrapolated; measurements in service outweigh it within a few steps."""
+        for table in self.tables:
+            for rows, seconds in costs.items():
+                table.observe(rows, seconds, self.decay)
+
     def observe_verify(self, rows: int, seconds: float) -> None:
         """One verify of ``rows`` padded rows (sessions x the widest tree's tokens)."""
         self.tables[_bucket(self.batch_context)].observe(rows, seconds, self.decay)

@@ -427,6 +427,10 @@ class TargetRuntime:
             self.step_graphs.warm_up()
         return self.step_graphs.num_recorded
 
+    def verify_costs(self) -> dict[int, float]:
+        """Seconds per padded verify rows (sessions x tree tokens) as timed at warm-up; empty without graphs."""
+        return self.step_graphs.padded_row_costs() if self.step_graphs is not None else {}
+
     def pending_token(self, session_id: str) -> int:
         """The session's last emitted token, the root of its next tree."""
         session = self.sessions.get(session_id)

@@ -21,10 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from diffspec.cuda_graphs import record_graph
+from diffspec.devices import DeviceTimer
 from diffspec.tree import DeviceTree, DraftTree, PendingTree
 from diffspec_kernels.attention_metadata import AttentionMetadata
 from target_service.kv_cache import PagedKVCache
 from target_service.llama import AttentionBackend, LlamaModel, PagedForwardOutput
+
+
+WARM_UP_REPLAYS = 3  # replays timed per bucket at warm-up
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ class StepGraphs:
         self.feature_layers = feature_layers  # always computed: which session wants them varies per step
         self.capture = capture
         self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self.warm_up_seconds: dict[tuple[int, int], float] = {}  # (batch, tree) bucket -> a replay's seconds
         self._pool = torch.cuda.graph_pool_handle() if capture else None  # graphs replay one at a time
 
     def run(self, steps: list[StepInput]) -> StepOutputs | None:
@@ -187,10 +192,28 @@ class StepGraphs:
         return StepOutputs(forward, logits, [b * bucket.tree for b in range(len(steps))])
 
     def warm_up(self) -> None:
-        """Record every bucket now instead of at its first step (a server does this before taking traffic)."""
+        """Record every bucket now instead of at its first step (a server does this before taking traffic),
+        and time each graph's replay: what a verify of its padded rows costs before any context."""
         for batch in self.batch_sizes:
             for tree in self.tree_sizes:
                 self.run([StepInput(DraftTree.chain([0] * tree), 0, [])] * batch)
+        if not self.capture:
+            return
+        for key, bucket in self._buckets.items():
+            assert bucket.graph is not None
+            timer = DeviceTimer(self.model.device)
+            timer.start()
+            for _ in range(WARM_UP_REPLAYS):
+                bucket.graph.replay()
+            timer.stop()
+            self.warm_up_seconds[key] = timer.seconds() / WARM_UP_REPLAYS
+
+    def padded_row_costs(self) -> dict[int, float]:
+        """Seconds per padded rows (batch x tree) timed at warm-up; buckets of equal rows averaged."""
+        by_rows: dict[int, list[float]] = {}
+        for (batch, tree), seconds in self.warm_up_seconds.items():
+            by_rows.setdefault(batch * tree, []).append(seconds)
+        return {rows: sum(times) / len(times) for rows, times in sorted(by_rows.items())}
 
     @property
     def num_recorded(self) -> int:

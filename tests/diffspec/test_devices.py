@@ -38,15 +38,22 @@ def test_staged_uploads_are_int64_on_the_device():
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_staged_uploads_reuse_one_pinned_buffer_and_grow_past_it():
-    staging = PinnedStaging(resolve_device("cuda"))
+def test_on_a_gpu_staged_uploads_reuse_read_buffers_and_never_wait_for_the_device():
+    device = resolve_device("cuda")
+    staging = PinnedStaging(device)
     first = staging.upload(list(range(10)))
-    buffer = staging._host
-    second = staging.upload(list(range(100, 130)))  # overwrites the buffer once the first upload is read
-    assert staging._host is buffer and buffer.is_pinned()
+    torch.cuda.synchronize(device)
+    second = staging.upload(list(range(100, 130)))  # the first was read: its buffer is reused
+    assert staging.num_buffers == 1
+    busy = torch.randn(4096, 4096, device=device)
+    for _ in range(20):
+        busy = busy @ busy  # the stream is busy: the next upload's copy waits behind this
+    third = staging.upload([7, 8])
+    fourth = staging.upload([9])  # the third's copy is still queued: a second buffer, no wait
+    assert staging.num_buffers == 2
     grown = staging.upload(list(range(1000)))
-    assert staging._host is not buffer and staging._host.numel() >= 1000
     assert first.tolist() == list(range(10)) and second.tolist() == list(range(100, 130))
+    assert third.tolist() == [7, 8] and fourth.tolist() == [9]
     assert grown.tolist() == list(range(1000)) and grown.device.type == "cuda"
 
 

@@ -231,3 +231,15 @@ def test_verify_cost_is_fitted_per_context_bucket():
     assert cost.verify_seconds(64, 5000) == cost.verify_seconds(64, 4096)  # the same bucket [4096, 8192)
     assert cost.verify_seconds(64, 100_000) == cost.verify_seconds(64, 65536)  # nearest measured
     assert cost.verify_seconds(64, 16384) == cost.verify_seconds(64, 65536)  # equally near: the longer
+
+
+def test_seeded_verify_costs_stand_in_until_the_batch_measures_a_size():
+    cost = StepCostModel(decay=0.5)
+    cost.seed_verify({64: 0.006, 1024: 0.020})
+    assert cost.verify_seconds(1024, 100) == pytest.approx(0.020)  # every context bucket holds the seed
+    assert cost.verify_seconds(544, 65536) == pytest.approx(0.013)
+    cost.note_batch(65536)
+    for _ in range(4):
+        cost.observe_verify(1024, 0.060)  # a long context's verify is dearer: its measurements take over
+    assert cost.verify_seconds(1024, 65536) == pytest.approx((0.5**4 * 0.020 + 0.060 * (1 + 0.5 + 0.25 + 0.125)) / (0.5**4 + 1.875))
+    assert cost.verify_seconds(1024, 100) == pytest.approx(0.020)

@@ -209,6 +209,18 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_target_dir):
 
 
 @pytest.mark.gpu
+def test_warm_up_times_every_bucket_by_its_padded_rows(tiny_target_dir):
+    settings = DiffSpecSettings(base_model=tiny_target_dir, device="cuda", num_pages=256,
+                                graph_batch_sizes="1,2,4", graph_tree_sizes="1,4,8")  # fmt: skip
+    runtime = TargetRuntime(settings)
+    assert runtime.verify_costs() == {}  # nothing timed before the warm-up
+    runtime.warm_up()
+    costs = runtime.verify_costs()
+    assert sorted(costs) == sorted({b * t for b in (1, 2, 4) for t in (1, 4, 8)})
+    assert all(0.0 < seconds < 1.0 for seconds in costs.values())
+
+
+@pytest.mark.gpu
 def test_concurrent_speculative_streams_with_graphs_equal_auto(tiny_target_dir):
     """Eight streams at once through the engine loop: verify batches of several sessions replay padded buckets."""
     settings = DiffSpecSettings(base_model=tiny_target_dir, device="cuda", dtype="float32", num_pages=1024)
