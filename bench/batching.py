@@ -35,6 +35,7 @@ from gateway.request import GenerationRequest
 MODES: dict[str, DraftOptions | None] = {
     "auto": None,
     "diffspec": DraftOptions("online", "64:0.0:8", salience=True),  # budgets from the hazard profile and the batch
+    "online": DraftOptions("online", "64:0.0:8"),  # the same policy over the whole context (no working set)
     "full-64": DraftOptions("full", "64:0.0:8"),  # the reproduction protocol's EAGLE-3 baseline tree
     "full-32": DraftOptions("full", "32:0.0:6"),  # a fixed EAGLE-2 tree, for reference
     "full-16": DraftOptions("full", "16:0.0:4"),
