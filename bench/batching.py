@@ -4,8 +4,9 @@ Every stream sends ``--requests-per-stream`` full generations in turn (prefill, 
 or speculative steps); the engine loop verifies all decoding streams in one target call per
 iteration. Each (mode, streams) runs
 once untimed first, so no CUDA graph is recorded inside a timed run. Reported per (mode,
-streams): generated tokens over wall time, requests verified per iteration, and the loop's own
-host time per iteration (wall time outside the draft and target calls). A plot of throughput
+streams): generated tokens over wall time, requests verified per iteration and the rows their
+verify computed (requests x widest tree), the target calls with and without prompt work, and the
+loop's own host time per iteration (wall time outside the draft and target calls). A plot of throughput
 against streams goes beside the JSON.
 
     python -m bench.batching --base-model .carry/b8/target --draft-model .carry/b8/head \
@@ -78,6 +79,9 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
         "mean_requests_per_verify": round(statistics.mean(timing.batch_sizes), 2) if timing.batch_sizes else 0.0,
+        "mean_rows_per_verify": round(statistics.mean(timing.padded_rows), 1) if timing.padded_rows else 0.0,
+        "prompt_iterations": timing.prompt_iterations,
+        "prompt_ms": round(timing.prompt_ms, 3),
         "host_ms_per_iteration": round(timing.host_ms_per_iteration, 3),
         "draft_ms_per_iteration": round(timing.ms_per_iteration(timing.draft_seconds), 3),
         "target_ms_per_iteration": round(timing.ms_per_iteration(timing.target_seconds), 3),

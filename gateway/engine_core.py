@@ -70,6 +70,9 @@ class LoopTiming:
     verify_only_iterations: int = 0  # iterations whose target call verified and prefilled nothing
     verify_only_seconds: float = 0.0  # their target calls
     batch_sizes: list[int] = field(default_factory=list)  # requests verified per iteration
+    padded_rows: list[int] = field(default_factory=list)  # rows each verify computed (requests x widest tree)
+    prompt_iterations: int = 0  # iterations whose target call computed prompt chunks
+    prompt_seconds: float = 0.0  # their target calls
 
     def ms_per_iteration(self, seconds: float) -> float:
         return 1000 * seconds / self.iterations if self.iterations else 0.0
@@ -83,10 +86,17 @@ class LoopTiming:
         """Mean target call of the iterations without prompt work: what one verification batch costs."""
         return 1000 * self.verify_only_seconds / self.verify_only_iterations if self.verify_only_iterations else 0.0
 
+    @property
+    def prompt_ms(self) -> float:
+        """Mean target call of the iterations with prompt work (their verify, if any, included)."""
+        return 1000 * self.prompt_seconds / self.prompt_iterations if self.prompt_iterations else 0.0
+
     def reset(self) -> None:
         self.iterations, self.loop_seconds, self.draft_seconds, self.target_seconds = 0, 0.0, 0.0, 0.0
         self.verify_only_iterations, self.verify_only_seconds = 0, 0.0
+        self.prompt_iterations, self.prompt_seconds = 0, 0.0
         self.batch_sizes.clear()
+        self.padded_rows.clear()
 
 
 @dataclass(frozen=True)
@@ -319,6 +329,10 @@ class EngineCore:
         self.admission.report(result.num_free_pages)
         if result.verifies:
             self.timing.batch_sizes.append(len(batch.verifies))
+            self.timing.padded_rows.append(batch.padded_rows)
+        if batch.prefills:
+            self.timing.prompt_iterations += 1
+            self.timing.prompt_seconds += seconds
         if result.verifies and not batch.prefills:  # a prompt chunk in the same call is no verify cost
             measured = result.verify_seconds if result.verify_seconds is not None else seconds
             self._verify_cost = VerifyCost(batch.padded_rows, measured)

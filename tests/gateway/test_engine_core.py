@@ -354,6 +354,9 @@ def test_every_decoding_stream_is_verified_in_one_target_call(target, draft, tok
         target_batches = [batch for _, batch in engine.target.batches]
         verify_sizes = [len(b.verifies) for b in target_batches if b.verifies]
         assert verify_sizes == engine.core.timing.batch_sizes
+        assert [b.padded_rows for b in target_batches if b.verifies] == engine.core.timing.padded_rows
+        prompt_calls = sum(bool(b.prefills) for b in target_batches)
+        assert engine.core.timing.prompt_iterations == prompt_calls > 0 and engine.core.timing.prompt_ms > 0
         together = verify_sizes.index(4)  # 0, or 1 when the loop took the first request alone
         assert together <= 1 and verify_sizes[together : together + 3] == [4, 4, 4]
         first_four = next(b for b in target_batches if len(b.verifies) == 4)
