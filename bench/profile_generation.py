@@ -2,7 +2,7 @@
 
 Every model call runs on the engine thread, so one profile of that thread holds the whole
 iteration: the draft call, the target call and the loop's own host work. Each mode runs once
-untimed first, so graph recording stays out of the profile.
+untimed first after the warm-ups a server runs, so graph recording stays out of the profile.
 
 ``--profiler cprofile`` (the default) lists Python functions; a GPU's queued work shows up at
 the calls that wait for it (a tensor read back to the host). ``--profiler torch`` lists the
@@ -36,6 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.batching import MODES, concurrent
+from bench.warmup import warm_up_draft, warm_up_target
 from diffspec.settings import DiffSpecSettings
 from gateway.assembly import build_engine
 
@@ -234,6 +235,8 @@ def main() -> int:
     settings = DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model, num_pages=8192)
     engine = build_engine(settings)
     engine.core.close()  # the loop runs in this thread instead, under the profiler
+    warm_up_target(engine)  # as a server before traffic: no graph recording inside the profiled runs
+    warm_up_draft(engine)
     texts = [json.loads(line)["text"] for line in args.data.read_text().splitlines()[: args.streams]]
     prompts = [engine.tokenizer(t)["input_ids"][-args.prompt_tokens :] for t in texts]
     for mode in args.modes:
