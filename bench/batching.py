@@ -16,6 +16,7 @@ against streams goes beside the JSON.
 from __future__ import annotations
 
 import argparse
+import collections
 import asyncio
 import json
 import statistics
@@ -68,10 +69,13 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
     while engine.core.has_work():  # the last run's releases: an iteration in flight would add to the reset timing
         time.sleep(0.001)
     timing.reset()
-    recorded_before = _draft_graphs(engine)
+    recorded_before, bounds_before = _draft_graphs(engine), _bounds_proposed(engine)
     tokens, seconds = asyncio.run(concurrent(engine, streams, MODES[mode], max_new_tokens))
+    bounds = _bounds_proposed(engine) - bounds_before
     return {
         "draft_graphs_recorded_in_run": _draft_graphs(engine) - recorded_before,
+        # the online batch bounds proposed within, "tokens:depth" -> proposals, commonest first
+        "online_bounds": {f"{b.tokens}:{b.depth}": n for b, n in bounds.most_common()},
         "mode": mode,
         "streams": len(streams),
         "requests_per_stream": len(streams[0]),
@@ -88,6 +92,12 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
         "verify_ms": round(timing.verify_ms, 3),
         "ms_per_iteration": round(timing.ms_per_iteration(timing.loop_seconds), 3),
     }
+
+
+def _bounds_proposed(engine: SpeculativeEngine) -> collections.Counter:
+    """Proposals per online batch bound of the in-process draft so far (empty without one)."""
+    draft = engine.draft
+    return collections.Counter(draft.bounds_proposed) if isinstance(draft, DraftRuntime) else collections.Counter()
 
 
 def _draft_graphs(engine: SpeculativeEngine) -> int:

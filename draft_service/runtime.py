@@ -7,6 +7,7 @@ then grow every requested session's tree together, one head pass per depth for t
 
 from __future__ import annotations
 
+import collections
 import threading
 from dataclasses import dataclass
 
@@ -82,6 +83,7 @@ class DraftRuntime:
         self.candidate_grid = CANDIDATE_GRID  # the dynamic trees an online session chooses among, beside its own
         self.proposals = 0  # batch proposals so far: when an online session probes
         self.batch_plan = BatchPlanner()  # the bound every online session's tree keeps within
+        self.bounds_proposed: collections.Counter[Bound] = collections.Counter()  # proposals per bound (online)
         # the last proposal's depth and device span, read at the next one (it returned before the device ran it)
         self._timed_proposal: tuple[int, DeviceTimer] | None = None
         self._lock = threading.Lock()
@@ -254,6 +256,7 @@ class DraftRuntime:
         plan.step()
         bound = plan.bound
         assert bound is not None
+        self.bounds_proposed[bound] += 1
         for session in online:
             if session.steps_to_replan <= 0 or not bound.fits(session.candidate):
                 assert session.planner is not None

@@ -47,6 +47,8 @@ def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work
     allowed = {TreeBudget.parse("24:0.0:5"), *CANDIDATE_GRID, TreeBudget.parse("96:0.0:10")}
     for batch in requests:
         assert {r.budget for r in batch if r.plan[0].children == 10} <= allowed  # dynamic trees: the grid's or own
+    assert sum(runtime.bounds_proposed.values()) == len(requests)  # one bound counted per proposal
+    assert runtime.bounds_proposed[Bound(24, 5)] >= START_STEPS
     # the batch starts from its own budget, then its bound is chosen every REPLAN_EVERY proposals
     assert bounds[: START_STEPS] == [Bound(24, 5)] * START_STEPS
     # sessions started together re-plan in turn, about a quarter of the batch a step, except that a new bound
