@@ -10,12 +10,21 @@ the budget.
 Layers. Chunks are scored on the last decoder layer's keys against its query of the newest entry
 (the root's query, which an accept keeps anyway); every layer attends to the chosen chunks, each
 from an arena of its own that takes the same selections.
+
+When. A prompt's working set is chosen at once (``refresh_all(..., wait=True)``). An accept's scores
+are only queued: their host copy runs behind the accept, and the context takes the new working set
+at its next accept, when the copy is long done. The proposal in between attends to the set chosen a
+step earlier, and the tail past the chunks that set chose among grows to hold the newer tokens, so
+nothing committed is left out. So no step waits for the device to choose chunks.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
+from diffspec.devices import HostCopy
 from draft_service.chunk_arena import ChunkArena
 from draft_service.chunk_encoding import ChunkIndex
 from draft_service.draft_kv import DraftKV
@@ -39,6 +48,8 @@ class DraftContext:
             self.selector = WorkingSetSelector(salience)
             shape = (salience.max_chunks, salience.chunk_size, num_kv_heads, head_dim)
             self.arenas = [ChunkArena(*shape, dtype, device) for _ in range(num_layers)]  # per decoder layer
+        self.covered_chunks = 0  # full chunks the applied working set was chosen among: the tail starts after them
+        self._queued: tuple[HostCopy, slice] | None = None  # a batch's scores on their way to the host; this one's
 
     @property
     def length(self) -> int:
@@ -60,7 +71,7 @@ class DraftContext:
 
     def refresh(self, q: torch.Tensor) -> None:
         """Re-score chunks against the last layer's latest query [heads, hd] and update the arenas if needed."""
-        refresh_all([self], q[None])
+        refresh_all([self], q[None], wait=True)
 
     def chunk_scores(self, q: torch.Tensor) -> torch.Tensor:
         """[num_chunks] float32 chunk scores of the last layer's keys for its latest query [heads, hd], on the
@@ -69,12 +80,25 @@ class DraftContext:
         return self.index.scores(q)
 
     def reselect(self, scores: torch.Tensor) -> None:
-        """The working set for host ``scores``; every layer's arena follows when it changed."""
+        """The working set for host ``scores`` [num_chunks] (one per full chunk); every layer's arena follows
+        when it changed."""
         assert self.salience is not None
         selected = self.selector.select(scores)
         if set(selected) != self.arenas[0].chunks():
             for arena, kv in zip(self.arenas, self.kvs):
                 arena.update(selected, *kv.view())
+        self.covered_chunks = scores.numel()
+
+    def queue_selection(self, copy: HostCopy, rows: slice) -> None:
+        """Scores [num_chunks] on their way to the host, at ``rows`` of ``copy``: the next working set."""
+        self._queued = (copy, rows)
+
+    def take_queued_selection(self) -> None:
+        """Choose the working set from the scores the last accept queued (their copy is done by now)."""
+        if self._queued is not None:
+            copy, rows = self._queued
+            self._queued = None
+            self.reselect(copy.get()[rows])
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer ``layer``'s keys and values [tokens, kv_heads, hd] the draft attends to."""
@@ -89,7 +113,7 @@ class DraftContext:
         keys, values = self.kvs[layer].view()
         if not self.selects:
             return [(keys, values)]
-        tail = self.index.num_chunks * self.salience.chunk_size
+        tail = self.covered_chunks * self.salience.chunk_size
         return [self.arenas[layer].view(), (keys[tail:], values[tail:])]
 
     @property
@@ -113,13 +137,16 @@ def copy_contexts(contexts: list[DraftContext], keys_out: torch.Tensor, values_o
     torch._foreach_copy_(targets, sources)
 
 
-def refresh_all(contexts: list[DraftContext], queries: torch.Tensor) -> None:
-    """Re-score every salience context against its last layer's latest query (``queries`` [B, heads, hd]) and
-    update the arenas that need it. The selection runs on the host: all contexts' scores come back in one copy,
-    one wait for the GPU per batch instead of one per session."""
+def refresh_all(contexts: list[DraftContext], queries: torch.Tensor, wait: bool) -> None:
+    """Re-score every salience context against its last layer's latest query (``queries`` [B, heads, hd]). The
+    selection runs on the host, from one copy of all contexts' scores: with ``wait`` now (a prompt's first
+    working set), else at each context's next accept (``take_queued_selection``), so an accept never waits."""
     scored = [(c, c.chunk_scores(q)) for c, q in zip(contexts, queries) if c.selects]
     if not scored:
         return
-    host = torch.cat([scores for _, scores in scored]).cpu()
-    for (context, _), scores in zip(scored, host.split([s.numel() for _, s in scored])):
-        context.reselect(scores)
+    copy = HostCopy(torch.cat([scores for _, scores in scored]))
+    bounds = [0, *itertools.accumulate(s.numel() for _, s in scored)]
+    for (context, _), lo, hi in zip(scored, bounds, bounds[1:]):
+        context.queue_selection(copy, slice(lo, hi))
+        if wait:
+            context.take_queued_selection()

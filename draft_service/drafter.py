@@ -74,7 +74,7 @@ class Drafter:
         context = DraftContext(c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers)
         nothing = torch.empty(0)
         session = DraftSession(context, root_query=nothing, root_hidden=nothing, num_entries=0, root_token=first_token)
-        self.extend(session, features, [*prompt_ids[1:], first_token])
+        self.extend_many([Extension(session, features, [*prompt_ids[1:], first_token])], select_now=True)
         return session
 
     def extend(self, session: DraftSession, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -82,7 +82,7 @@ class Drafter:
         self.extend_many([Extension(session, features, next_tokens)])
 
     @torch.no_grad()
-    def extend_many(self, extensions: list[Extension]) -> None:
+    def extend_many(self, extensions: list[Extension], select_now: bool = False) -> None:
         """Commit every extension's entries: one pass of the head over all sessions' rows (in chunks of
         ``EXTEND_CHUNK``), keeping each session's last query and hidden input of the last decoder layer.
 
@@ -92,9 +92,14 @@ class Drafter:
         accept is a few launches for the whole batch and a session that does not propose pays nothing.
         In a deeper head each layer below the last attends causally over its whole committed KV (salience
         or not) to give the layer above its input, one session at a time: O(length x context) there.
+
+        A salience working set is chosen from the scores of the accept before (``draft_context``), or with
+        ``select_now`` from this pass's before it returns (a prompt's first set).
         """
         if not extensions:
             return
+        for extension in extensions:  # the working sets the last accept's scores chose (see draft_context)
+            extension.session.context.take_queued_selection()
         device, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
         num_layers = self.head.config.num_layers
         counts = [len(e.next_tokens) for e in extensions]
@@ -146,7 +151,7 @@ class Drafter:
             extension.session.num_entries += n
             extension.session.root_token = extension.next_tokens[-1]
         last_queries, last_hiddens = _joined(queries), _joined(hiddens)  # [sessions, heads, hd], [sessions, hidden]
-        refresh_all([e.session.context for e in extensions], last_queries)
+        refresh_all([e.session.context for e in extensions], last_queries, wait=select_now)
         for extension, query, hidden in zip(extensions, last_queries, last_hiddens):
             extension.session.root_query, extension.session.root_hidden = query, hidden
 

@@ -20,7 +20,7 @@ from diffspec_kernels.chunk_scoring_ref import top_chunks_reference
 @dataclass(frozen=True)
 class WorkingSetConfig:
     chunk_size: int = 64  # tokens per chunk
-    budget_tokens: int = 2048  # tokens attended: selected chunks + partial tail
+    budget_tokens: int = 2048  # tokens attended at most: selected chunks + the tail since they were chosen
     sink_chunks: int = 1
     recent_chunks: int = 4
     reselect_every: int = 8  # steps between scheduled re-selections
@@ -28,8 +28,9 @@ class WorkingSetConfig:
 
     @property
     def max_chunks(self) -> int:
-        """Chunks that fit the budget next to a partial tail of up to one chunk."""
-        return max(1, self.budget_tokens // self.chunk_size - 1)
+        """Chunks that fit the budget next to the tail: up to one partial chunk, plus the tokens of the accept
+        whose scores choose the next set (at most a tree's depth + 1, under a chunk: ``draft_context``)."""
+        return max(1, self.budget_tokens // self.chunk_size - 2)
 
 
 class WorkingSetSelector:

@@ -352,10 +352,10 @@ def test_the_eager_proposal_never_syncs_the_gpu(num_layers):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_layers", [1, 2])
-@pytest.mark.parametrize("salience, waits", [(None, 0), (SALIENCE, 1)], ids=["full-context", "salience"])
-def test_a_batch_accept_waits_for_the_gpu_at_most_once(salience, waits, num_layers):
-    """Extending a batch uploads its inputs through pinned memory; only the salience selection reads
-    back, all sessions' chunk scores in one copy (a deeper head's lower layers attend without a wait)."""
+@pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
+def test_a_batch_accept_never_waits_for_the_gpu(salience, num_layers):
+    """Extending a batch uploads its inputs through pinned memory; the salience scores' copy is queued for
+    the next accept (a deeper head's lower layers attend without a wait)."""
     _, eager = _graphed_and_eager(torch.bfloat16, num_layers)
     sessions = start_sessions(eager, CONTEXT_LENGTHS, salience)
     c, device = eager.head.config, eager.head.fc.weight.device
@@ -372,7 +372,30 @@ def test_a_batch_accept_waits_for_the_gpu_at_most_once(salience, waits, num_laye
             eager.extend_many(extensions)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert sum("synchroniz" in str(w.message) for w in caught) == waits
+    assert sum("synchroniz" in str(w.message) for w in caught) == 0
+
+
+def test_an_accept_chooses_the_working_set_its_predecessor_scored_and_leaves_nothing_out(drafter):
+    """A prompt's working set is chosen at once; an accept's scores choose the set at the next accept, and
+    meanwhile every entry past the chunks the set was chosen among is attended as the tail."""
+    session = start_sessions(drafter, (300,), SALIENCE)[0]
+    context, size = session.context, SALIENCE.chunk_size
+    assert context.selects and context.covered_chunks == context.index.num_chunks == 300 // size
+    arena_tokens = context.arenas[0].view()[0].shape[0]
+    c = drafter.head.config
+    generator = torch.Generator().manual_seed(9)
+
+    def accept(n: int) -> None:
+        features = torch.randn(n, 3 * c.target_hidden_size, generator=generator)
+        drafter.extend(session, features, torch.randint(0, c.vocab_size, (n,), generator=generator).tolist())
+
+    accept(size)  # completes a full chunk: scored, but the set stays the prompt's
+    assert context.index.num_chunks == 300 // size + 1 and context.covered_chunks == 300 // size
+    assert context.attended_tokens == arena_tokens + session.num_entries - context.covered_chunks * size
+    keys = context.committed(0)[0]
+    assert torch.equal(context.view(0)[0][arena_tokens:], keys[context.covered_chunks * size :])
+    accept(1)  # takes the set the last accept's scores chose
+    assert context.covered_chunks == 300 // size + 1
 
 
 @pytest.mark.parametrize(
