@@ -188,9 +188,15 @@ class VerifyTable:
     while the weights' read dominates and steep once the attention and matmuls turn compute-bound. A
     table keeps each size it measured (a size decays only when measured again), so a batch that stays
     at one size for long still knows what the others cost.
+
+    A *seed* (the target's graphs timed at warm-up, with no context) gives the curve's shape, the
+    measurements its level: the estimate is the seed plus the measured excess over it, exact at each
+    measured size, linear between them and flat past them. A size never measured then costs what the
+    seed says it adds, not what a context-free timing says it costs.
     """
 
     cells: dict[int, tuple[float, float]] = field(default_factory=dict)  # rows -> (decayed steps, decayed seconds)
+    seed: dict[int, float] = field(default_factory=dict)  # rows -> seconds timed before serving
 
     def observe(self, rows: int, seconds: float, decay: float) -> None:
         steps, total = self.cells.get(rows, (0.0, 0.0))
@@ -201,22 +207,29 @@ class VerifyTable:
         return bool(self.cells)
 
     def curve(self) -> Callable[[int], float]:
-        """Seconds at any rows: linear between the measured sizes around it, flat past the smallest and the
-        largest (a larger batch looks no dearer than the largest measured until one is measured, so the
-        planner tries it once)."""
-        points = sorted((rows, total / steps) for rows, (steps, total) in self.cells.items())
-        sizes = [rows for rows, _ in points]
+        """Seconds at any rows: the seed (0 without one) plus the measured excess over it, linear between the
+        measured sizes around it and flat past the smallest and the largest (without a seed, a larger batch
+        looks no dearer than the largest measured until one is measured, so the planner tries it once)."""
+        seed = _piecewise_linear(sorted(self.seed.items())) if self.seed else lambda rows: 0.0
+        excess = [(rows, total / steps - seed(rows)) for rows, (steps, total) in sorted(self.cells.items())]
+        measured = _piecewise_linear(excess) if excess else lambda rows: 0.0
+        return lambda rows: seed(rows) + measured(rows)
 
-        def seconds(rows: int) -> float:
-            above = bisect.bisect_left(sizes, rows)
-            if above == len(points):
-                return points[-1][1]
-            if above == 0 or sizes[above] == rows:
-                return points[above][1]
-            (r0, c0), (r1, c1) = points[above - 1], points[above]
-            return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
 
-        return seconds
+def _piecewise_linear(points: list[tuple[int, float]]) -> Callable[[int], float]:
+    """Through ``points`` (ascending x): linear between them, flat past the first and the last."""
+    sizes = [x for x, _ in points]
+
+    def at(x: int) -> float:
+        above = bisect.bisect_left(sizes, x)
+        if above == len(points):
+            return points[-1][1]
+        if above == 0 or sizes[above] == x:
+            return points[above][1]
+        (x0, y0), (x1, y1) = points[above - 1], points[above]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    return at
 
 
 @dataclass
@@ -242,12 +255,11 @@ class StepCostModel:
         self.batch_context = context_tokens
 
     def seed_verify(self, costs: dict[int, float]) -> None:
-        """Seconds per padded rows timed before serving (the target's warm-up, at no context): one observation
-        of each size in every context bucket, so a size the batch has not met yet is predicted from a
-        timing rather than extrapolated; measurements in service outweigh it within a few steps."""
+        """Seconds per padded rows timed before serving (the target's warm-up, at no context): every context
+        bucket's curve takes its shape, so a size the batch has not met is predicted from what it adds in
+        that timing, at the level the bucket's measurements set (``VerifyTable``)."""
         for table in self.tables:
-            for rows, seconds in costs.items():
-                table.observe(rows, seconds, self.decay)
+            table.seed = dict(costs)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         """One verify of ``rows`` padded rows (sessions x the widest tree's tokens)."""
@@ -266,14 +278,16 @@ class StepCostModel:
 
     def verify_curve(self, context_tokens: int) -> Callable[[int], float]:
         """Verify seconds against padded rows at ``context_tokens``: the table of the context's bucket, else of
-        the nearest measured bucket (the longer on a tie), else the defaults. Read now, once for the many
-        batches a plan scores: measurements made later do not move it."""
+        the nearest measured bucket (the longer on a tie), else the seed alone, else the defaults. Read now,
+        once for the many batches a plan scores: measurements made later do not move it."""
         home = _bucket(context_tokens)
         measured = [k for k, table in enumerate(self.tables) if table.measured]
-        if not measured:
-            intercept, slope = self.default_intercept, self.default_slope
-            return lambda rows: intercept + slope * rows
-        return self.tables[min(measured, key=lambda k: (abs(k - home), -k))].curve()
+        if measured:
+            return self.tables[min(measured, key=lambda k: (abs(k - home), -k))].curve()
+        if self.tables[home].seed:
+            return self.tables[home].curve()
+        intercept, slope = self.default_intercept, self.default_slope
+        return lambda rows: intercept + slope * rows
 
 
 def _bucket(context_tokens: int) -> int:

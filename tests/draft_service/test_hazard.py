@@ -233,13 +233,18 @@ def test_verify_cost_is_fitted_per_context_bucket():
     assert cost.verify_seconds(64, 16384) == cost.verify_seconds(64, 65536)  # equally near: the longer
 
 
-def test_seeded_verify_costs_stand_in_until_the_batch_measures_a_size():
+def test_seeded_verify_costs_shape_the_curve_and_measurements_set_its_level():
     cost = StepCostModel(decay=0.5)
     cost.seed_verify({64: 0.006, 1024: 0.020})
-    assert cost.verify_seconds(1024, 100) == pytest.approx(0.020)  # every context bucket holds the seed
-    assert cost.verify_seconds(544, 65536) == pytest.approx(0.013)
+    assert cost.verify_seconds(544, 65536) == pytest.approx(0.013)  # the seed, linear between its sizes
     cost.note_batch(65536)
-    for _ in range(4):
-        cost.observe_verify(1024, 0.060)  # a long context's verify is dearer: its measurements take over
-    assert cost.verify_seconds(1024, 65536) == pytest.approx((0.5**4 * 0.020 + 0.060 * (1 + 0.5 + 0.25 + 0.125)) / (0.5**4 + 1.875))
-    assert cost.verify_seconds(1024, 100) == pytest.approx(0.020)
+    cost.observe_verify(64, 0.016)  # a long context's verify is dearer by 10 ms at 64 rows...
+    assert cost.verify_seconds(64, 65536) == pytest.approx(0.016)
+    assert cost.verify_seconds(1024, 65536) == pytest.approx(0.030)  # ...and a size never measured by as much
+    cost.observe_verify(1024, 0.060)
+    assert cost.verify_seconds(1024, 65536) == pytest.approx(0.060)
+    assert cost.verify_seconds(544, 65536) == pytest.approx(0.013 + (0.010 + 0.040) / 2)  # excess interpolated
+    assert cost.verify_seconds(1024, 100) == pytest.approx(0.060)  # no bucket nearer: the 64K bucket's level
+    fresh = StepCostModel()
+    fresh.seed_verify({64: 0.006, 1024: 0.020})
+    assert fresh.verify_seconds(1024, 100) == pytest.approx(0.020)  # nothing measured: the seed alone
