@@ -398,6 +398,20 @@ def test_an_accept_chooses_the_working_set_its_predecessor_scored_and_leaves_not
     assert context.covered_chunks == 300 // size + 1
 
 
+def test_a_context_outgrowing_the_budget_attends_to_everything_until_its_first_set(drafter):
+    session = start_sessions(drafter, (70,), SALIENCE)[0]  # 4 full chunks: all fit, nothing is chosen
+    context, c = session.context, drafter.head.config
+    assert not context.selects and context.attended_tokens == session.num_entries
+    generator = torch.Generator().manual_seed(2)
+    for n, chosen in ((15, False), (1, True)):
+        features = torch.randn(n, 3 * c.target_hidden_size, generator=generator)
+        drafter.extend(session, features, [3] * n)
+        assert context.selects and (context.covered_chunks > 0) == chosen
+        assert context.attended_tokens <= SALIENCE.budget_tokens
+    assert context.attended_tokens < session.num_entries == 86  # a strict subset once the set is taken
+    assert torch.equal(context.view(0)[0][-6:], context.committed(0)[0][-6:])  # the newest entries are attended
+
+
 @pytest.mark.parametrize(
     ("salience", "chunk", "counts"),
     [(None, None, (1, 3, 2, 5)), (SALIENCE, None, (1, 3, 2, 5)), (None, 4, (6, 1, 2, 9))],
