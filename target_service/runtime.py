@@ -96,7 +96,7 @@ class TargetRuntime:
     # -- the engine's call ----------------------------------------------------------------------
 
     def step(self, batch: TargetBatch) -> TargetBatchResult:
-        """Release, open, collect, verify, prefill; a session whose work fails is reported and released.
+        """Release, open, verify, collect, prefill; a session whose work fails is reported and released.
 
         A prompt finished by this step is reported now, or with ``first_tokens_next_step`` by the later step
         that collects it (the module docstring).
@@ -107,11 +107,14 @@ class TargetRuntime:
                 self._release(session_id)
             for opening in batch.opens:
                 self._guard(opening.session_id, failures, self._open, opening)
-            prefills = self._sample_first_tokens(batch.collects, failures)
             with record_function("target.verify"):
                 verifies, verify_seconds = self._verify(
                     [v for v in batch.verifies if v.session_id not in failures], failures
                 )
+            # after the verify: reading a first token waits for the device, which by now has run the verify
+            # (read for its results), where before it would have waited for the pending proposal first and
+            # queued the verify only then. A session collected here is not verified in this step.
+            prefills = self._sample_first_tokens(batch.collects, failures)
             with record_function("target.prefill"):
                 prefills |= self._prefill([w for w in batch.prefills if w.session_id not in failures], failures)
             if not batch.first_tokens_next_step:
