@@ -118,19 +118,25 @@ class DraftRuntime:
 
     @torch.no_grad()
     def warm_up(self, context_tokens: int = 256) -> int:
-        """Propose once, over a throwaway session, every tree an ``online`` session starts from (its dynamic
-        candidates, the probe and the first hazard-shaped tree), at every batch of ``warm_up_batches``: each
+        """Propose once, over throwaway sessions with and without the working set, every tree an ``online``
+        session starts from (its dynamic candidates, the probe and the first hazard-shaped tree), at every batch
+        of ``warm_up_batches``: each
         proposal shape's Triton kernels compile and its graph is recorded here rather than inside a request.
         Returns the proposals made."""
         c, weight = self.head.config, self.head.fc.weight
         features = torch.zeros(context_tokens, 3 * c.target_hidden_size, dtype=weight.dtype, device=weight.device)
-        session = self.drafter.start([0] * context_tokens, features, 0)
+        # one session over the whole context, one with the working set (staged at its budget, whatever its length)
+        sessions = [
+            self.drafter.start([0] * context_tokens, features, 0, salience) for salience in (None, self.working_set)
+        ]
         planner = TreePlanner.start(self.candidate_grid[0], SharedMeasurements(), self.candidate_grid)
         candidates = list(dict.fromkeys([*planner.dynamic, planner.probe, planner.shaped]))  # the probe may be one
-        for batch in self.warm_up_batches:
-            for candidate in candidates:
-                self.drafter.propose_many([ProposalRequest(session, list(candidate.plan), candidate.budget)] * batch)
-        return len(candidates) * len(self.warm_up_batches)
+        for session in sessions:
+            for batch in self.warm_up_batches:
+                for candidate in candidates:
+                    request = ProposalRequest(session, list(candidate.plan), candidate.budget)
+                    self.drafter.propose_many([request] * batch)
+        return len(sessions) * len(candidates) * len(self.warm_up_batches)
 
     @staticmethod
     def _guard(session_id: str, failures: dict[str, DiffSpecError], work, item) -> None:  # noqa: ANN001

@@ -79,7 +79,8 @@ class ProposalShape:
         widths = full_widths(depth) if fits else bucketed_widths(plans)
         return ProposalShape(
             _bucket(len(requests), BATCH_BUCKETS),
-            _context_capacity(max(context_lengths)),
+            # a salience session stages its whole budget: its shape stays as its context grows
+            _context_capacity(max([*context_lengths, *(r.session.context.staged_tokens for r in requests)])),
             widths,
             _node_capacity(requests, widths),
         )

@@ -15,9 +15,11 @@ def test_warm_up_proposes_each_starting_tree_once_and_keeps_no_session():
     planner = TreePlanner.start(runtime.candidate_grid[0], SharedMeasurements(), runtime.candidate_grid)
     starting = [*planner.dynamic, planner.probe, planner.shaped]
     assert planner.probe in planner.dynamic  # with the default grid, the probe is its largest tree
-    assert runtime.warm_up() == len(set(starting)) == 6
+    assert runtime.warm_up() == 2 * len(set(starting)) == 12  # over the whole context and with the working set
     assert runtime.sessions == {}
     met = runtime.drafter.proposer.shapes_met  # what a GPU compiled kernels (and recorded graphs) for
-    assert len(met) <= len(set(starting))  # trees of one depth and node bucket share a shape
+    assert len(met) <= 2 * len(set(starting))  # trees of one depth and node bucket share a shape
+    budget = runtime.working_set.budget_tokens  # a salience session stages its budget: one capacity for all
+    assert {shape.context for shape in met} == {1024, budget}
     assert {shape.depth for shape in met} == {len(c.plan) for c in starting}
     assert all(shape.widths == full_widths(shape.depth) for shape in met)  # every starting tree fits the full tree's
