@@ -28,7 +28,9 @@ verify is predicted to cost at most ``PROBE_OVERHEAD`` more than the bound's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 from draft_service.hazard import StepCostModel
 from draft_service.tree_plan import Bound, Candidate
@@ -55,9 +57,17 @@ class BatchCost:
     batch: int  # sessions verified together
     context_tokens: int  # mean committed tokens per session
 
+    @functools.cached_property
+    def _verify(self) -> Callable[[int], float]:
+        """The verify curve at the batch's context, read once for every bound a choice scores."""
+        return self.cost.verify_curve(self.context_tokens)
+
+    def verify_seconds(self, tokens: int) -> float:
+        """A verify of every session's tree padded to ``tokens``."""
+        return self._verify(self.batch * tokens)
+
     def step_seconds(self, bound: Bound) -> float:
-        verify = self.cost.verify_curve(self.context_tokens)
-        return bound.depth * self.cost.draft_seconds_per_depth + verify(self.batch * bound.tokens)
+        return bound.depth * self.cost.draft_seconds_per_depth + self.verify_seconds(bound.tokens)
 
 
 class BatchPlanner:
@@ -105,5 +115,4 @@ class BatchPlanner:
     def allows_probe(self, probe: Candidate, cost: BatchCost) -> bool:
         """Whether one session's probe, padding the whole batch to it, keeps the verify within the overhead."""
         assert self.bound is not None
-        verify = cost.cost.verify_curve(cost.context_tokens)
-        return verify(cost.batch * probe.tokens) <= (1 + PROBE_OVERHEAD) * verify(cost.batch * self.bound.tokens)
+        return cost.verify_seconds(probe.tokens) <= (1 + PROBE_OVERHEAD) * cost.verify_seconds(self.bound.tokens)

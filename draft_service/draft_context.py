@@ -121,11 +121,10 @@ class DraftContext:
         return sum(keys.shape[0] for keys, _ in self.spans(0))
 
     @property
-    def staged_tokens(self) -> int:
-        """Keys a proposal stages for it: what it attends to, and with salience the whole budget, which it
-        never exceeds, so a salience session's proposal shape does not change as its context grows."""
-        budget = self.salience.budget_tokens if self.salience is not None else 0
-        return max(self.attended_tokens, budget)
+    def min_staged_tokens(self) -> int:
+        """Keys a proposal stages for it at least: with salience the whole budget, which it never attends past,
+        so a salience session's proposal shape does not change as its context grows."""
+        return self.salience.budget_tokens if self.salience is not None else 0
 
 
 def copy_contexts(contexts: list[DraftContext], keys_out: torch.Tensor, values_out: torch.Tensor) -> None:

@@ -222,7 +222,8 @@ class DraftRuntime:
         """
         for session in sessions:
             self._observe_proposal(session)
-        online = [s for s in sessions if s.planner is not None]
+        online_indices = [i for i, s in enumerate(sessions) if s.planner is not None]
+        online = [sessions[i] for i in online_indices]
         context = sum(s.drafter_state.num_entries for s in sessions) // len(sessions)
         self.step_cost.note_batch(context)
         cost = BatchCost(self.step_cost, len(sessions), context)
@@ -236,7 +237,6 @@ class DraftRuntime:
         for session in sessions:
             session.steps_to_replan -= 1
         chosen = [s.candidate for s in sessions]
-        online_indices = [i for i, s in enumerate(sessions) if s.planner is not None]
         probing = prober(self.proposals, len(online_indices))
         self.proposals += 1
         if probing is not None:

@@ -80,7 +80,7 @@ class ProposalShape:
         return ProposalShape(
             _bucket(len(requests), BATCH_BUCKETS),
             # a salience session stages its whole budget: its shape stays as its context grows
-            _context_capacity(max([*context_lengths, *(r.session.context.staged_tokens for r in requests)])),
+            _context_capacity(max([*context_lengths, *(r.session.context.min_staged_tokens for r in requests)])),
             widths,
             _node_capacity(requests, widths),
         )
