@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.warmup import warm_up_draft, warm_up_target
+from bench.warmup import triton_kernels_compiled, warm_up_draft, warm_up_target
 from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
@@ -69,11 +69,12 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
     while engine.core.has_work():  # the last run's releases: an iteration in flight would add to the reset timing
         time.sleep(0.001)
     timing.reset()
-    recorded_before, bounds_before = _draft_graphs(engine), _bounds_proposed(engine)
+    recorded_before, bounds_before, compiled_before = _draft_graphs(engine), _bounds_proposed(engine), triton_kernels_compiled()
     tokens, seconds = asyncio.run(concurrent(engine, streams, MODES[mode], max_new_tokens))
     bounds = _bounds_proposed(engine) - bounds_before
     return {
         "draft_graphs_recorded_in_run": _draft_graphs(engine) - recorded_before,
+        "triton_compiles_in_run": triton_kernels_compiled() - compiled_before,
         # the online batch bounds proposed within, "tokens:depth" -> proposals, commonest first
         "online_bounds": {f"{b.tokens}:{b.depth}": n for b, n in bounds.most_common()},
         "mode": mode,
@@ -86,6 +87,8 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
         "mean_rows_per_verify": round(statistics.mean(timing.padded_rows), 1) if timing.padded_rows else 0.0,
         "prompt_iterations": timing.prompt_iterations,
         "prompt_ms": round(timing.prompt_ms, 3),
+        "slowest_prompt_ms": round(1000 * timing.slowest_prompt_seconds, 3),
+        "prompt_tokens_per_iteration": round(timing.prompt_tokens / timing.prompt_iterations) if timing.prompt_iterations else 0,
         "host_ms_per_iteration": round(timing.host_ms_per_iteration, 3),
         "draft_ms_per_iteration": round(timing.ms_per_iteration(timing.draft_seconds), 3),
         "target_ms_per_iteration": round(timing.ms_per_iteration(timing.target_seconds), 3),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import AsyncIterator, Protocol
 
 from cli.services import seed_verify_costs
@@ -33,6 +34,24 @@ def warm_up_draft(engine: object) -> int:
         return 0
     seed_verify_costs(getattr(engine, "target", None), draft)
     return draft.warm_up()
+
+
+def triton_kernels_compiled() -> int:
+    """Triton kernels compiled so far by this process, over every ``@triton.jit`` function of the loaded
+    ``diffspec_kernels`` modules (0 without Triton): a compile inside a timed run costs hundreds of
+    milliseconds, so a run whose count grows is not steady state."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return 0
+    functions = {
+        id(value): value
+        for name, module in list(sys.modules.items())
+        if name.startswith("diffspec_kernels.") and module is not None
+        for value in vars(module).values()
+        if isinstance(value, JITFunction)
+    }
+    return sum(len(caches[0]) for function in functions.values() for caches in function.device_caches.values())
 
 
 async def warm_up_generations(

@@ -73,6 +73,8 @@ class LoopTiming:
     padded_rows: list[int] = field(default_factory=list)  # rows each verify computed (requests x widest tree)
     prompt_iterations: int = 0  # iterations whose target call computed prompt chunks
     prompt_seconds: float = 0.0  # their target calls
+    slowest_prompt_seconds: float = 0.0  # the longest of those calls
+    prompt_tokens: int = 0  # prompt tokens those calls computed
 
     def ms_per_iteration(self, seconds: float) -> float:
         return 1000 * seconds / self.iterations if self.iterations else 0.0
@@ -94,7 +96,7 @@ class LoopTiming:
     def reset(self) -> None:
         self.iterations, self.loop_seconds, self.draft_seconds, self.target_seconds = 0, 0.0, 0.0, 0.0
         self.verify_only_iterations, self.verify_only_seconds = 0, 0.0
-        self.prompt_iterations, self.prompt_seconds = 0, 0.0
+        self.prompt_iterations, self.prompt_seconds, self.slowest_prompt_seconds, self.prompt_tokens = 0, 0.0, 0.0, 0
         self.batch_sizes.clear()
         self.padded_rows.clear()
 
@@ -197,13 +199,13 @@ class EngineCore:
         started = time.perf_counter()
         self._take_inbox()
         self._end_expired()
+        # each call's seconds are added after it returns: ``timing += call()`` would read the total before the
+        # call, and write back a total that a reset during the call (a benchmark between runs) had cleared
         if self.draft is not None:
-            self.timing.draft_seconds += self._exchange(
-                self._draft_batch(), self.draft.step, self._draft_step_failed, self._apply_draft
-            )
-        self.timing.target_seconds += self._exchange(
-            self._target_batch(), self.target.step, self._target_step_failed, self._apply_target
-        )
+            seconds = self._exchange(self._draft_batch(), self.draft.step, self._draft_step_failed, self._apply_draft)
+            self.timing.draft_seconds += seconds
+        seconds = self._exchange(self._target_batch(), self.target.step, self._target_step_failed, self._apply_target)
+        self.timing.target_seconds += seconds
         self.timing.iterations += 1
         self.timing.loop_seconds += time.perf_counter() - started
 
@@ -333,6 +335,8 @@ class EngineCore:
         if batch.prefills:
             self.timing.prompt_iterations += 1
             self.timing.prompt_seconds += seconds
+            self.timing.slowest_prompt_seconds = max(self.timing.slowest_prompt_seconds, seconds)
+            self.timing.prompt_tokens += sum(work.num_tokens for work in batch.prefills)
         if result.verifies and not batch.prefills:  # a prompt chunk in the same call is no verify cost
             measured = result.verify_seconds if result.verify_seconds is not None else seconds
             self._verify_cost = VerifyCost(batch.padded_rows, measured)

@@ -357,6 +357,9 @@ def test_every_decoding_stream_is_verified_in_one_target_call(target, draft, tok
         assert [b.padded_rows for b in target_batches if b.verifies] == engine.core.timing.padded_rows
         prompt_calls = sum(bool(b.prefills) for b in target_batches)
         assert engine.core.timing.prompt_iterations == prompt_calls > 0 and engine.core.timing.prompt_ms > 0
+        prompt_tokens = sum(work.num_tokens for b in target_batches for work in b.prefills)
+        assert engine.core.timing.prompt_tokens == prompt_tokens == sum(len(prompt_ids[case.text]) for case in cases)
+        assert 0 < engine.core.timing.slowest_prompt_seconds <= engine.core.timing.prompt_seconds
         together = verify_sizes.index(4)  # 0, or 1 when the loop took the first request alone
         assert together <= 1 and verify_sizes[together : together + 3] == [4, 4, 4]
         first_four = next(b for b in target_batches if len(b.verifies) == 4)
@@ -400,5 +403,39 @@ def test_the_draft_learns_the_verify_cost_the_target_measured(target, draft, tok
         else:
             assert all(0.0 < cost.seconds < 60.0 for cost in costs)
         assert_all_released(engine)
+    finally:
+        engine.close()
+
+
+class ResettingTarget(RecordingTarget):
+    """Clears the loop's timing in the middle of its next step, as a benchmark resets it between runs."""
+
+    def __init__(self, inner: TargetRuntime) -> None:
+        super().__init__(inner)
+        self.reset_next = False
+
+    def step(self, batch: TargetBatch) -> TargetBatchResult:
+        result = super().step(batch)
+        if self.reset_next:
+            self.reset_next = False
+            self.core.timing.reset()
+        return result
+
+
+def test_a_timing_reset_during_a_call_keeps_no_earlier_seconds(target, draft, tokenizer, prompt_ids):
+    """The backends' seconds after a reset are the calls' since it, within the loop's own seconds."""
+    resetting = ResettingTarget(target)
+    recording = RecordingDraft(draft)
+    engine = SpeculativeEngine(resetting, recording, tokenizer, LIMITS)
+    resetting.core = recording.core = engine.core
+    try:
+        collect(engine, GenerationRequest(prompt_ids[0], NEW_TOKENS, draft=FULL))
+        before = engine.core.timing.target_seconds
+        resetting.reset_next = True
+        collect(engine, GenerationRequest(prompt_ids[1], 2))
+        timing = engine.core.timing
+        assert not resetting.reset_next and before > 0
+        assert 0 < timing.draft_seconds + timing.target_seconds <= timing.loop_seconds
+        assert timing.target_seconds < before
     finally:
         engine.close()
