@@ -197,7 +197,8 @@ class _Protocol:
             close()
         del self.engine
         gc.collect()
-        exit_code = self._judge_exactness(info.dtype)
+        # on a thread of its own: the fp32 run behind a near-tie drives an engine with asyncio.run of its own
+        exit_code = await asyncio.to_thread(self._judge_exactness, info.dtype)
         return ProtocolResult(self.out_dir, self.runs, self.scores, summarise([r for r in self.runs if r.phase == "eval"]),
                               exit_code, self.warmup_draft_steps)
 

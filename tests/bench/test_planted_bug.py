@@ -9,6 +9,7 @@ from typing import AsyncIterator
 
 import torch
 
+from bench.reproduce import protocol
 from bench.reproduce.presets import SMOKE
 from bench.reproduce.protocol import run_protocol
 from bench.reproduce.replay import TargetReplay
@@ -65,6 +66,25 @@ def test_planted_wrong_token_is_a_mismatch(code_prompts, tmp_path):
     summary = next(s for s in result.summaries if s.arm == "diffspec")
     assert (summary.exact, summary.near_ties, summary.mismatches) == (0, 0, 1)
     assert "EXACTNESS FAILED" in (tmp_path / "planted" / "reproduce.log").read_text()
+
+
+def test_a_divergence_within_the_spread_is_rerun_in_fp32_from_inside_the_protocol(code_prompts, tmp_path, monkeypatch):
+    """The rule's fp32 run starts from the protocol's own event loop: with every divergence made to look as
+    close as a tie, the planted one is rerun in fp32 (which does not diverge), and stays a mismatch because
+    the planted token is not among the fp32 top tokens."""
+    replay_evidence = TargetReplay.evidence
+    monkeypatch.setattr(TargetReplay, "evidence", lambda self, *a, **k: replace(replay_evidence(self, *a, **k), spread=1.0))
+    monkeypatch.setattr(protocol, "rounding_gap", lambda divergence, evidence: 0.0)
+    config = replace(
+        SMOKE, data_files=(code_prompts,), context_targets=(1024,), candidate_configs=("32:0.0:6",),
+        baseline_arms=("auto",), tune_max_new_tokens=8, eval_max_new_tokens=12, warmup_tokens=4,
+        reference_prompts=0, out_dir=tmp_path / "near",
+    )
+    result = run_protocol(config, ["--planted-bug"], engine_factory=lambda s: PlantedBugEngine(build_recording_engine(s)))
+    verdict = next(r for r in result.runs if r.phase == "eval" and r.arm == "diffspec").exactness
+    assert verdict.fp32_run_diverges is False
+    assert verdict.verdict == "mismatch" and "not both among the fp32 top tokens" in verdict.reason
+    assert result.exit_code == 1
 
 
 def test_replay_agrees_with_the_engines_auto():
