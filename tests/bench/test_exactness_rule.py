@@ -96,6 +96,19 @@ def test_serving_paths_agree_in_fp32_on_the_cpu(unperturbed):
     assert len({int(row.argmax()) for row in unperturbed.values()}) == 1
 
 
+PERTURBED_TOKEN = 7
+
+
+def test_a_shift_of_every_logit_alike_spreads_nothing():
+    """An argmax is decided by differences of logits: a path that shifts them all alike does not widen the
+    spread, and two logits moving apart by 0.25 each widen it by 0.5."""
+    base = torch.tensor([3.0, 2.9, -1.0, 0.5])
+    shifted = {ServingPath(1, 1, 0): base, ServingPath(1, 8, 0): base + 0.25}
+    assert logit_spread(shifted) == pytest.approx(0.0)
+    apart = {ServingPath(1, 1, 0): base, ServingPath(1, 8, 0): base + torch.tensor([0.25, -0.25, 0.0, 0.0])}
+    assert logit_spread(apart) == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize(
     ("rows", "delta"),
     [
@@ -104,14 +117,16 @@ def test_serving_paths_agree_in_fp32_on_the_cpu(unperturbed):
     ],
 )
 def test_serving_spread_is_the_largest_difference_between_paths(replay_and_prompt, unperturbed, monkeypatch, rows, delta):
-    """Every logit of a forward over more than ``rows`` rows moved by ``delta``: the paths it serves round
-    differently from the others by exactly that much, and the spread says so."""
+    """One token's logit of a forward over more than ``rows`` rows moved by ``delta``: its difference to every
+    other logit changes by exactly that much on the paths that forward serves, and the spread says so."""
     replay, prompt = replay_and_prompt
     logits = LlamaModel.logits
 
     def perturbed(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
         out = logits(model, hidden)
-        return out + delta if hidden.shape[0] > rows else out
+        if hidden.shape[0] > rows:
+            out[..., PERTURBED_TOKEN] += delta
+        return out
 
     monkeypatch.setattr(LlamaModel, "logits", perturbed)
     noise = logit_spread(unperturbed)
