@@ -171,8 +171,9 @@ class _Protocol:
         if self.config.reference_prompts > 0:
             self.reference = TransformersReference(
                 self.base_model, _torch_dtype(info.dtype), torch.device(info.device), info.eos_token_ids)
-        log.info("recorded %d target step graphs, proposed %d warm-up trees", warm_up_target(self.engine),
-                 warm_up_draft(self.engine))
+        if any(self._has_runs_left(case, shortest) for case in cases):  # a resumed run with none left only judges
+            log.info("recorded %d target step graphs, proposed %d warm-up trees", warm_up_target(self.engine),
+                     warm_up_draft(self.engine))
         total = sum(len(c.tune_prompts) * len(self.candidates) + len(c.eval_prompts) * (len(self.baselines) + 1)
                     + (len(self._reference_prompts(c)) if self.reference and c.context == shortest else 0)
                     for c in cases)

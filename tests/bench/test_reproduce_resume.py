@@ -57,3 +57,20 @@ def test_resuming_under_other_flags_or_without_a_folder_is_refused(smoke_run, co
     with pytest.raises(SystemExit):
         main(["--preset", "smoke", "--resume"])
     assert "--resume needs --out-dir" in capsys.readouterr().err
+
+
+def test_a_resumed_run_with_every_run_recorded_only_judges(smoke_run, code_prompts, tmp_path, monkeypatch):
+    """Nothing left to generate: no warm-up runs, the results are the recorded ones."""
+    _, smoke_dir, whole = smoke_run
+    finished = tmp_path / "finished"
+    shutil.copytree(smoke_dir, finished)
+    (finished / "results.json").unlink()
+
+    def no_warm_up(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a resumed run with nothing left warmed up")
+
+    for name in ("warm_up_target", "warm_up_draft", "warm_up_generations"):
+        monkeypatch.setattr(f"bench.reproduce.protocol.{name}", no_warm_up)
+    assert main([*_argv(code_prompts, finished), "--resume"]) == 0
+    resumed = json.loads((finished / "results.json").read_text())
+    assert _runs(resumed) == _runs(whole) and resumed["exactness"]["passed"]
