@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,16 +71,59 @@ def test_arena_holds_exactly_the_selected_chunks(selections):
     arena = ChunkArena(6, CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
     for selection in selections:
         selected = sorted(set(selection))
-        before, held = arena.copies, arena.chunks()
+        before, batched, held = arena.copies, arena.batched_copies, list(arena.slot_chunk)
         arena.update(selected, source_k, source_v)
-        entering = len(set(selected) - held)
-        assert entering <= arena.copies - before <= entering + len(held - set(selected))
+        entering = len(set(selected) - set(held))
+        assert entering <= arena.copies - before <= entering + len(set(held) - set(selected))
+        assert arena.batched_copies - batched <= 2
         keys, values = arena.view()
         for slot, chunk in enumerate(arena.slot_chunk):
             span = slice(chunk * CHUNK, (chunk + 1) * CHUNK)
             assert torch.equal(keys[slot * CHUNK : (slot + 1) * CHUNK], source_k[span])
             assert torch.equal(values[slot * CHUNK : (slot + 1) * CHUNK], source_v[span])
         assert sorted(arena.slot_chunk) == selected
+        for slot, chunk in enumerate(held[: len(selected)]):  # a chunk that stays below the end keeps its slot
+            assert chunk not in selected or arena.slot_chunk[slot] == chunk
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "slot_chunk", "copies", "batched_copies"),
+    [
+        ([1, 3, 5, 7], [1, 3, 5, 7], [1, 3, 5, 7], 0, 0),  # no change
+        ([1, 3, 5, 7], [0, 2, 4, 6], [0, 2, 4, 6], 4, 1),  # all new: they take the leavers' slots
+        ([1, 3, 5, 7], [3, 4, 7, 9], [4, 3, 9, 7], 2, 1),  # partial overlap: the stayers keep their slots
+        ([1, 3, 5, 7], [5, 7], [5, 7], 2, 1),  # shrink: the stayers past the end move down
+        ([1, 3, 5, 7], [1, 7, 8], [1, 7, 8], 2, 2),  # shrink with one new: a straggler moves, one enters
+        ([1, 3, 5, 7], [1, 3], [1, 3], 0, 0),  # shrink from the end: nothing copied
+        ([1, 3], [0, 1, 2, 3, 4, 5], [1, 3, 0, 2, 4, 5], 4, 1),  # grow
+        ([1, 3, 5, 7], [], [], 0, 0),  # empty
+        ([], [2, 6], [2, 6], 2, 1),  # from empty
+    ],
+)
+def test_arena_update_moves_chunks_in_batched_copies(before, after, slot_chunk, copies, batched_copies):
+    """The arena holds ``after`` in the planned slots, its view is those chunks' keys and values in slot order,
+    and the update moved the chunks in at most two indexed copies whatever their number."""
+    gen = torch.Generator().manual_seed(4)
+    source_k = torch.randn(10 * CHUNK + 3, KV_HEADS, HEAD_DIM, generator=gen)  # a partial chunk at the end
+    source_v = torch.randn(10 * CHUNK + 3, KV_HEADS, HEAD_DIM, generator=gen)
+    arena = ChunkArena(6, CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    arena.update(before, source_k, source_v)
+    start_copies, start_batched = arena.copies, arena.batched_copies
+    arena.update(after, source_k, source_v)
+    assert arena.slot_chunk == slot_chunk and arena.chunks() == set(after)
+    assert (arena.copies - start_copies, arena.batched_copies - start_batched) == (copies, batched_copies)
+    spans = [slice(c * CHUNK, (c + 1) * CHUNK) for c in arena.slot_chunk]
+    keys, values = arena.view()
+    assert torch.equal(keys, torch.cat([source_k[s] for s in spans]) if spans else source_k[:0])
+    assert torch.equal(values, torch.cat([source_v[s] for s in spans]) if spans else source_v[:0])
+
+
+@pytest.mark.parametrize("selected", [[0, 0], [10], [-1], list(range(7))])
+def test_arena_refuses_a_selection_it_cannot_hold(selected):
+    source = torch.zeros(10 * CHUNK + 3, KV_HEADS, HEAD_DIM)  # full chunks 0 .. 9
+    arena = ChunkArena(6, CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError):
+        arena.update(selected, source, source)
 
 
 def test_memory_is_bounded_at_128k_context():
