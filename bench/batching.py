@@ -5,9 +5,10 @@ or speculative steps); the engine loop verifies all decoding streams in one targ
 iteration. Each (mode, streams) runs
 once untimed first, so no CUDA graph is recorded inside a timed run. Reported per (mode,
 streams): generated tokens over wall time, requests verified per iteration and the rows their
-verify computed (requests x widest tree), the target calls with and without prompt work, and the
-loop's own host time per iteration (wall time outside the draft and target calls). A plot of throughput
-against streams goes beside the JSON.
+verify computed (requests x widest tree), the target calls with and without prompt work (with the
+slowest prompt call and the prompt tokens per call), the loop's own host time per iteration (wall time
+outside the draft and target calls), and what a timed run should not do: record proposal graphs or
+compile Triton kernels. A plot of throughput against streams goes beside the JSON.
 
     python -m bench.batching --base-model .carry/b8/target --draft-model .carry/b8/head \
         --data .carry/data/shortctx_eval.jsonl --streams 1 4 16 32 --out bench/results/batching.json
