@@ -210,6 +210,10 @@ class Fp32Rerun:
     def __init__(self, settings: DiffSpecSettings) -> None:
         self.settings = settings.model_copy(update={"dtype": "float32"})
         self._engine: SpeculativeEngine | None = None
+        # (prompt, max_new_tokens) -> fp32 Auto's tokens: arms that part on one prompt share its Auto run, which
+        # at 64K on an 8B target is a whole fp32 prefill
+        self._auto: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        self.auto_generations = 0  # fp32 Auto runs made
 
     def diverges(
         self, prompts: list[list[int]], draft: DraftOptions, max_new_tokens: int, concurrent: bool = False
@@ -227,7 +231,11 @@ class Fp32Rerun:
         async def arm_all() -> list[list[int]]:
             return list(await asyncio.gather(*(generate(ids, draft) for ids in prompts)))
 
-        auto = [asyncio.run(generate(ids, None)) for ids in prompts]
+        for ids in prompts:
+            if (tuple(ids), max_new_tokens) not in self._auto:
+                self._auto[tuple(ids), max_new_tokens] = asyncio.run(generate(ids, None))
+                self.auto_generations += 1
+        auto = [self._auto[tuple(ids), max_new_tokens] for ids in prompts]
         arm = asyncio.run(arm_all()) if concurrent else [asyncio.run(generate(ids, draft)) for ids in prompts]
         return [first_divergence(a, b) is not None for a, b in zip(auto, arm)]
 

@@ -143,6 +143,8 @@ def test_fp32_run_of_the_same_prompts_does_not_diverge(replay_and_prompt):
         options = DraftOptions("full", "16:0.0:4")
         assert rerun.diverges(prompts, options, 6) == [False, False]
         assert rerun.diverges(prompts, options, 6, concurrent=True) == [False, False]
+        assert rerun.auto_generations == 2  # one fp32 Auto run per prompt, shared by every later check of it
+        assert rerun.diverges(prompts[:1], options, 5) == [False] and rerun.auto_generations == 3
     finally:
         rerun.close()
 
