@@ -268,6 +268,9 @@ class _Protocol:
         log.info("%s %s ctx=%d prompt=%d %s: tau=%.2f decode=%.1f tok/s e2e=%.1f tok/s", phase, case.dataset,
                  case.context, prompt[0], run.label, run.stats.mean_accepted_length,
                  run.stats.decode_tokens_per_second, run.end_to_end_tokens_per_second)
+        if run.kernels_compiled:
+            log.warning("%s ctx=%d prompt=%d %s compiled %d Triton kernels inside its timing (a warm-up gap)",
+                        phase, case.context, prompt[0], run.label, run.kernels_compiled)
         return run
 
     async def _tune(self, case: Case, bar: tqdm) -> None:

@@ -11,6 +11,7 @@ import torch
 from bench.reproduce.arms import Arm
 from bench.reproduce.draft_steps import DraftStep, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult
+from bench.warmup import triton_kernels_compiled
 from diffspec.sampling import SamplingParams
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
 from target_service.backend import TargetInfo
@@ -41,6 +42,7 @@ class RunRecord:
     peak_memory_bytes: int | None  # peak GPU memory allocated during the run (None on CPU)
     exactness: ExactnessResult | None = None  # against Auto's run of the same prompt (evaluation runs)
     draft_steps: list[DraftStep] = field(default_factory=list)  # [steps] per verification, with a recording engine
+    kernels_compiled: int = 0  # Triton kernels compiled during the run: each costs its timing hundreds of ms
 
     @property
     def end_to_end_tokens_per_second(self) -> float:
@@ -55,6 +57,7 @@ class RunRecord:
             "peak_memory_bytes": self.peak_memory_bytes, "stats": self.stats.to_dict(),
             "exactness": self.exactness.to_dict() if self.exactness else None,
             "draft_steps": [step.to_list() for step in self.draft_steps],
+            "kernels_compiled": self.kernels_compiled,
         }
 
 
@@ -65,6 +68,7 @@ async def generate_run(
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    compiled_before = triton_kernels_compiled()
     tokens: list[int] = []
     stats: GenerationStats | None = None
     started = time.perf_counter()
@@ -83,4 +87,5 @@ async def generate_run(
         first_token_seconds=(first_token_at or ended) - started,
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
         draft_steps=take_draft_steps(engine),
+        kernels_compiled=triton_kernels_compiled() - compiled_before,
     )
