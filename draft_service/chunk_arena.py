@@ -55,8 +55,17 @@ class ArenaPlan:
 
 class ChunkArena:
     def __init__(
-        self, num_slots: int, chunk_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_slots: int,
+        chunk_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        staging: PinnedStaging | None = None,
     ) -> None:
+        """``staging``: where an update's ids go up, shared with the drafter's other small uploads (None: a
+        ring of the arena's own), so sessions and layers do not each pin buffers of their own."""
         shape = (num_slots, chunk_size, num_kv_heads, head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)  # [slots, chunk, kv_heads, hd]
         self.values = torch.empty(shape, dtype=dtype, device=device)
@@ -64,7 +73,7 @@ class ChunkArena:
         self.slot_chunk: list[int] = []  # [num_used] chunk id held by each used slot
         self.copies = 0  # chunks copied in so far (entering chunks and stragglers moved below the end)
         self.batched_copies = 0  # indexed copies issued so far, each of keys and values: at most 2 an update
-        self._staging = PinnedStaging(device)  # the slot and chunk ids of an update, one upload
+        self._staging = staging or PinnedStaging(device)  # the slot and chunk ids of an update, one upload
 
     @property
     def num_slots(self) -> int:

@@ -24,7 +24,7 @@ import itertools
 
 import torch
 
-from diffspec.devices import HostCopy
+from diffspec.devices import HostCopy, PinnedStaging
 from draft_service.chunk_arena import ChunkArena
 from draft_service.chunk_encoding import ChunkIndex
 from draft_service.draft_kv import DraftKV
@@ -40,14 +40,16 @@ class DraftContext:
         device: torch.device,
         salience: WorkingSetConfig | None = None,
         num_layers: int = 1,
+        staging: PinnedStaging | None = None,
     ) -> None:
+        """``staging``: the drafter's ring of pinned upload buffers, which the arenas' updates share."""
         self.kvs = [DraftKV(num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]  # per decoder layer
         self.salience = salience
         if salience is not None:
             self.index = ChunkIndex(salience.chunk_size, num_kv_heads, head_dim, dtype, device)
             self.selector = WorkingSetSelector(salience)
             shape = (salience.max_chunks, salience.chunk_size, num_kv_heads, head_dim)
-            self.arenas = [ChunkArena(*shape, dtype, device) for _ in range(num_layers)]  # per decoder layer
+            self.arenas = [ChunkArena(*shape, dtype, device, staging) for _ in range(num_layers)]  # per decoder layer
         self.covered_chunks = 0  # full chunks the applied working set was chosen among: the tail starts after them
         self._queued: tuple[HostCopy, slice] | None = None  # a batch's scores on their way to the host; this one's
 

@@ -59,7 +59,7 @@ class Drafter:
         self.fused = head.fused_projections()  # per decoder layer; a serving head's weights are final
         graphed = cuda_graphs and head.fc.weight.device.type == "cuda"
         self.proposer = TreeProposer(head, self.fused, capture=graphed)
-        self.staging = PinnedStaging(head.fc.weight.device)  # an accept's tokens, positions and last rows
+        self.staging = PinnedStaging(head.fc.weight.device)  # an accept's tokens, positions and last rows; arena updates' ids
 
     @torch.no_grad()
     def start(
@@ -71,7 +71,9 @@ class Drafter:
     ) -> DraftSession:
         """Build the draft KV over the prompt: entries pair f[t] with token t + 1."""
         c, weight = self.head.config, self.head.fc.weight
-        context = DraftContext(c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers)
+        context = DraftContext(
+            c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers, self.staging
+        )
         nothing = torch.empty(0)
         session = DraftSession(context, root_query=nothing, root_hidden=nothing, num_entries=0, root_token=first_token)
         self.extend_many([Extension(session, features, [*prompt_ids[1:], first_token])], select_now=True)

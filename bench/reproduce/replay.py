@@ -181,8 +181,12 @@ def logit_spread(logits: dict[ServingPath, torch.Tensor]) -> float:
     """The largest change of the difference of any two logits between any two paths' logits [vocab]: for
     paths P and Q, max over tokens a, b of |(P[a] - P[b]) - (Q[a] - Q[b])| = max(P - Q) - min(P - Q)."""
     rows = list(logits.values())
-    spreads = [float((p - q).max() - (p - q).min()) for i, p in enumerate(rows) for q in rows[i + 1 :]]
-    return max(spreads, default=0.0)
+    spread = 0.0
+    for i, p in enumerate(rows):
+        for q in rows[i + 1 :]:
+            change = p - q
+            spread = max(spread, float(change.max() - change.min()))
+    return spread
 
 
 def _prefill(runtime: TargetRuntime, prompts: dict[str, list[int]], chunk_tokens: int) -> None:
