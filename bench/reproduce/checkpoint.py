@@ -6,6 +6,9 @@ soon as it ends, with its exact figures. A run resumed in the same folder under 
 reuses those records instead of generating them again and generates the rest; the tuning choice,
 the summaries and the exactness judgment are made from all of them, as in one uninterrupted run.
 The protocol is stored beside them (``protocol.json``): resuming under another one is refused.
+
+The exactness verdicts are recorded the same way (``verdicts.jsonl``): at 64K on an 8B target, one
+divergence's fp32 replays take minutes, so a judging stopped part-way resumes too.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import json
 from pathlib import Path
 
 from bench.reproduce.draft_steps import DraftStep
+from bench.reproduce.exactness import ExactnessResult
 from bench.reproduce.runs import RunRecord
 from gateway.request import GenerationStats
 
 RUNS_FILE = "runs.jsonl"
+VERDICTS_FILE = "verdicts.jsonl"
 PROTOCOL_FILE = "protocol.json"
 
 RunKey = tuple[str, str, int, int, str]  # (phase, dataset, context, prompt, arm label)
@@ -33,7 +38,9 @@ class RunCheckpoint:
 
     def __init__(self, out_dir: Path, protocol: dict, resume: bool) -> None:
         self.runs_path, protocol_path = out_dir / RUNS_FILE, out_dir / PROTOCOL_FILE
+        self.verdicts_path = out_dir / VERDICTS_FILE
         self._done: dict[RunKey, RunRecord] = {}
+        self._verdicts: dict[RunKey, ExactnessResult] = {}
         if resume:
             if not protocol_path.exists():
                 raise SystemExit(f"--resume: {out_dir} holds no earlier run of the protocol ({PROTOCOL_FILE})")
@@ -43,9 +50,12 @@ class RunCheckpoint:
                 raise SystemExit(f"--resume: {out_dir} was run with other settings ({', '.join(changed)})")
             lines = self.runs_path.read_text().splitlines() if self.runs_path.exists() else []
             self._done = {run_key(run): run for run in map(_decode, filter(None, lines))}
+            judged = self.verdicts_path.read_text().splitlines() if self.verdicts_path.exists() else []
+            self._verdicts = dict(map(_decode_verdict, filter(None, judged)))
         else:
             protocol_path.write_text(json.dumps(protocol, indent=1))
             self.runs_path.write_text("")
+            self.verdicts_path.write_text("")
 
     @property
     def num_done(self) -> int:
@@ -59,6 +69,14 @@ class RunCheckpoint:
         with self.runs_path.open("a") as runs:
             runs.write(json.dumps(_encode(run)) + "\n")
 
+    def verdict(self, key: RunKey) -> ExactnessResult | None:
+        """The exactness verdict an earlier process recorded for run ``key``, if any."""
+        return self._verdicts.get(key)
+
+    def record_verdict(self, key: RunKey, verdict: ExactnessResult) -> None:
+        with self.verdicts_path.open("a") as verdicts:
+            verdicts.write(json.dumps({"run": list(key), "exactness": verdict.to_dict()}) + "\n")
+
 
 def _encode(run: RunRecord) -> dict:
     """Every field at full precision (``RunRecord.to_dict`` rounds for the report)."""
@@ -71,3 +89,8 @@ def _decode(line: str) -> RunRecord:
     fields = json.loads(line)
     fields["draft_steps"] = [DraftStep.from_list(step) for step in fields["draft_steps"]]
     return RunRecord(**{**fields, "stats": GenerationStats(**fields["stats"])})
+
+
+def _decode_verdict(line: str) -> tuple[RunKey, ExactnessResult]:
+    fields = json.loads(line)
+    return tuple(fields["run"]), ExactnessResult.from_dict(fields["exactness"])  # type: ignore[return-value]

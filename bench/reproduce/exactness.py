@@ -62,6 +62,15 @@ class ExactnessResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, fields: dict) -> ExactnessResult:
+        """Inverse of ``to_dict``, after a JSON round trip (which turns the gaps' token keys into strings)."""
+        divergence, evidence = fields.get("divergence"), fields.get("evidence")
+        if evidence is not None:
+            evidence = TieEvidence(**{**evidence, "fp32_gaps": {int(t): g for t, g in evidence["fp32_gaps"].items()}})
+        return cls(fields["verdict"], fields["reason"], divergence and Divergence(**divergence), evidence,
+                   fields.get("fp32_run_diverges"))
+
 
 def first_divergence(auto_tokens: list[int], arm_tokens: list[int]) -> Divergence | None:
     """Where two greedy generations first part, or None when they are equal."""

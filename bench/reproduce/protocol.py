@@ -30,7 +30,7 @@ from transformers.utils import logging as transformers_logging
 
 from bench.reproduce import arms as arm_names
 from bench.reproduce.arms import Arm, baseline_arms, tuning_grid
-from bench.reproduce.checkpoint import RunCheckpoint
+from bench.reproduce.checkpoint import RunCheckpoint, run_key
 from bench.reproduce.draft_steps import DraftStep, build_recording_engine, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult, classify, first_divergence, rounding_gap
 from bench.reproduce.inflate import inflate_pair
@@ -106,8 +106,9 @@ def run_protocol(
         checkpoint = RunCheckpoint(out_dir, protocol_fingerprint(config, settings), config.resume)
         if config.resume:
             log.info("resuming: %d runs recorded in %s", checkpoint.num_done, out_dir)
-        engine = engine_factory(settings)
-        result = asyncio.run(_Protocol(config, engine, settings, out_dir, checkpoint).run(datasets, contexts))
+        # the protocol holds the only reference to the engine, so that closing it frees the GPU for the replays
+        protocol = _Protocol(config, engine_factory(settings), settings, out_dir, checkpoint)
+        result = asyncio.run(protocol.run(datasets, contexts))
         write_outputs(result, config, settings, argv, started)
         return result
     finally:
@@ -198,6 +199,8 @@ class _Protocol:
             close()
         del self.engine
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the serving pool's blocks, before two fp32 targets load
         # on a thread of its own: the fp32 run behind a near-tie drives an engine with asyncio.run of its own
         exit_code = await asyncio.to_thread(self._judge_exactness, info.dtype)
         return ProtocolResult(self.out_dir, self.runs, self.scores, summarise([r for r in self.runs if r.phase == "eval"]),
@@ -319,7 +322,10 @@ class _Protocol:
         rerun = Fp32Rerun(self.settings)
         for run in (r for r in evaluated if r.arm != arm_names.AUTO):
             key = (run.dataset, run.context, run.prompt)
-            run.exactness = self._verdict(replay, rerun, run, auto[key], self.prompt_ids[key])
+            run.exactness = self.checkpoint.verdict(run_key(run))
+            if run.exactness is None:
+                run.exactness = self._verdict(replay, rerun, run, auto[key], self.prompt_ids[key])
+                self.checkpoint.record_verdict(run_key(run), run.exactness)
             if run.exactness.verdict == "mismatch":
                 assert run.exactness.divergence is not None
                 report = log.warning if run.arm == REFERENCE else log.error

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,6 +215,7 @@ class Fp32Rerun:
     def __init__(self, settings: DiffSpecSettings) -> None:
         self.settings = settings.model_copy(update={"dtype": "float32"})
         self._engine: SpeculativeEngine | None = None
+        self._num_pages = 0  # the built engine's KV pool
         # (prompt, max_new_tokens) -> fp32 Auto's tokens: arms that part on one prompt share its Auto run, which
         # at 64K on an 8B target is a whole fp32 prefill
         self._auto: dict[tuple[tuple[int, ...], int], list[int]] = {}
@@ -224,7 +226,8 @@ class Fp32Rerun:
     ) -> list[bool]:
         """Per prompt, whether the arm's fp32 tokens differ from fp32 Auto's. Auto runs one prompt at a time;
         the arm too, or all prompts at once with ``concurrent`` (as the run being judged did)."""
-        engine = self._built()
+        lengths = [len(ids) for ids in prompts]
+        engine = self._built(self._pages_for(lengths if concurrent else [max(lengths)], max_new_tokens))
 
         async def generate(ids: list[int], options: DraftOptions | None) -> list[int]:
             tokens: list[int] = []
@@ -248,7 +251,20 @@ class Fp32Rerun:
             self._engine.close()
             self._engine = None
 
-    def _built(self) -> SpeculativeEngine:
-        if self._engine is None:
-            self._engine = build_engine(self.settings)
+    def _pages_for(self, prompt_lengths: list[int], max_new_tokens: int) -> int:
+        """KV pages for these prompts running at once, each with its generation and a last step's tree."""
+        page, tree = self.settings.page_size, max(parse_sizes(self.settings.graph_tree_sizes))
+        return sum(-(-(n + max_new_tokens + tree) // page) + 2 for n in prompt_lengths) + SPARE_PAGES
+
+    def _built(self, num_pages: int) -> SpeculativeEngine:
+        """The fp32 engine, rebuilt when these prompts need more pages. Its pool is sized to them rather than
+        copied from the serving settings: a page holds twice the bytes in fp32, and the pool shares the GPU
+        with the replay's two targets (at 64K on an 8B target, one sequence's KV is 17 GB in fp32)."""
+        if self._engine is None or self._num_pages < num_pages:
+            self.close()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._engine = build_engine(self.settings.model_copy(update={"num_pages": num_pages}))
+            self._num_pages = num_pages
         return self._engine

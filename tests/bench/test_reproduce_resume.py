@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.reproduce.checkpoint import RUNS_FILE
+from bench.reproduce.checkpoint import RUNS_FILE, VERDICTS_FILE
 from bench.reproduce.cli import main
 
 KEPT_RUNS = 4  # of the smoke run's 7: its tuning pass and Auto's and one baseline's evaluation
@@ -74,3 +74,23 @@ def test_a_resumed_run_with_every_run_recorded_only_judges(smoke_run, code_promp
     assert main([*_argv(code_prompts, finished), "--resume"]) == 0
     resumed = json.loads((finished / "results.json").read_text())
     assert _runs(resumed) == _runs(whole) and resumed["exactness"]["passed"]
+
+
+def test_recorded_verdicts_are_reused_and_missing_ones_judged(smoke_run, code_prompts, tmp_path):
+    """A judging stopped part-way resumes: each recorded verdict is taken as written, the rest are judged."""
+    _, smoke_dir, whole = smoke_run
+    judged = (smoke_dir / VERDICTS_FILE).read_text().splitlines()
+    assert len(judged) == sum(r["phase"] == "eval" and r["arm"] != "auto" for r in whole["runs"])
+    first = json.loads(judged[0])
+    first["exactness"]["reason"] = "recorded by an earlier process"
+    stopped = tmp_path / "stopped"
+    shutil.copytree(smoke_dir, stopped)
+    (stopped / VERDICTS_FILE).write_text(json.dumps(first) + "\n")
+
+    assert main([*_argv(code_prompts, stopped), "--resume"]) == 0
+    resumed = json.loads((stopped / "results.json").read_text())
+    reasons = {(r["phase"], r["prompt"], r["label"]): r["exactness"]["reason"] for r in resumed["runs"] if r["exactness"]}
+    phase, _dataset, _context, prompt, label = first["run"]
+    assert reasons.pop((phase, prompt, label)) == "recorded by an earlier process"
+    assert reasons and all(reason == "same tokens as Auto" for reason in reasons.values())
+    assert len((stopped / VERDICTS_FILE).read_text().splitlines()) == len(judged)  # the rest judged and recorded
