@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from typing import AsyncIterator, Protocol
 
 from cli.services import seed_verify_costs
@@ -36,14 +37,14 @@ def warm_up_draft(engine: object) -> int:
     return draft.warm_up()
 
 
-def triton_kernels_compiled() -> int:
-    """Triton kernels compiled so far by this process, over every ``@triton.jit`` function of the loaded
-    ``diffspec_kernels`` modules (0 without Triton): a compile inside a timed run costs hundreds of
-    milliseconds, so a run whose count grows is not steady state."""
+def triton_compiles() -> Counter[str]:
+    """Triton compiles so far by this process, per ``@triton.jit`` function of the loaded ``diffspec_kernels``
+    modules (empty without Triton): a compile inside a timed run costs hundreds of milliseconds, so a run
+    whose counts grow is not steady state, and the kernel's name says which warm-up missed it."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
-        return 0
+        return Counter()
     functions = {
         id(value): value
         for name, module in list(sys.modules.items())
@@ -51,7 +52,16 @@ def triton_kernels_compiled() -> int:
         for value in vars(module).values()
         if isinstance(value, JITFunction)
     }
-    return sum(len(caches[0]) for function in functions.values() for caches in function.device_caches.values())
+    compiles: Counter[str] = Counter()
+    for function in functions.values():
+        for caches in function.device_caches.values():
+            compiles[function.__name__] += len(caches[0])
+    return +compiles
+
+
+def triton_kernels_compiled() -> int:
+    """All of ``triton_compiles``."""
+    return sum(triton_compiles().values())
 
 
 async def warm_up_generations(

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])  # one compile as the context grows past multiples of 16 chunks
 def _chunk_scores_kernel(
     q_ptr,  # [num_heads, head_dim]
     kmin_ptr,  # [num_chunks, num_kv_heads, head_dim]

@@ -272,8 +272,8 @@ class _Protocol:
                  case.context, prompt[0], run.label, run.stats.mean_accepted_length,
                  run.stats.decode_tokens_per_second, run.end_to_end_tokens_per_second)
         if run.kernels_compiled:
-            log.warning("%s ctx=%d prompt=%d %s compiled %d Triton kernels inside its timing (a warm-up gap)",
-                        phase, case.context, prompt[0], run.label, run.kernels_compiled)
+            log.warning("%s ctx=%d prompt=%d %s compiled %d Triton kernels inside its timing (a warm-up gap): %s",
+                        phase, case.context, prompt[0], run.label, run.kernels_compiled, ", ".join(run.compiled_kernels))
         return run
 
     async def _tune(self, case: Case, bar: tqdm) -> None:

@@ -11,7 +11,7 @@ import torch
 from bench.reproduce.arms import Arm
 from bench.reproduce.draft_steps import DraftStep, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult
-from bench.warmup import triton_kernels_compiled
+from bench.warmup import triton_compiles
 from diffspec.sampling import SamplingParams
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
 from target_service.backend import TargetInfo
@@ -43,6 +43,7 @@ class RunRecord:
     exactness: ExactnessResult | None = None  # against Auto's run of the same prompt (evaluation runs)
     draft_steps: list[DraftStep] = field(default_factory=list)  # [steps] per verification, with a recording engine
     kernels_compiled: int = 0  # Triton kernels compiled during the run: each costs its timing hundreds of ms
+    compiled_kernels: list[str] = field(default_factory=list)  # their ``@triton.jit`` functions, one name per compile
 
     @property
     def end_to_end_tokens_per_second(self) -> float:
@@ -58,6 +59,7 @@ class RunRecord:
             "exactness": self.exactness.to_dict() if self.exactness else None,
             "draft_steps": [step.to_list() for step in self.draft_steps],
             "kernels_compiled": self.kernels_compiled,
+            "compiled_kernels": self.compiled_kernels,
         }
 
 
@@ -68,7 +70,7 @@ async def generate_run(
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    compiled_before = triton_kernels_compiled()
+    compiled_before = triton_compiles()
     tokens: list[int] = []
     stats: GenerationStats | None = None
     started = time.perf_counter()
@@ -81,11 +83,13 @@ async def generate_run(
         stats = chunk.stats or stats
     ended = time.perf_counter()
     assert stats is not None, "the engine's last chunk carries the stats"
+    compiled = sorted((triton_compiles() - compiled_before).elements())
     return RunRecord(
         phase="", dataset="", context=len(prompt_ids), prompt=0, arm=arm.name, label=arm.label,
         token_ids=tokens, stats=stats, request_seconds=ended - started,
         first_token_seconds=(first_token_at or ended) - started,
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
         draft_steps=take_draft_steps(engine),
-        kernels_compiled=triton_kernels_compiled() - compiled_before,
+        kernels_compiled=len(compiled),
+        compiled_kernels=compiled,
     )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 import types
+from collections import Counter
 
 import pytest
 
-from bench.warmup import triton_kernels_compiled
+from bench.warmup import triton_compiles, triton_kernels_compiled
 
 jit = pytest.importorskip("triton.runtime.jit")  # the count is 0 by definition without Triton
 tl = pytest.importorskip("triton.language")
@@ -30,3 +31,12 @@ def test_compiles_of_every_diffspec_kernel_are_counted_once(monkeypatch):
     kernel.device_caches["probe-device"] = ({"key-a": object(), "key-b": object()}, {}, None, None, None)
     outside.kernel.device_caches["probe-device"] = ({"key-c": object()}, {}, None, None, None)
     assert triton_kernels_compiled() - before == 2
+
+
+def test_compiles_are_named_by_kernel(monkeypatch):
+    module = types.ModuleType("diffspec_kernels._named_probe")
+    module.kernel = jit.JITFunction(_probe)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    before = triton_compiles()
+    module.kernel.device_caches["probe-device"] = ({"key-a": object(), "key-b": object()}, {}, None, None, None)
+    assert triton_compiles() - before == Counter({"_probe": 2})
