@@ -15,7 +15,7 @@ def test_writes_every_file(smoke_run):
     exit_code, out_dir, _ = smoke_run
     assert exit_code == 0
     assert {p.name for p in out_dir.iterdir()} == {"results.json", "results.md", "reproduce.log", "repo_code.png",
-                                                 "tuned_profile.json", "runs.jsonl", "protocol.json"}
+                                                 "tuned_profile.json", "runs.jsonl", "verdicts.jsonl", "protocol.json"}
     log = (out_dir / "reproduce.log").read_text()
     assert "tuned repo_code @ 1024" in log and "EXACTNESS FAILED" not in log
 
