@@ -40,6 +40,7 @@ MODES: dict[str, DraftOptions | None] = {
     "diffspec": DraftOptions("online", "64:0.0:8", salience=True),  # budgets from the hazard profile and the batch
     "online": DraftOptions("online", "64:0.0:8"),  # the same policy over the whole context (no working set)
     "full-64": DraftOptions("full", "64:0.0:8"),  # the reproduction protocol's EAGLE-3 baseline tree
+    "salience-64": DraftOptions("full", "64:0.0:8", salience=True),  # that tree over the working set (eagle3+salience)
     "full-32": DraftOptions("full", "32:0.0:6"),  # a fixed EAGLE-2 tree, for reference
     "full-16": DraftOptions("full", "16:0.0:4"),
     "chain-4": DraftOptions("chain", "5:0.0:4"),
