@@ -22,8 +22,12 @@ class Arm:
 
     @property
     def label(self) -> str:
-        """Name plus the tree it drafts, e.g. ``diffspec[online 64:0.0:8]``."""
-        return self.name if self.draft is None else f"{self.name}[{self.draft.policy} {self.draft.tree_config}]"
+        """Name plus the tree it drafts, e.g. ``diffspec[online 64:0.0:8]``; a DiffSpec candidate that drafts over
+        the whole context rather than the working set says so (``diffspec[full 64:0.0:8, whole context]``)."""
+        if self.draft is None:
+            return self.name
+        whole_context = self.name == DIFFSPEC and not self.draft.salience
+        return f"{self.name}[{self.draft.policy} {self.draft.tree_config}{', whole context' if whole_context else ''}]"
 
 
 def baseline_arms(tree_config: str = BASELINE_TREE_CONFIG) -> dict[str, Arm]:
@@ -36,11 +40,14 @@ def baseline_arms(tree_config: str = BASELINE_TREE_CONFIG) -> dict[str, Arm]:
     }
 
 
-def diffspec_arm(policy: str, tree_config: str) -> Arm:
-    """A DiffSpec candidate: the given policy over the salience working set."""
-    return Arm(DIFFSPEC, DraftOptions(policy, tree_config, salience=True))
+def diffspec_arm(policy: str, tree_config: str, salience: bool = True) -> Arm:
+    """A DiffSpec candidate: the given policy over the salience working set, or over the whole context."""
+    return Arm(DIFFSPEC, DraftOptions(policy, tree_config, salience=salience))
 
 
-def tuning_grid(policies: list[str], tree_configs: list[str]) -> list[Arm]:
-    """Every (policy, config) DiffSpec candidate, policies outermost."""
-    return [diffspec_arm(policy, config) for policy in policies for config in tree_configs]
+def tuning_grid(policies: list[str], tree_configs: list[str], saliences: tuple[bool, ...] = (True,)) -> list[Arm]:
+    """Every (working set, policy, config) DiffSpec candidate, the working set outermost. With both settings of
+    the working set, the grid holds the EAGLE-3 baselines' own configurations, so the tuned arm is not slower
+    than them where a tuning prompt predicts an evaluation prompt."""
+    return [diffspec_arm(policy, config, salience) for salience in saliences for policy in policies
+            for config in tree_configs]

@@ -5,7 +5,8 @@ every earlier measurement. Each finished run is appended to ``runs.jsonl`` in th
 soon as it ends, with its exact figures. A run resumed in the same folder under the same protocol
 reuses those records instead of generating them again and generates the rest; the tuning choice,
 the summaries and the exactness judgment are made from all of them, as in one uninterrupted run.
-The protocol is stored beside them (``protocol.json``): resuming under another one is refused.
+The protocol is stored beside them (``protocol.json``): resuming under another one is refused. A
+protocol field added after a run was recorded counts as having had its default there.
 
 The exactness verdicts are recorded the same way (``verdicts.jsonl``): at 64K on an 8B target, one
 divergence's fp32 replays take minutes, so a judging stopped part-way resumes too.
@@ -36,7 +37,8 @@ def run_key(run: RunRecord) -> RunKey:
 class RunCheckpoint:
     """The runs recorded in ``out_dir``; without ``resume`` a fresh run starts the record over."""
 
-    def __init__(self, out_dir: Path, protocol: dict, resume: bool) -> None:
+    def __init__(self, out_dir: Path, protocol: dict, resume: bool, defaults: dict | None = None) -> None:
+        """``defaults``: each protocol field's default, for a recorded protocol that predates the field."""
         self.runs_path, protocol_path = out_dir / RUNS_FILE, out_dir / PROTOCOL_FILE
         self.verdicts_path = out_dir / VERDICTS_FILE
         self._done: dict[RunKey, RunRecord] = {}
@@ -44,7 +46,7 @@ class RunCheckpoint:
         if resume:
             if not protocol_path.exists():
                 raise SystemExit(f"--resume: {out_dir} holds no earlier run of the protocol ({PROTOCOL_FILE})")
-            recorded = json.loads(protocol_path.read_text())
+            recorded = {**(defaults or {}), **json.loads(protocol_path.read_text())}
             if recorded != protocol:
                 changed = sorted(k for k in protocol.keys() | recorded.keys() if protocol.get(k) != recorded.get(k))
                 raise SystemExit(f"--resume: {out_dir} was run with other settings ({', '.join(changed)})")

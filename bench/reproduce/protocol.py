@@ -20,7 +20,7 @@ import gc
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -49,6 +49,7 @@ from diffspec.settings import DiffSpecSettings
 from gateway.assembly import load_tokenizer
 
 log = logging.getLogger("bench.reproduce")
+NOT_FINGERPRINTED = ("out_dir", "resume", "profile_window")  # where and how a run writes, not what it measures
 SLACK_TOKENS = 64  # context kept free beyond max_new_tokens for a last step's tree
 
 
@@ -103,7 +104,7 @@ def run_protocol(
         longest = max((len(ids) for d in datasets for ids in d.prompt_ids), default=0)
         contexts = [c for c in config.context_targets if c <= longest]
         settings = settings.model_copy(update={"num_pages": pages_for(settings, max(contexts, default=0), config)})
-        checkpoint = RunCheckpoint(out_dir, protocol_fingerprint(config, settings), config.resume)
+        checkpoint = RunCheckpoint(out_dir, protocol_fingerprint(config, settings), config.resume, fingerprint_defaults())
         if config.resume:
             log.info("resuming: %d runs recorded in %s", checkpoint.num_done, out_dir)
         # the protocol holds the only reference to the engine, so that closing it frees the GPU for the replays
@@ -129,8 +130,15 @@ def model_settings(config: ProtocolConfig) -> DiffSpecSettings:
 
 def protocol_fingerprint(config: ProtocolConfig, settings: DiffSpecSettings) -> dict:
     """What decides a run's records: the protocol's fields and the engine's settings, not where it writes."""
-    fields = {k: v for k, v in asdict(config).items() if k not in ("out_dir", "resume", "profile_window")}
-    return json.loads(json.dumps({**fields, "settings": settings.model_dump(mode="json")}, default=str))
+    measured = {k: v for k, v in asdict(config).items() if k not in NOT_FINGERPRINTED}
+    return json.loads(json.dumps({**measured, "settings": settings.model_dump(mode="json")}, default=str))
+
+
+def fingerprint_defaults() -> dict:
+    """The protocol fields' defaults as ``protocol_fingerprint`` writes them (the fields that have one)."""
+    defaults = {f.name: f.default for f in fields(ProtocolConfig)
+                if f.default is not MISSING and f.name not in NOT_FINGERPRINTED}
+    return json.loads(json.dumps(defaults, default=str))
 
 
 def pages_for(settings: DiffSpecSettings, context: int, config: ProtocolConfig) -> int:
@@ -154,7 +162,7 @@ class _Protocol:
         fixed = baseline_arms(config.baseline_config)
         # Auto always, and first on every prompt: every speedup is over it, and its prefill must be cold
         self.baselines = [fixed[arm_names.AUTO]] + [fixed[n] for n in config.baseline_arms if n != arm_names.AUTO]
-        self.candidates = tuning_grid(list(config.policies), list(config.candidate_configs))
+        self.candidates = tuning_grid(list(config.policies), list(config.candidate_configs), config.salience_candidates)
         self.runs: list[RunRecord] = []
         self.scores: list[CandidateScore] = []
         self.chosen: dict[tuple[str, int], Arm] = {}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.reproduce import profiling
-from bench.reproduce.arms import tuning_grid
+from bench.reproduce.arms import baseline_arms, tuning_grid
 from bench.reproduce.draft_steps import DraftStep, take_draft_steps
 from bench.reproduce.cli import config_from, parser
 from bench.reproduce.inflate import inflate_command, inflate_pair
@@ -39,6 +39,21 @@ def test_flags_replace_preset_fields_and_the_rest_stays():
     assert (custom.base_model, custom.draft_model) == (Path("/m/t"), Path("/m/d"))
     assert custom.eval_max_new_tokens == SMOKE.eval_max_new_tokens
     assert (custom.reference_prompts, SMOKE.reference_prompts, FULL.reference_prompts) == (0, 2, 2)
+
+
+def test_the_working_set_is_a_tuning_dimension_of_the_full_preset():
+    assert FULL.salience_candidates == (True, False) and SMOKE.salience_candidates == (True,)
+    assert config("--preset", "custom", "--salience-candidates", "off", "on").salience_candidates == (False, True)
+    with pytest.raises(SystemExit):
+        config("--preset", "custom", "--salience-candidates", "sometimes")
+    grid = tuning_grid(["full"], ["16:0.0:4", "64:0.0:8"], (True, False))
+    assert [arm.label for arm in grid] == [
+        "diffspec[full 16:0.0:4]", "diffspec[full 64:0.0:8]",
+        "diffspec[full 16:0.0:4, whole context]", "diffspec[full 64:0.0:8, whole context]",
+    ]
+    assert [arm.draft.salience for arm in grid] == [True, True, False, False]
+    # the whole-context candidate of the baseline tree drafts as the eagle3 arm does
+    assert grid[3].draft == baseline_arms()["eagle3"].draft
 
 
 @pytest.mark.parametrize("bad", [["--candidate-configs", "64:0.0"], ["--policies", "sideways"]])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.reproduce.checkpoint import RUNS_FILE, VERDICTS_FILE
+from bench.reproduce.checkpoint import PROTOCOL_FILE, RUNS_FILE, VERDICTS_FILE
 from bench.reproduce.cli import main
 
 KEPT_RUNS = 4  # of the smoke run's 7: its tuning pass and Auto's and one baseline's evaluation
@@ -94,3 +94,16 @@ def test_recorded_verdicts_are_reused_and_missing_ones_judged(smoke_run, code_pr
     assert reasons.pop((phase, prompt, label)) == "recorded by an earlier process"
     assert reasons and all(reason == "same tokens as Auto" for reason in reasons.values())
     assert len((stopped / VERDICTS_FILE).read_text().splitlines()) == len(judged)  # the rest judged and recorded
+
+
+def test_a_run_recorded_before_a_protocol_field_existed_resumes_at_its_default(smoke_run, code_prompts, tmp_path):
+    _, smoke_dir, whole = smoke_run
+    older = tmp_path / "older"
+    shutil.copytree(smoke_dir, older)
+    recorded = json.loads((older / PROTOCOL_FILE).read_text())
+    del recorded["salience_candidates"]  # as a run recorded before the working set was tuned over
+    (older / PROTOCOL_FILE).write_text(json.dumps(recorded))
+    with pytest.raises(SystemExit, match="other settings \\(salience_candidates\\)"):
+        main([*_argv(code_prompts, older), "--salience-candidates", "on", "off", "--resume"])
+    assert main([*_argv(code_prompts, older), "--resume"]) == 0
+    assert _runs(json.loads((older / "results.json").read_text())) == _runs(whole)
