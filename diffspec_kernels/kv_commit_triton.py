@@ -13,7 +13,7 @@ import triton.language as tl
 from diffspec_kernels.kv_commit_ref import check_kv_commit_inputs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_new_tokens"])  # one compile whatever a step commits
 def _kv_commit_kernel(
     k_pages_ptr,  # [layers, num_slots, TOKEN_SIZE]
     v_pages_ptr,  # [layers, num_slots, TOKEN_SIZE]

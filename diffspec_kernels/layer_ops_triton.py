@@ -194,7 +194,7 @@ def head_input_triton(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # one compile however many rows an accept or a prompt brings
 def _qkv_rope_kernel(
     qkv_ptr,  # [B, R, (heads + 2 * kv_heads) * hd], strides qkv_b, qkv_r
     cos_ptr, sin_ptr,  # [B, R, hd], strides cos_b, cos_r (0 where a position is shared)

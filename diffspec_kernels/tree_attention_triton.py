@@ -99,7 +99,9 @@ def _attend_context_tile(
     return online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
 
 
-@triton.jit
+# The three sizes that change from call to call compile once: specialised, each would add a compile for every
+# new combination of "is 1" and "is a multiple of 16" met (a prompt chunk's, a longer context's), inside a request.
+@triton.jit(do_not_specialize=["num_splits", "max_pages_per_seq", "max_q_len"])
 def _tree_attention_partials_kernel(
     q_ptr,  # [total_q, num_kv_heads * group, HEAD_DIM]
     k_new_ptr,  # [total_q, num_kv_heads, HEAD_DIM]
