@@ -89,17 +89,22 @@ class TargetReplay:
         self._fp32: LlamaForCausalLM | None = None
         self._runtime: TargetRuntime | None = None
         self._evidence: dict[tuple[tuple[int, ...], int], TieEvidence] = {}
+        # prefix -> its fp32 top tokens (values, ids): arms with other tree budgets that part at one position
+        # share the fp32 prefill, which at 64K on an 8B target takes most of a minute
+        self._fp32_top: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def evidence(self, prefix_ids: list[int], following_ids: list[int], verify_tokens: int) -> TieEvidence:
         """At the position after ``prefix_ids``; ``following_ids`` (the tokens generated from there) fill
         out the verified chains; ``verify_tokens`` is the arm's largest verify (its tree budget)."""
         key = (tuple(prefix_ids), verify_tokens)
         if key not in self._evidence:
-            top = torch.topk(self._fp32_logits(prefix_ids), FP32_TOP_TOKENS)
-            gaps = {int(token): float(top.values[0] - value) for token, value in zip(top.indices, top.values)}
+            if key[0] not in self._fp32_top:
+                top = torch.topk(self._fp32_logits(prefix_ids), FP32_TOP_TOKENS)
+                self._fp32_top[key[0]] = top.values.cpu(), top.indices.cpu()
+            values, ids = self._fp32_top[key[0]]
+            gaps = {int(token): float(values[0] - value) for token, value in zip(ids, values)}
             self._evidence[key] = TieEvidence(
-                fp32_top1=int(top.indices[0]), fp32_top2=int(top.indices[1]),
-                fp32_margin=float(top.values[0] - top.values[1]),
+                fp32_top1=int(ids[0]), fp32_top2=int(ids[1]), fp32_margin=float(values[0] - values[1]),
                 spread=self.serving_spread(prefix_ids, following_ids, verify_tokens),
                 fp32_gaps=gaps,
             )  # fmt: skip

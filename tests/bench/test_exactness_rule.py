@@ -162,3 +162,19 @@ def test_verify_logits_match_the_step_and_commit_nothing(replay_and_prompt):
     assert (runtime.committed_length("s"), runtime.pending_token("s")) == (committed, first)
     assert runtime.decode("s").bonus_token == int(rows[0].argmax())
     assert runtime.committed_length("s") == committed + 1
+
+
+def test_arms_of_other_budgets_parting_at_one_position_share_the_fp32_prefill(replay_and_prompt, monkeypatch):
+    replay, prompt = replay_and_prompt
+    prefills = []
+    fp32_logits = TargetReplay._fp32_logits
+
+    def counted(self: TargetReplay, prefix_ids: list[int]) -> torch.Tensor:
+        prefills.append(len(prefix_ids))
+        return fp32_logits(self, prefix_ids)
+
+    monkeypatch.setattr(TargetReplay, "_fp32_logits", counted)
+    prefix = prompt + [11]  # a prefix no other test replays
+    wide, narrow = replay.evidence(prefix, FOLLOWING, VERIFY_TOKENS), replay.evidence(prefix, FOLLOWING, 2)
+    assert prefills == [len(prefix)]
+    assert (wide.fp32_top1, wide.fp32_top2, wide.fp32_gaps) == (narrow.fp32_top1, narrow.fp32_top2, narrow.fp32_gaps)
