@@ -33,6 +33,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.reproduce.checkpoint import load_run_document
 from bench.reproduce.draft_steps import DraftStep
 from draft_service.hazard import HazardProfile
 from draft_service.options import DraftOptions, validate_options
@@ -222,7 +223,7 @@ def plot(trajectories: list[RunTrajectory], rows: list[StabilityRow], out_dir: P
 
 def analyse(results: Path, out_dir: Path, depths: int) -> list[StabilityRow]:
     """Read a reproduce run's results.json; write the table, the JSON and the two plots into ``out_dir``."""
-    document = json.loads(results.read_text())
+    document = load_run_document(results)
     trajectories = replay(document, depths)
     rows = stability(trajectories, depths)
     if not rows:
@@ -244,11 +245,12 @@ def analyse(results: Path, out_dir: Path, depths: int) -> list[StabilityRow]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path, help="results.json of a python -m bench.reproduce run")
+    parser.add_argument("results", type=Path, help="results.json of a python -m bench.reproduce run, or its folder")
     parser.add_argument("--out-dir", type=Path, help="default: the results file's folder")
     parser.add_argument("--depths", type=int, default=4, help="draft depths shown (1..N)")
     args = parser.parse_args(argv)
-    rows = analyse(args.results, args.out_dir or args.results.parent, args.depths)
+    rows = analyse(args.results, args.out_dir or (args.results if args.results.is_dir() else args.results.parent),
+                   args.depths)
     print(markdown(rows, str(args.results), args.depths))
     return 0
 

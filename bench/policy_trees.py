@@ -10,6 +10,8 @@ tuned arm; tuning and evaluation runs alike), per (dataset, context):
 
     python -m bench.policy_trees results/full_<stamp>/results.json --out-dir bench/results/policy_trees
 
+The run's folder works too, before its ``results.json`` exists (its ``runs.jsonl``).
+
 writes ``policy_trees.png``, ``policy_trees.json`` and ``policy_trees.md``.
 """
 
@@ -22,6 +24,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.reproduce.checkpoint import load_run_document
 from bench.reproduce.draft_steps import DraftStep
 
 COMMON_SHAPES = 4  # shapes listed per case
@@ -107,8 +110,8 @@ def plot(rows: list[TreeUse], path: Path, policy: str) -> Path:
 
 
 def analyse(results: Path, out_dir: Path, policy: str = "online") -> list[TreeUse]:
-    """Read a reproduce run's results.json; write the table, the JSON and the plot into ``out_dir``."""
-    document = json.loads(results.read_text())
+    """Read a reproduce run's results.json (or its folder); write the table, the JSON and the plot into ``out_dir``."""
+    document = load_run_document(results)
     rows = tree_uses(document, policy)
     if not rows:
         raise SystemExit(f"{results}: no {policy} run recorded its draft steps")
@@ -123,11 +126,12 @@ def analyse(results: Path, out_dir: Path, policy: str = "online") -> list[TreeUs
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path, help="results.json of a python -m bench.reproduce run")
-    parser.add_argument("--out-dir", type=Path, help="default: the results file's folder")
+    parser.add_argument("results", type=Path, help="results.json of a python -m bench.reproduce run, or its folder")
+    parser.add_argument("--out-dir", type=Path, help="default: the run's folder")
     parser.add_argument("--policy", default="online", help="the policy whose runs are drawn (as in the arm labels)")
     args = parser.parse_args(argv)
-    rows = analyse(args.results, args.out_dir or args.results.parent, args.policy)
+    rows = analyse(args.results, args.out_dir or (args.results if args.results.is_dir() else args.results.parent),
+                   args.policy)
     print(markdown(rows, str(args.results), args.policy))
     return 0
 

@@ -96,3 +96,17 @@ def _decode(line: str) -> RunRecord:
 def _decode_verdict(line: str) -> tuple[RunKey, ExactnessResult]:
     fields = json.loads(line)
     return tuple(fields["run"]), ExactnessResult.from_dict(fields["exactness"])  # type: ignore[return-value]
+
+
+def load_run_document(path: Path) -> dict:
+    """A reproduce run's document as ``results.json`` holds it, from that file or from a run folder. A folder
+    without ``results.json`` (a run still going, or stopped before its judging ended) gives its recorded runs
+    from ``runs.jsonl``, as ``{"runs": [...]}``: what the analyses that read only the runs need."""
+    if path.is_dir() and (path / "results.json").exists():
+        path = path / "results.json"
+    if path.is_file() and path.suffix == ".json":
+        return json.loads(path.read_text())
+    runs_path = path / RUNS_FILE if path.is_dir() else path
+    if not runs_path.exists():
+        raise SystemExit(f"{path}: neither a results.json nor a reproduce run folder with {RUNS_FILE}")
+    return {"runs": [json.loads(line) for line in runs_path.read_text().splitlines() if line]}

@@ -4,8 +4,12 @@ exact figures, and the CPU smoke run)."""
 from __future__ import annotations
 
 import json
+import shutil
+
+import pytest
 
 from bench import policy_trees
+from bench.reproduce.checkpoint import RUNS_FILE, load_run_document
 from bench.reproduce.draft_steps import DraftStep
 
 
@@ -42,3 +46,15 @@ def test_draws_the_smoke_runs_online_trees(smoke_run, tmp_path):
     assert rows[0].steps == len(steps) == sum(n for _, _, n in rows[0].shapes) > 0
     assert rows[0].mean_tokens == round(sum(s.tree_tokens for s in steps) / len(steps), 2)
     assert (tmp_path / "policy_trees.png").stat().st_size > 10_000
+
+
+def test_an_unfinished_runs_folder_is_read_from_its_runs_record(smoke_run, tmp_path):
+    """Before results.json exists (a run going on, or one whose judging stopped), the folder's runs.jsonl."""
+    _, out_dir, _ = smoke_run
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    shutil.copy(out_dir / RUNS_FILE, unfinished)
+    from_record = policy_trees.analyse(unfinished, tmp_path / "record")
+    assert from_record == policy_trees.analyse(out_dir, tmp_path / "results")  # the folder's results.json
+    with pytest.raises(SystemExit, match="neither a results.json nor"):
+        load_run_document(tmp_path / "record" / "nothing-here")
