@@ -67,7 +67,10 @@ class BatchCost:
         return self._verify(self.batch * tokens)
 
     def step_seconds(self, bound: Bound) -> float:
-        return bound.depth * self.cost.draft_seconds_per_depth + self.verify_seconds(bound.tokens)
+        """A whole step within ``bound``: its depths' proposal, the padded verify, and what every step costs
+        besides (``StepCostModel.observe_step``)."""
+        proposal = bound.depth * self.cost.draft_seconds_per_depth
+        return self.cost.step_overhead_seconds + proposal + self.verify_seconds(bound.tokens)
 
 
 class BatchPlanner:

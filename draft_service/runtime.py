@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -86,15 +87,18 @@ class DraftRuntime:
         self.bounds_proposed: collections.Counter[Bound] = collections.Counter()  # proposals per bound (online)
         # the last proposal's depth and device span, read at the next one (it returned before the device ran it)
         self._timed_proposal: tuple[int, DeviceTimer] | None = None
+        self._proposing_step_started: float | None = None  # when the last step began, if it proposed
         self._lock = threading.Lock()
 
     def step(self, batch: DraftBatch) -> DraftBatchResult:
         """Release, start, accept, then propose for every session asked; failures stay per session."""
         failures: dict[str, DiffSpecError] = {}
         with self._lock:
+            started = time.perf_counter()
             released = {sid: self._release(sid) for sid in batch.releases if sid in self.sessions}
             if batch.verify_cost is not None:
                 self.step_cost.observe_verify(batch.verify_cost.rows, batch.verify_cost.seconds)
+                self._observe_step_cost(started, batch.verify_cost.seconds)
             with record_function("draft.start"):
                 for start in batch.starts:
                     self._guard(start.session_id, failures, self._start, start)
@@ -112,6 +116,7 @@ class DraftRuntime:
                     failures[sid] = InvalidRequest(f"unknown draft session {sid!r}")
             with record_function("draft.propose"):
                 trees = self._propose([sid for sid in proposes if sid not in failures])
+            self._proposing_step_started = started if trees else None
             for sid in failures:
                 self.sessions.pop(sid, None)
         return DraftBatchResult(trees, released, failures)
@@ -188,6 +193,14 @@ class DraftRuntime:
             self.drafter.extend_many([extension for _, extension in extensions])
         except (RuntimeError, ValueError) as failure:
             failures.update({sid: InvalidRequest(f"draft extension failed: {failure}") for sid, _ in extensions})
+
+    def _observe_step_cost(self, started: float, verify_seconds: float) -> None:
+        """The step that ended now, when the last one proposed and this batch carries its verify's cost: from
+        the start of that draft call to the start of this one is one whole step of the engine (its draft
+        call, its target call and the loop around them)."""
+        if self._proposing_step_started is not None and self._timed_proposal is not None:
+            proposal_seconds = self._timed_proposal[1].seconds()
+            self.step_cost.observe_step(started - self._proposing_step_started, proposal_seconds, verify_seconds)
 
     def _propose(self, session_ids: list[str]) -> dict[str, DraftTree | PendingTree]:
         """Trees for several sessions, grown together (one head pass per depth for all)."""

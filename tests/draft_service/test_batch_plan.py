@@ -106,3 +106,16 @@ def test_a_probe_goes_ahead_only_where_the_padded_verify_stays_cheap():
     assert planner.allows_probe(probe, BatchCost(KNEE, 1, 2048))  # 96 rows: still the weights' read
     assert not planner.allows_probe(probe, BatchCost(KNEE, 16, 2048))  # 1,536 rows against 256
     assert planner.allows_probe(probe, BatchCost(FLAT, 16, 2048))
+
+
+def test_what_every_step_costs_besides_weighs_a_larger_tree_fairly():
+    """A step's overhead (the accept, host work, the loop) is paid by every tree alike; counted, a larger tree's
+    dearer verify is weighed against the whole step, and a single session then takes a larger bound."""
+    chosen = []
+    for overhead in (0.0, 0.008):
+        cost = measured({1: 0.0062, 16: 0.0066, 64: 0.0090, 256: 0.0150}, draft_seconds_per_depth=0.00025)
+        cost.step_overhead_seconds = overhead
+        batch = BatchCost(cost, 1, 32768)
+        assert batch.step_seconds(Bound(64, 8)) == pytest.approx(overhead + 8 * 0.00025 + 0.0090)
+        chosen.append(BatchPlanner().choose(GRID_BOUNDS, outlooks(1), batch))
+    assert chosen == [Bound(32, 6), Bound(64, 8)]

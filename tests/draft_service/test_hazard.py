@@ -248,3 +248,18 @@ def test_seeded_verify_costs_shape_the_curve_and_measurements_set_its_level():
     fresh = StepCostModel()
     fresh.seed_verify({64: 0.006, 1024: 0.020})
     assert fresh.verify_seconds(1024, 100) == pytest.approx(0.020)  # nothing measured: the seed alone
+
+
+def test_step_overhead_is_the_rest_of_a_step_averaged_with_long_steps_bounded():
+    cost = StepCostModel()
+    assert cost.step_overhead_seconds == 0.0 and not cost.overhead_measured
+    cost.observe_step(0.0130, proposal_seconds=0.0020, verify_seconds=0.0080)  # 3 ms besides
+    assert cost.overhead_measured and cost.step_overhead_seconds == pytest.approx(0.0030)
+    cost.observe_step(0.0120, proposal_seconds=0.0020, verify_seconds=0.0080)  # 2 ms: a tenth of the way
+    assert cost.step_overhead_seconds == pytest.approx(0.9 * 0.0030 + 0.1 * 0.0020)
+    before = cost.step_overhead_seconds
+    cost.observe_step(0.5, proposal_seconds=0.0020, verify_seconds=0.0080)  # a prompt ingested: at most 2x
+    assert cost.step_overhead_seconds == pytest.approx(0.9 * before + 0.1 * 2 * before)
+    before = cost.step_overhead_seconds
+    cost.observe_step(0.0050, proposal_seconds=0.0020, verify_seconds=0.0080)  # overlapping spans: none
+    assert cost.step_overhead_seconds == pytest.approx(0.9 * before)

@@ -3,6 +3,8 @@ device proposal for, how often it re-plans, probes and hands verified trees to t
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from diffspec.tree import DraftTree
@@ -66,3 +68,27 @@ def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work
     assert max(probes) == 1
     # a step hands at most OBSERVED_PER_STEP sessions' trees to their planners (and the probe's)
     assert observed_per_step[1:] and max(observed_per_step) <= OBSERVED_PER_STEP + 1 and min(observed_per_step[1:]) > 0
+
+
+def test_the_runtime_measures_a_steps_overhead_between_proposing_calls():
+    """From one proposing draft call to the next is one whole engine step: what its proposal and its verify
+    do not account for is the overhead. A step after one that did not propose, or without a verify's cost
+    (a prompt chunk shared the target call), measures nothing."""
+    runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
+    c = runtime.head.config
+    prompt = list(range(1, 30))
+    features = lambda rows: torch.zeros(rows, 3 * c.target_hidden_size)  # noqa: E731
+    start = DraftStart("s", prompt, features(len(prompt)), 1, DraftOptions("full", "8:0.0:3"))
+    tree = runtime.step(DraftBatch(starts=[start], proposes=["s"])).trees["s"]
+    accept = lambda tree: DraftAccept("s", [int(DraftTree.of(tree).tokens[1]), 2], features(2))  # noqa: E731
+    time.sleep(0.02)  # the target's call and the loop, as the engine would spend them
+    tree = runtime.step(DraftBatch(accepts=[accept(tree)], proposes=["s"])).trees["s"]  # no verify cost: none
+    assert not runtime.step_cost.overhead_measured
+    time.sleep(0.02)
+    verify = VerifyCost(rows=8, seconds=0.005)
+    runtime.step(DraftBatch(accepts=[accept(tree)], verify_cost=verify))  # measures; proposes nothing
+    assert runtime.step_cost.overhead_measured
+    assert 0.015 <= runtime.step_cost.step_overhead_seconds < 1.0  # 20 ms of sleep, less the 5 ms verify
+    measured = runtime.step_cost.step_overhead_seconds
+    runtime.step(DraftBatch(proposes=["s"], verify_cost=verify))  # the step before proposed nothing
+    assert runtime.step_cost.step_overhead_seconds == measured
