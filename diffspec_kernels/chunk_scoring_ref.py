@@ -22,8 +22,3 @@ def chunk_scores_reference(
     high = torch.einsum("kgd,ckd->ckgd", qf, key_max.float())
     return torch.maximum(low, high).sum(-1).flatten(1).amax(-1)
 
-
-def top_chunks_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k best chunks, ascending (position order); fewer if there are fewer chunks."""
-    k = min(k, scores.numel())
-    return scores.topk(k).indices.sort().values if k > 0 else scores.new_zeros(0, dtype=torch.long)

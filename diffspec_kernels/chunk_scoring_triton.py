@@ -3,8 +3,9 @@
 One program scores BLOCK_C chunks for all query heads: per KV head it loads the chunk block's
 min and max keys once ([BLOCK_C, D] each) and, for each query head of the group, reduces
 max(q * kmin, q * kmax) over D, keeping the running max over heads. At 128K context and
-64-token chunks that is 2,048 chunks: a handful of programs, one launch; the top-k then runs
-on the scores where they lie (no host round trip).
+64-token chunks that is 2,048 chunks: a handful of programs, one launch. The scores then go to
+the host in one copy queued behind the accept, where the working set is chosen
+(``draft_service/draft_context.py``).
 """
 
 from __future__ import annotations

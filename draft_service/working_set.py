@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-
-from diffspec_kernels.chunk_scoring_ref import top_chunks_reference
 
 
 @dataclass(frozen=True)
@@ -42,14 +41,17 @@ class WorkingSetSelector:
         self.steps_since = 0
 
     def select(self, scores: torch.Tensor) -> list[int]:
-        """All chunk ids of the working set, ascending, for scores [num_chunks]."""
-        c, n = self.config, scores.numel()
+        """All chunk ids of the working set, ascending, for host scores [num_chunks]. On the host's arrays, not
+        torch's: a dozen small tensor ops cost more per session and accept than the choice itself."""
+        c, values = self.config, scores.numpy()
+        n = values.size
         forced = sorted(set(range(min(c.sink_chunks, n))) | set(range(max(0, n - c.recent_chunks), n)))
         room = max(0, c.max_chunks - len(forced))
-        candidates = scores.clone()
-        candidates[forced] = float("-inf")
-        eligible = int(torch.isfinite(candidates).sum())
-        fresh = top_chunks_reference(candidates, min(room, eligible)).tolist()
+        candidates = values.astype(np.float64)  # a copy
+        candidates[forced] = -np.inf
+        eligible = np.flatnonzero(np.isfinite(candidates))
+        best_first = eligible[np.argsort(-candidates[eligible], kind="stable")]  # ties: the earlier chunk
+        fresh = sorted(best_first[:room].tolist())
         self.steps_since += 1
         kept = [chunk for chunk in self.scored if chunk not in forced][:room]
         overlap = len(set(fresh) & set(kept)) / max(1, len(fresh))
