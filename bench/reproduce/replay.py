@@ -155,12 +155,13 @@ class TargetReplay:
 
     def _serving_runtime(self, tokens: int, sessions: int, chain_tokens: int) -> TargetRuntime:
         """The runtime, rebuilt with more pages when this prefix needs them: its pages once (fillers share
-        them through the prefix cache), each session's unshared last page and chain, spare pages."""
+        them through the prefix cache), each session's unshared last page and chain, spare pages. No more: the
+        pool shares the GPU with two fp32 targets (the reference and the fp32 rerun's)."""
         page = self.settings.page_size
         pages = -(-tokens // page) + sessions * (-(-chain_tokens // page) + 2) + SPARE_PAGES
         if self._runtime is None or self._runtime.pool.num_pages < pages:
             self._runtime = None
-            settings = self.settings.model_copy(update={"num_pages": max(self.settings.num_pages, pages)})
+            settings = self.settings.model_copy(update={"num_pages": pages})
             self._runtime = TargetRuntime(settings)
         return self._runtime
 
