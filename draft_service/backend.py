@@ -31,6 +31,7 @@ class DraftStats:
     hazard: list[float] = field(default_factory=list)  # h(d) per depth, as last estimated
     working_set_tokens: int = 0  # tokens the draft attended to at the last step
     context_tokens: int = 0  # tokens in the draft's full context
+    working_set_updates: int = 0  # times the working set changed, each an update of the chunk arenas
 
 
 @dataclass(frozen=True)

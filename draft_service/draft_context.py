@@ -51,6 +51,7 @@ class DraftContext:
             shape = (salience.max_chunks, salience.chunk_size, num_kv_heads, head_dim)
             self.arenas = [ChunkArena(*shape, dtype, device, staging) for _ in range(num_layers)]  # per decoder layer
         self.covered_chunks = 0  # full chunks the applied working set was chosen among: the tail starts after them
+        self.working_set_updates = 0  # times the working set changed (every layer's arena updated)
         self._queued: tuple[HostCopy, slice] | None = None  # a batch's scores on their way to the host; this one's
 
     @property
@@ -89,6 +90,7 @@ class DraftContext:
         if set(selected) != self.arenas[0].chunks():
             for arena, kv in zip(self.arenas, self.kvs):
                 arena.update(selected, *kv.view())
+            self.working_set_updates += 1
         self.covered_chunks = scores.numel()
 
     def queue_selection(self, copy: HostCopy, rows: slice) -> None:

@@ -106,7 +106,8 @@ def result_from_proto(reply: draft_pb2.DraftStepReply, peer: str) -> DraftBatchR
 
 def stats_to_proto(stats: DraftStats) -> draft_pb2.DraftStats:
     return draft_pb2.DraftStats(
-        hazard=stats.hazard, working_set_tokens=stats.working_set_tokens, context_tokens=stats.context_tokens
+        hazard=stats.hazard, working_set_tokens=stats.working_set_tokens, context_tokens=stats.context_tokens,
+        working_set_updates=stats.working_set_updates,
     )
 
 
@@ -115,4 +116,5 @@ def stats_from_proto(message: draft_pb2.DraftStats) -> DraftStats:
         hazard=list(message.hazard),
         working_set_tokens=message.working_set_tokens,
         context_tokens=message.context_tokens,
+        working_set_updates=message.working_set_updates,
     )

@@ -318,6 +318,7 @@ class DraftRuntime:
             hazard=session.hazard.hazard(session.candidate.widths),
             working_set_tokens=state.context.attended_tokens,
             context_tokens=state.num_entries,
+            working_set_updates=state.context.working_set_updates,
         )
 
     def _session(self, session_id: str) -> _SessionState:

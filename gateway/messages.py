@@ -174,6 +174,7 @@ def stats_to_proto(stats: GenerationStats) -> gateway_pb2.GenerationStats:
         fell_back_to_auto=stats.fell_back_to_auto,
         hazard=stats.hazard,
         working_set_tokens=stats.working_set_tokens,
+        working_set_updates=stats.working_set_updates,
     )
 
 
@@ -193,4 +194,5 @@ def stats_from_proto(message: gateway_pb2.GenerationStats) -> GenerationStats:
         fell_back_to_auto=message.fell_back_to_auto,
         hazard=list(message.hazard),
         working_set_tokens=message.working_set_tokens,
+        working_set_updates=message.working_set_updates,
     )

@@ -59,6 +59,7 @@ class GenerationStats:
     fell_back_to_auto: bool = False  # the draft went away and the target finished alone
     hazard: list[float] = field(default_factory=list)
     working_set_tokens: int = 0
+    working_set_updates: int = 0  # times the draft's working set changed: each costs an arena update
 
     @property
     def mean_accepted_length(self) -> float:
@@ -93,6 +94,7 @@ class GenerationStats:
             "fell_back_to_auto": self.fell_back_to_auto,
             "hazard": [round(h, 4) for h in self.hazard],
             "working_set_tokens": self.working_set_tokens,
+            "working_set_updates": self.working_set_updates,
         }
 
 

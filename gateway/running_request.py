@@ -197,6 +197,7 @@ class RunningRequest:
         if draft_stats is not None:
             self.stats.hazard = draft_stats.hazard
             self.stats.working_set_tokens = draft_stats.working_set_tokens
+            self.stats.working_set_updates = draft_stats.working_set_updates
         self.sink.put(GenerationChunk(token_ids=[], text=self.detokenizer.flush(), stats=self.stats))
 
     def _emit(self, tokens: list[int], logprobs: TokenLogprobs | None) -> None:

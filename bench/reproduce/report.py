@@ -32,6 +32,7 @@ class ArmSummary:
     host_ms_per_step: float  # decode time outside draft and verify calls
     stop_depth_histogram: list[int]  # [depth] -> steps whose accepted path stopped there
     working_set_tokens: int  # largest working set the draft attended to
+    working_set_updates_per_step: float  # arena updates per verification step: each is host work of its accept
     peak_memory_gib: float | None  # largest peak GPU memory of a run (None on CPU)
     exact: int
     near_ties: int
@@ -79,6 +80,7 @@ def summarise_arm(runs: list[RunRecord], auto: list[RunRecord]) -> ArmSummary:
         host_ms_per_step=round(1000 * (decode_s - draft_s - verify_s) / steps, 3) if steps else 0.0,
         stop_depth_histogram=_histogram(runs),
         working_set_tokens=max(r.stats.working_set_tokens for r in runs),
+        working_set_updates_per_step=round(sum(r.stats.working_set_updates for r in runs) / steps, 3) if steps else 0.0,
         peak_memory_gib=round(max(peaks) / 2**30, 3) if peaks else None,
         exact=counts["exact"], near_ties=counts["near-tie"], mismatches=counts["mismatch"],
         unchecked=counts["unchecked"],

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from diffspec.v1 import tensor_pb2 as diffspec_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64iffspec/v1/draft.proto\x12\x0b\x64iffspec.v1\x1a\x18\x64iffspec/v1/tensor.proto\"E\n\x0c\x44raftOptions\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x0btree_config\x18\x02 \x01(\t\x12\x10\n\x08salience\x18\x03 \x01(\x08\"u\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x03\x12*\n\x07options\x18\x04 \x01(\x0b\x32\x19.diffspec.v1.DraftOptions\"V\n\x0b\x44raftAccept\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x65mitted_tokens\x18\x02 \x03(\x03\x12\x1b\n\x13verified_draft_tree\x18\x03 \x01(\x08\"\xc6\x01\n\tDraftStep\x12\x10\n\x08releases\x18\x01 \x03(\t\x12\'\n\x06starts\x18\x02 \x03(\x0b\x32\x17.diffspec.v1.DraftStart\x12)\n\x07\x61\x63\x63\x65pts\x18\x03 \x03(\x0b\x32\x18.diffspec.v1.DraftAccept\x12\x10\n\x08proposes\x18\x04 \x03(\t\x12\x13\n\x0bverify_rows\x18\x05 \x01(\x03\x12\x16\n\x0everify_seconds\x18\x06 \x01(\x01\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x07 \x01(\x03\"p\n\x10\x44raftStepRequest\x12&\n\x04step\x18\x01 \x01(\x0b\x32\x16.diffspec.v1.DraftStepH\x00\x12,\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x18.diffspec.v1.TensorChunkH\x00\x42\x06\n\x04kind\"H\n\x0cProposedTree\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.diffspec.v1.DraftTree\"P\n\nDraftStats\x12\x0e\n\x06hazard\x18\x01 \x03(\x01\x12\x1a\n\x12working_set_tokens\x18\x02 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\x03\"M\n\x0fReleasedSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.diffspec.v1.DraftStats\"\x99\x01\n\x0e\x44raftStepReply\x12(\n\x05trees\x18\x01 \x03(\x0b\x32\x19.diffspec.v1.ProposedTree\x12.\n\x08released\x18\x02 \x03(\x0b\x32\x1c.diffspec.v1.ReleasedSession\x12-\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x1b.diffspec.v1.SessionFailure\"\x12\n\x10\x44raftInfoRequest\"\xd3\x01\n\x11\x44raftInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\x03\x12\x1a\n\x12target_hidden_size\x18\x04 \x01(\x03\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x03\x12\x15\n\rmax_positions\x18\x06 \x01(\x03\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t2\x96\x01\n\x05\x44raft\x12\x46\n\x04Step\x12\x1d.diffspec.v1.DraftStepRequest\x1a\x1b.diffspec.v1.DraftStepReply(\x01\x30\x01\x12\x45\n\x04Info\x12\x1d.diffspec.v1.DraftInfoRequest\x1a\x1e.diffspec.v1.DraftInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64iffspec/v1/draft.proto\x12\x0b\x64iffspec.v1\x1a\x18\x64iffspec/v1/tensor.proto\"E\n\x0c\x44raftOptions\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x0btree_config\x18\x02 \x01(\t\x12\x10\n\x08salience\x18\x03 \x01(\x08\"u\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x03\x12*\n\x07options\x18\x04 \x01(\x0b\x32\x19.diffspec.v1.DraftOptions\"V\n\x0b\x44raftAccept\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x65mitted_tokens\x18\x02 \x03(\x03\x12\x1b\n\x13verified_draft_tree\x18\x03 \x01(\x08\"\xc6\x01\n\tDraftStep\x12\x10\n\x08releases\x18\x01 \x03(\t\x12\'\n\x06starts\x18\x02 \x03(\x0b\x32\x17.diffspec.v1.DraftStart\x12)\n\x07\x61\x63\x63\x65pts\x18\x03 \x03(\x0b\x32\x18.diffspec.v1.DraftAccept\x12\x10\n\x08proposes\x18\x04 \x03(\t\x12\x13\n\x0bverify_rows\x18\x05 \x01(\x03\x12\x16\n\x0everify_seconds\x18\x06 \x01(\x01\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x07 \x01(\x03\"p\n\x10\x44raftStepRequest\x12&\n\x04step\x18\x01 \x01(\x0b\x32\x16.diffspec.v1.DraftStepH\x00\x12,\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x18.diffspec.v1.TensorChunkH\x00\x42\x06\n\x04kind\"H\n\x0cProposedTree\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.diffspec.v1.DraftTree\"m\n\nDraftStats\x12\x0e\n\x06hazard\x18\x01 \x03(\x01\x12\x1a\n\x12working_set_tokens\x18\x02 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13working_set_updates\x18\x04 \x01(\x03\"M\n\x0fReleasedSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.diffspec.v1.DraftStats\"\x99\x01\n\x0e\x44raftStepReply\x12(\n\x05trees\x18\x01 \x03(\x0b\x32\x19.diffspec.v1.ProposedTree\x12.\n\x08released\x18\x02 \x03(\x0b\x32\x1c.diffspec.v1.ReleasedSession\x12-\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x1b.diffspec.v1.SessionFailure\"\x12\n\x10\x44raftInfoRequest\"\xd3\x01\n\x11\x44raftInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\x03\x12\x1a\n\x12target_hidden_size\x18\x04 \x01(\x03\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x03\x12\x15\n\rmax_positions\x18\x06 \x01(\x03\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t2\x96\x01\n\x05\x44raft\x12\x46\n\x04Step\x12\x1d.diffspec.v1.DraftStepRequest\x1a\x1b.diffspec.v1.DraftStepReply(\x01\x30\x01\x12\x45\n\x04Info\x12\x1d.diffspec.v1.DraftInfoRequest\x1a\x1e.diffspec.v1.DraftInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,15 +45,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEDTREE']._serialized_start=659
   _globals['_PROPOSEDTREE']._serialized_end=731
   _globals['_DRAFTSTATS']._serialized_start=733
-  _globals['_DRAFTSTATS']._serialized_end=813
-  _globals['_RELEASEDSESSION']._serialized_start=815
-  _globals['_RELEASEDSESSION']._serialized_end=892
-  _globals['_DRAFTSTEPREPLY']._serialized_start=895
-  _globals['_DRAFTSTEPREPLY']._serialized_end=1048
-  _globals['_DRAFTINFOREQUEST']._serialized_start=1050
-  _globals['_DRAFTINFOREQUEST']._serialized_end=1068
-  _globals['_DRAFTINFORESPONSE']._serialized_start=1071
-  _globals['_DRAFTINFORESPONSE']._serialized_end=1282
-  _globals['_DRAFT']._serialized_start=1285
-  _globals['_DRAFT']._serialized_end=1435
+  _globals['_DRAFTSTATS']._serialized_end=842
+  _globals['_RELEASEDSESSION']._serialized_start=844
+  _globals['_RELEASEDSESSION']._serialized_end=921
+  _globals['_DRAFTSTEPREPLY']._serialized_start=924
+  _globals['_DRAFTSTEPREPLY']._serialized_end=1077
+  _globals['_DRAFTINFOREQUEST']._serialized_start=1079
+  _globals['_DRAFTINFOREQUEST']._serialized_end=1097
+  _globals['_DRAFTINFORESPONSE']._serialized_start=1100
+  _globals['_DRAFTINFORESPONSE']._serialized_end=1311
+  _globals['_DRAFT']._serialized_start=1314
+  _globals['_DRAFT']._serialized_end=1464
 # @@protoc_insertion_point(module_scope)

@@ -74,14 +74,16 @@ class ProposedTree(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_tensor_pb2.DraftTree, _Mapping]] = ...) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("hazard", "working_set_tokens", "context_tokens")
+    __slots__ = ("hazard", "working_set_tokens", "context_tokens", "working_set_updates")
     HAZARD_FIELD_NUMBER: _ClassVar[int]
     WORKING_SET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORKING_SET_UPDATES_FIELD_NUMBER: _ClassVar[int]
     hazard: _containers.RepeatedScalarFieldContainer[float]
     working_set_tokens: int
     context_tokens: int
-    def __init__(self, hazard: _Optional[_Iterable[float]] = ..., working_set_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+    working_set_updates: int
+    def __init__(self, hazard: _Optional[_Iterable[float]] = ..., working_set_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., working_set_updates: _Optional[int] = ...) -> None: ...
 
 class ReleasedSession(_message.Message):
     __slots__ = ("session_id", "stats")

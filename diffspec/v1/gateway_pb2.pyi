@@ -46,7 +46,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ..., tree_config: _Optional[str] = ..., salience: _Optional[bool] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "steps", "accepted_drafts", "mean_accepted_length", "stop_depth_histogram", "prefill_seconds", "draft_seconds", "verify_seconds", "decode_seconds", "decode_tokens_per_second", "finish_reason", "fell_back_to_auto", "hazard", "working_set_tokens")
+    __slots__ = ("prompt_tokens", "new_tokens", "steps", "accepted_drafts", "mean_accepted_length", "stop_depth_histogram", "prefill_seconds", "draft_seconds", "verify_seconds", "decode_seconds", "decode_tokens_per_second", "finish_reason", "fell_back_to_auto", "hazard", "working_set_tokens", "working_set_updates")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class GenerationStats(_message.Message):
     FELL_BACK_TO_AUTO_FIELD_NUMBER: _ClassVar[int]
     HAZARD_FIELD_NUMBER: _ClassVar[int]
     WORKING_SET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORKING_SET_UPDATES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     new_tokens: int
     steps: int
@@ -77,7 +78,8 @@ class GenerationStats(_message.Message):
     fell_back_to_auto: bool
     hazard: _containers.RepeatedScalarFieldContainer[float]
     working_set_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., stop_depth_histogram: _Optional[_Iterable[int]] = ..., prefill_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., finish_reason: _Optional[str] = ..., fell_back_to_auto: _Optional[bool] = ..., hazard: _Optional[_Iterable[float]] = ..., working_set_tokens: _Optional[int] = ...) -> None: ...
+    working_set_updates: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., stop_depth_histogram: _Optional[_Iterable[int]] = ..., prefill_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., finish_reason: _Optional[str] = ..., fell_back_to_auto: _Optional[bool] = ..., hazard: _Optional[_Iterable[float]] = ..., working_set_tokens: _Optional[int] = ..., working_set_updates: _Optional[int] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("done_tokens", "total_tokens")

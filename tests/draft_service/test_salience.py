@@ -140,3 +140,19 @@ def test_memory_is_bounded_at_128k_context():
     assert context.length == 131072 and context.arenas[0].num_bytes == arena_bytes
     assert keys.shape[0] == context.attended_tokens <= config.budget_tokens
     assert arena_bytes == 2 * config.max_chunks * 64 * KV_HEADS * HEAD_DIM * 4
+
+
+def test_working_set_updates_count_the_changes_of_the_set_only():
+    """A reselection that keeps the set costs no arena update and is not counted; one that changes it is."""
+    config = WorkingSetConfig(chunk_size=4, budget_tokens=24, sink_chunks=1, recent_chunks=1, reselect_every=1)
+    context = DraftContext(1, 2, torch.float32, torch.device("cpu"), config)
+    for keys, values in context.claim(40):  # 10 full chunks, 4 slots
+        keys.copy_(torch.arange(80.0).view(40, 1, 2))
+        values.zero_()
+    favour = lambda chunks: torch.tensor([5.0 if c in chunks else 0.0 for c in range(10)])  # noqa: E731
+    context.reselect(favour({3, 4}))
+    assert context.working_set_updates == 1 and context.arenas[0].chunks() == {0, 3, 4, 9}
+    context.reselect(favour({3, 4}))  # the same best chunks: nothing moves
+    assert context.working_set_updates == 1
+    context.reselect(favour({5, 6}))
+    assert context.working_set_updates == 2 and context.arenas[0].chunks() == {0, 5, 6, 9}

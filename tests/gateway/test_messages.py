@@ -139,6 +139,7 @@ def test_stats_round_trip_carries_every_field():
         fell_back_to_auto=True,
         hazard=[0.1, 0.2],
         working_set_tokens=2048,
+        working_set_updates=7,
     )
     assert {f.name for f in dataclasses.fields(GenerationStats)} <= set(
         gateway_pb2.GenerationStats.DESCRIPTOR.fields_by_name
