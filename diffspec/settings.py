@@ -73,6 +73,11 @@ class DiffSpecSettings(BaseSettings):
     working_set_tokens: int = Field(2048, ge=64, description="Token budget of the draft's working set.")
     salience_recent_tokens: int = Field(256, ge=1, description="Most recent context tokens always in the working set.")
     salience_reselect_every: int = Field(8, ge=1, description="Draft steps between scheduled working-set re-selections.")
+    salience_min_overlap: float = Field(
+        0.75, ge=0.0, le=1.0,
+        description="Re-select the working set early when the best-scoring chunks share less than this fraction "
+        "with the chosen ones (0 = only every salience_reselect_every steps; each change costs an arena update).",
+    )
 
     # Generation defaults
     max_new_tokens: int = Field(

@@ -28,6 +28,7 @@ def working_set_config(settings: DiffSpecSettings) -> WorkingSetConfig:
         budget_tokens=settings.working_set_tokens,
         recent_chunks=max(1, settings.salience_recent_tokens // settings.chunk_size),
         reselect_every=settings.salience_reselect_every,
+        min_overlap=settings.salience_min_overlap,
     )
 
 

@@ -156,3 +156,13 @@ def test_working_set_updates_count_the_changes_of_the_set_only():
     assert context.working_set_updates == 1
     context.reselect(favour({5, 6}))
     assert context.working_set_updates == 2 and context.arenas[0].chunks() == {0, 5, 6, 9}
+
+
+def test_the_working_set_settings_reach_the_selector():
+    from diffspec.settings import DiffSpecSettings
+    from draft_service.inprocess import working_set_config
+
+    config = working_set_config(DiffSpecSettings(salience_min_overlap=0.5, salience_reselect_every=4, chunk_size=32))
+    assert (config.min_overlap, config.reselect_every, config.chunk_size) == (0.5, 4, 32)
+    with pytest.raises(ValueError):
+        DiffSpecSettings(salience_min_overlap=1.5)
