@@ -6,7 +6,7 @@ soon as it ends, with its exact figures. A run resumed in the same folder under 
 reuses those records instead of generating them again and generates the rest; the tuning choice,
 the summaries and the exactness judgment are made from all of them, as in one uninterrupted run.
 The protocol is stored beside them (``protocol.json``): resuming under another one is refused. A
-protocol field added after a run was recorded counts as having had its default there.
+protocol field or engine setting added after a run was recorded counts as having had its default there.
 
 The exactness verdicts are recorded the same way (``verdicts.jsonl``): at 64K on an 8B target, one
 divergence's fp32 replays take minutes, so a judging stopped part-way resumes too.
@@ -38,7 +38,8 @@ class RunCheckpoint:
     """The runs recorded in ``out_dir``; without ``resume`` a fresh run starts the record over."""
 
     def __init__(self, out_dir: Path, protocol: dict, resume: bool, defaults: dict | None = None) -> None:
-        """``defaults``: each protocol field's default, for a recorded protocol that predates the field."""
+        """``defaults``: each protocol field's default (and under "settings" each setting's), for a recorded
+        protocol that predates the field."""
         self.runs_path, protocol_path = out_dir / RUNS_FILE, out_dir / PROTOCOL_FILE
         self.verdicts_path = out_dir / VERDICTS_FILE
         self._done: dict[RunKey, RunRecord] = {}
@@ -46,7 +47,7 @@ class RunCheckpoint:
         if resume:
             if not protocol_path.exists():
                 raise SystemExit(f"--resume: {out_dir} holds no earlier run of the protocol ({PROTOCOL_FILE})")
-            recorded = {**(defaults or {}), **json.loads(protocol_path.read_text())}
+            recorded = _with_defaults(json.loads(protocol_path.read_text()), defaults or {})
             if recorded != protocol:
                 changed = sorted(k for k in protocol.keys() | recorded.keys() if protocol.get(k) != recorded.get(k))
                 raise SystemExit(f"--resume: {out_dir} was run with other settings ({', '.join(changed)})")
@@ -110,3 +111,12 @@ def load_run_document(path: Path) -> dict:
     if not runs_path.exists():
         raise SystemExit(f"{path}: neither a results.json nor a reproduce run folder with {RUNS_FILE}")
     return {"runs": [json.loads(line) for line in runs_path.read_text().splitlines() if line]}
+
+
+def _with_defaults(recorded: dict, defaults: dict) -> dict:
+    """``recorded`` with each key it lacks taken from ``defaults``, one level into the dicts both hold."""
+    merged = {**defaults, **recorded}
+    for key, default in defaults.items():
+        if isinstance(default, dict) and isinstance(recorded.get(key), dict):
+            merged[key] = {**default, **recorded[key]}
+    return merged

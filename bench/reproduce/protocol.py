@@ -135,10 +135,13 @@ def protocol_fingerprint(config: ProtocolConfig, settings: DiffSpecSettings) -> 
 
 
 def fingerprint_defaults() -> dict:
-    """The protocol fields' defaults as ``protocol_fingerprint`` writes them (the fields that have one)."""
+    """The protocol fields' and the engine settings' defaults as ``protocol_fingerprint`` writes them (the
+    fields that have one)."""
     defaults = {f.name: f.default for f in fields(ProtocolConfig)
                 if f.default is not MISSING and f.name not in NOT_FINGERPRINTED}
-    return json.loads(json.dumps(defaults, default=str))
+    settings = {name: field.get_default(call_default_factory=True)
+                for name, field in DiffSpecSettings.model_fields.items() if not field.is_required()}
+    return json.loads(json.dumps({**defaults, "settings": settings}, default=str))
 
 
 def pages_for(settings: DiffSpecSettings, context: int, config: ProtocolConfig) -> int:

@@ -107,3 +107,17 @@ def test_a_run_recorded_before_a_protocol_field_existed_resumes_at_its_default(s
         main([*_argv(code_prompts, older), "--salience-candidates", "on", "off", "--resume"])
     assert main([*_argv(code_prompts, older), "--resume"]) == 0
     assert _runs(json.loads((older / "results.json").read_text())) == _runs(whole)
+
+
+def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default(smoke_run, code_prompts, tmp_path, monkeypatch):
+    _, smoke_dir, _ = smoke_run
+    older = tmp_path / "older"
+    shutil.copytree(smoke_dir, older)
+    recorded = json.loads((older / PROTOCOL_FILE).read_text())
+    del recorded["settings"]["salience_min_overlap"]  # as a run recorded before the setting existed
+    (older / PROTOCOL_FILE).write_text(json.dumps(recorded))
+    monkeypatch.setenv("DIFFSPEC_SALIENCE_MIN_OVERLAP", "0.5")
+    with pytest.raises(SystemExit, match="other settings \\(settings\\)"):
+        main([*_argv(code_prompts, older), "--resume"])
+    monkeypatch.delenv("DIFFSPEC_SALIENCE_MIN_OVERLAP")
+    assert main([*_argv(code_prompts, older), "--resume"]) == 0
