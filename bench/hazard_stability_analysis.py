@@ -33,7 +33,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.reproduce.checkpoint import load_run_document
+from bench.reproduce.checkpoint import load_run_document, run_folder
 from bench.reproduce.draft_steps import DraftStep
 from draft_service.hazard import HazardProfile
 from draft_service.options import DraftOptions, validate_options
@@ -249,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, help="default: the results file's folder")
     parser.add_argument("--depths", type=int, default=4, help="draft depths shown (1..N)")
     args = parser.parse_args(argv)
-    rows = analyse(args.results, args.out_dir or (args.results if args.results.is_dir() else args.results.parent),
-                   args.depths)
+    rows = analyse(args.results, args.out_dir or run_folder(args.results), args.depths)
     print(markdown(rows, str(args.results), args.depths))
     return 0
 

@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.reproduce.checkpoint import load_run_document
+from bench.reproduce.checkpoint import load_run_document, run_folder
 from bench.reproduce.draft_steps import DraftStep
 
 COMMON_SHAPES = 4  # shapes listed per case
@@ -130,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, help="default: the run's folder")
     parser.add_argument("--policy", default="online", help="the policy whose runs are drawn (as in the arm labels)")
     args = parser.parse_args(argv)
-    rows = analyse(args.results, args.out_dir or (args.results if args.results.is_dir() else args.results.parent),
-                   args.policy)
+    rows = analyse(args.results, args.out_dir or run_folder(args.results), args.policy)
     print(markdown(rows, str(args.results), args.policy))
     return 0
 

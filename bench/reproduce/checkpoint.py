@@ -113,6 +113,11 @@ def load_run_document(path: Path) -> dict:
     return {"runs": [json.loads(line) for line in runs_path.read_text().splitlines() if line]}
 
 
+def run_folder(path: Path) -> Path:
+    """The folder of the run that ``path`` names (its results.json, or the folder itself)."""
+    return path if path.is_dir() else path.parent
+
+
 def _with_defaults(recorded: dict, defaults: dict) -> dict:
     """``recorded`` with each key it lacks taken from ``defaults``, one level into the dicts both hold."""
     merged = {**defaults, **recorded}

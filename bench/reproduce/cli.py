@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.reproduce import profiling
 from bench.reproduce.arms import baseline_arms
 from bench.reproduce.presets import PRESETS, ProtocolConfig
+from cli.flags import parse_switch
 from diffspec.errors import InvalidRequest
 from draft_service.options import DraftOptions, validate_options
 
@@ -33,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context-targets", type=int, nargs="+", help="prompt tokens per evaluated context")
     p.add_argument("--candidate-configs", nargs="+", help="DiffSpec tree budgets to tune over, total:threshold:depth")
     p.add_argument("--policies", nargs="+", help="DiffSpec tree policies to tune over (chain, uniform<K>, full, online)")
-    p.add_argument("--salience-candidates", nargs="+", type=_on_off, metavar="{on,off}",
+    p.add_argument("--salience-candidates", nargs="+", type=parse_switch, metavar="{on,off}",
                    help="DiffSpec working set settings to tune over: on (the salience working set), off (the whole context)")
     p.add_argument("--tune-max-new-tokens", type=int, help="tokens per tuning run")
     p.add_argument("--eval-max-new-tokens", type=int, help="tokens per evaluation run")
@@ -56,12 +57,6 @@ def parser() -> argparse.ArgumentParser:
                    "the first evaluated prompt's arms at the first context (needs nsys on PATH)")
     p.add_argument("--profile-window", action="store_true", default=None, help=argparse.SUPPRESS)  # set by --nsys
     return p
-
-
-def _on_off(value: str) -> bool:
-    if value not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"{value!r}: on or off")
-    return value == "on"
 
 
 def config_from(args: argparse.Namespace) -> ProtocolConfig:
