@@ -331,12 +331,17 @@ class _Protocol:
         auto = {(r.dataset, r.context, r.prompt): r for r in evaluated if r.arm == arm_names.AUTO}
         replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device(), self.settings)
         rerun = Fp32Rerun(self.settings)
-        for run in (r for r in evaluated if r.arm != arm_names.AUTO):
+        judged = [r for r in evaluated if r.arm != arm_names.AUTO]
+        for run in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
             key = (run.dataset, run.context, run.prompt)
             run.exactness = self.checkpoint.verdict(run_key(run))
             if run.exactness is None:
+                started = time.perf_counter()
                 run.exactness = self._verdict(replay, rerun, run, auto[key], self.prompt_ids[key])
                 self.checkpoint.record_verdict(run_key(run), run.exactness)
+                if run.exactness.verdict != "exact":
+                    log.info("judged %s ctx=%d prompt=%d %s: %s (%s) in %.1f s", run.dataset, run.context, run.prompt,
+                             run.label, run.exactness.verdict, run.exactness.reason, time.perf_counter() - started)
             if run.exactness.verdict == "mismatch":
                 assert run.exactness.divergence is not None
                 report = log.warning if run.arm == REFERENCE else log.error

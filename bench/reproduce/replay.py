@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +41,8 @@ from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest
 from target_service.backend import PrefillWork, SessionOpen, TargetBatch, TargetBatchResult, VerifyStep
 from target_service.runtime import TargetRuntime
+
+log = logging.getLogger("bench.reproduce")
 
 PREFILL_CHUNK_TOKENS = 4096  # bounds activation memory of the fp32 replay's prefill
 DEEPEST_NODE = 7  # deepest replayed node of a chain: a tree's accepted path rarely runs longer
@@ -70,6 +76,15 @@ def serving_paths(verify_tokens: int, batch_sizes: tuple[int, ...], tree_sizes: 
 FP32_TOP_TOKENS = 8  # tokens whose fp32 gap below the top-1 the evidence keeps: more than any rounding tie holds
 
 
+@contextmanager
+def timed(what: str) -> Iterator[None]:
+    """Logs how long ``what`` took. On an 8B target the judging's time goes to model loads and long fp32
+    prefills, not to the comparisons; a judging that outlasts its GPU lease says here which."""
+    started = time.perf_counter()
+    yield
+    log.info("judging: %s in %.1f s", what, time.perf_counter() - started)
+
+
 class TargetReplay:
     """Loads the fp32 reference and the serving runtime lazily (only a divergence needs them) and caches
     evidence per prefix."""
@@ -99,7 +114,8 @@ class TargetReplay:
         key = (tuple(prefix_ids), verify_tokens)
         if key not in self._evidence:
             if key[0] not in self._fp32_top:
-                top = torch.topk(self._fp32_logits(prefix_ids), FP32_TOP_TOKENS)
+                with timed(f"fp32 logits after a {len(prefix_ids)}-token prefix"):
+                    top = torch.topk(self._fp32_logits(prefix_ids), FP32_TOP_TOKENS)
                 self._fp32_top[key[0]] = top.values.cpu(), top.indices.cpu()
             values, ids = self._fp32_top[key[0]]
             gaps = {int(token): float(values[0] - value) for token, value in zip(ids, values)}
@@ -115,7 +131,8 @@ class TargetReplay:
     def serving_spread(self, prefix_ids: list[int], following_ids: list[int], verify_tokens: int) -> float:
         """The largest change of a difference of two logits at the position after ``prefix_ids`` between any
         two ``ServingPath``s of the serving runtime (``logit_spread``)."""
-        return logit_spread(self.serving_logits(prefix_ids, following_ids, verify_tokens))
+        with timed(f"serving paths after a {len(prefix_ids)}-token prefix"):
+            return logit_spread(self.serving_logits(prefix_ids, following_ids, verify_tokens))
 
     def serving_logits(
         self, prefix_ids: list[int], following_ids: list[int], verify_tokens: int
@@ -162,14 +179,16 @@ class TargetReplay:
         if self._runtime is None or self._runtime.pool.num_pages < pages:
             self._runtime = None
             settings = self.settings.model_copy(update={"num_pages": pages})
-            self._runtime = TargetRuntime(settings)
+            with timed(f"serving runtime built ({pages} pages)"):
+                self._runtime = TargetRuntime(settings)
         return self._runtime
 
     # -- fp32 top-2: the transformers reference ---------------------------------------------------
 
     def _fp32_model(self) -> LlamaForCausalLM:
         if self._fp32 is None:
-            self._fp32 = LlamaForCausalLM.from_pretrained(str(self.base_model), dtype=torch.float32).to(self.device)
+            with timed("fp32 reference loaded"):
+                self._fp32 = LlamaForCausalLM.from_pretrained(str(self.base_model), dtype=torch.float32).to(self.device)
             self._fp32.eval()
         return self._fp32
 
@@ -246,10 +265,12 @@ class Fp32Rerun:
 
         for ids in prompts:
             if (tuple(ids), max_new_tokens) not in self._auto:
-                self._auto[tuple(ids), max_new_tokens] = asyncio.run(generate(ids, None))
+                with timed(f"fp32 Auto run of a {len(ids)}-token prompt"):
+                    self._auto[tuple(ids), max_new_tokens] = asyncio.run(generate(ids, None))
                 self.auto_generations += 1
         auto = [self._auto[tuple(ids), max_new_tokens] for ids in prompts]
-        arm = asyncio.run(arm_all()) if concurrent else [asyncio.run(generate(ids, draft)) for ids in prompts]
+        with timed(f"fp32 {draft.policy} {draft.tree_config} run of {len(prompts)} prompts"):
+            arm = asyncio.run(arm_all()) if concurrent else [asyncio.run(generate(ids, draft)) for ids in prompts]
         return [first_divergence(a, b) is not None for a, b in zip(auto, arm)]
 
     def close(self) -> None:
@@ -271,6 +292,7 @@ class Fp32Rerun:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self._engine = build_engine(self.settings.model_copy(update={"num_pages": num_pages}))
+            with timed(f"fp32 engine built ({num_pages} pages)"):
+                self._engine = build_engine(self.settings.model_copy(update={"num_pages": num_pages}))
             self._num_pages = num_pages
         return self._engine

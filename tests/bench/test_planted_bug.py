@@ -4,6 +4,7 @@ and the run fails; the fp32 replay behind the verdict agrees with the engine's A
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import replace
 from typing import AsyncIterator
 
@@ -85,6 +86,11 @@ def test_a_divergence_within_the_spread_is_rerun_in_fp32_from_inside_the_protoco
     assert verdict.fp32_run_diverges is False
     assert verdict.verdict == "mismatch" and "not both among the fp32 top tokens" in verdict.reason
     assert result.exit_code == 1
+    log = (tmp_path / "near" / "reproduce.log").read_text()  # where the judging's time went, phase by phase
+    for phase in ("fp32 reference loaded", "serving runtime built", "fp32 logits after a", "serving paths after a",
+                  "fp32 engine built", "fp32 Auto run of a", "fp32 online 32:0.0:6 run of 1 prompts"):
+        assert re.search(rf"judging: {phase}.* in \d+\.\d s", log), phase
+    assert re.search(r"judged \S+ ctx=1024 prompt=\d+ diffspec\S* .*: mismatch \(.*\) in \d+\.\d s", log)
 
 
 def test_replay_agrees_with_the_engines_auto():
