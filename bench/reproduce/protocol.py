@@ -329,9 +329,14 @@ class _Protocol:
         kernels round differently from the engine's at every position, not only where a tree is verified."""
         evaluated = [r for r in self.runs if r.phase == "eval"]
         auto = {(r.dataset, r.context, r.prompt): r for r in evaluated if r.arm == arm_names.AUTO}
-        replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device(), self.settings)
-        rerun = Fp32Rerun(self.settings)
         judged = [r for r in evaluated if r.arm != arm_names.AUTO]
+        diverging = [r for r in judged if self.checkpoint.verdict(run_key(r)) is None
+                     and first_divergence(auto[r.dataset, r.context, r.prompt].token_ids, r.token_ids) is not None]
+        # each model loads once, at the size of the longest prompt to judge
+        longest = max((len(self.prompt_ids[r.dataset, r.context, r.prompt]) for r in diverging), default=0)
+        replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device(), self.settings,
+                              longest + self.config.eval_max_new_tokens)  # a prefix: the prompt and shared tokens
+        rerun = Fp32Rerun(self.settings, longest)
         for run in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
             key = (run.dataset, run.context, run.prompt)
             run.exactness = self.checkpoint.verdict(run_key(run))

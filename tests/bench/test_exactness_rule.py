@@ -178,3 +178,37 @@ def test_arms_of_other_budgets_parting_at_one_position_share_the_fp32_prefill(re
     wide, narrow = replay.evidence(prefix, FOLLOWING, VERIFY_TOKENS), replay.evidence(prefix, FOLLOWING, 2)
     assert prefills == [len(prefix)]
     assert (wide.fp32_top1, wide.fp32_top2, wide.fp32_gaps) == (narrow.fp32_top1, narrow.fp32_top2, narrow.fp32_gaps)
+
+
+def test_a_reserved_size_builds_each_model_once_for_every_prompt_length(replay_and_prompt, monkeypatch):
+    """With the longest prompt known up front, a shorter prompt judged first does not leave a pool that the
+    longer one must rebuild (on an 8B target each build loads the model again)."""
+    from bench.reproduce import replay as replay_module
+
+    _, prompt = replay_and_prompt
+    long_prompt = (prompt * 40)[:600]  # longer than the short one's pool would hold, page for page
+    builds: list[int] = []
+    build_engine, runtime_class = replay_module.build_engine, replay_module.TargetRuntime
+
+    def counted_engine(settings: DiffSpecSettings):  # noqa: ANN202
+        builds.append(settings.num_pages)
+        return build_engine(settings)
+
+    def counted_runtime(settings: DiffSpecSettings) -> TargetRuntime:
+        builds.append(-settings.num_pages)
+        return runtime_class(settings)
+
+    monkeypatch.setattr(replay_module, "build_engine", counted_engine)
+    monkeypatch.setattr(replay_module, "TargetRuntime", counted_runtime)
+    settings = DiffSpecSettings(**SMALL_BUCKETS)
+    for reserve, expected_builds in ((0, 4), (len(long_prompt), 2)):
+        builds.clear()
+        replay = TargetReplay(BUNDLED_TARGET, torch.float32, torch.device("cpu"), settings, reserve + 4)
+        rerun = Fp32Rerun(settings, reserve)
+        try:
+            for ids in (prompt, long_prompt):
+                replay.serving_spread(ids, FOLLOWING, VERIFY_TOKENS)
+                rerun.diverges([ids], DraftOptions("full", "16:0.0:4"), 4)
+        finally:
+            rerun.close()
+        assert len(builds) == expected_builds, builds
