@@ -65,7 +65,8 @@ def markdown(rows: list[PolicyRow], summaries: list[dict], source: str) -> str:
     lines = [
         "# Branch policies and budgets across contexts", "",
         f"From `{source}`. Tuning pass: each cell is tau / decode tok/s (fraction of the context's fastest "
-        "candidate); **bold** = chosen for the evaluation.", "",
+        "candidate); **bold** = chosen for the evaluation (by the final round, where the run had one: "
+        "results.md).", "",
     ]
     for dataset in dict.fromkeys(r.dataset for r in rows):
         contexts = _contexts(rows, dataset)

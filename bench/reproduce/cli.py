@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-max-new-tokens", type=int, help="tokens per evaluation run")
     p.add_argument("--prompts", type=int, help="evaluation prompts per context")
     p.add_argument("--tune-prompts", type=int, help="tuning prompts per context (after the evaluation prompts)")
+    p.add_argument("--tune-finalists", type=int, help="best candidates of the tuning pass that run again on every "
+                   "tuning prompt with --eval-max-new-tokens; the fastest of them is evaluated (0: no final round)")
     p.add_argument("--temperature", type=float, help="0 = greedy (exactness is checked only then)")
     p.add_argument("--seed", type=int, help="sampling seed, the same for every arm of a prompt")
     p.add_argument("--baseline-arms", nargs="+", choices=list(baseline_arms()), help="arms beside DiffSpec tuned")
@@ -65,6 +67,8 @@ def config_from(args: argparse.Namespace) -> ProtocolConfig:
              if f.name != "preset" and getattr(args, f.name, None) is not None}
     given = {name: tuple(value) if isinstance(value, list) else value for name, value in given.items()}
     config = replace(PRESETS[args.preset], preset=args.preset, **given)  # custom starts from smoke's values
+    if config.tune_finalists < 0:
+        raise InvalidRequest(f"--tune-finalists {config.tune_finalists}: a count of candidates, 0 or more")
     for policy in config.policies:
         for tree_config in (*config.candidate_configs, config.baseline_config):
             validate_options(DraftOptions(policy, tree_config))

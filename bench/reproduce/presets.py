@@ -28,6 +28,9 @@ class ProtocolConfig:
     baseline_arms: tuple[str, ...] = (AUTO, EAGLE3, EAGLE3_SALIENCE)  # compared beside DiffSpec tuned
     baseline_config: str = BASELINE_TREE_CONFIG  # tree budget of the EAGLE-3 baseline arms
     salience_candidates: tuple[bool, ...] = (True,)  # working set settings tuned over: on, or also off (whole context)
+    # best first-pass candidates run again on every tuning prompt with eval_max_new_tokens, the fastest
+    # of them evaluated (0: the first pass chooses)
+    tune_finalists: int = 0
     warmup_tokens: int = 8  # per arm and context, untimed, before any timed run
     reference_prompts: int = 2  # transformers generate on this many evaluated prompts of the shortest context (0: none)
     inflate_8b: bool = False
@@ -48,6 +51,7 @@ FULL = replace(
     candidate_configs=tuple(budget.config for budget in CANDIDATE_GRID), policies=("online", "full"),
     salience_candidates=(True, False),  # where the context is short, drafting over all of it can be the faster
     tune_max_new_tokens=64, eval_max_new_tokens=128, prompts=8, tune_prompts=2,  # 128: as every speed table in bench/RESULTS.md
+    tune_finalists=3,  # 64 tokens on 2 prompts (12-25 verification steps) rank candidates within a few % by noise
 )
 
 PRESETS = {"smoke": SMOKE, "full": FULL, "custom": SMOKE}

@@ -42,7 +42,7 @@ from bench.reproduce.reference import REFERENCE, TransformersReference
 from bench.reproduce.replay import Fp32Rerun, TargetReplay
 from bench.reproduce.report import ArmSummary, summarise
 from bench.reproduce.runs import Engine, RunRecord, generate_run
-from bench.reproduce.tuning import CandidateScore, score_candidates
+from bench.reproduce.tuning import CandidateScore, finalists, score_candidates, score_finalists
 from bench.warmup import warm_up_draft, warm_up_generations, warm_up_target
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
@@ -186,7 +186,8 @@ class _Protocol:
         if any(self._has_runs_left(case, shortest) for case in cases):  # a resumed run with none left only judges
             log.info("recorded %d target step graphs, proposed %d warm-up trees", warm_up_target(self.engine),
                      warm_up_draft(self.engine))
-        total = sum(len(c.tune_prompts) * len(self.candidates) + len(c.eval_prompts) * (len(self.baselines) + 1)
+        tuning_arms = len(self.candidates) + min(self.config.tune_finalists, len(self.candidates))  # first pass, final
+        total = sum(len(c.tune_prompts) * tuning_arms + len(c.eval_prompts) * (len(self.baselines) + 1)
                     + (len(self._reference_prompts(c)) if self.reference and c.context == shortest else 0)
                     for c in cases)
         warmed: set[int] = set()
@@ -245,19 +246,27 @@ class _Protocol:
 
     def _has_runs_left(self, case: Case, shortest: int) -> bool:
         """Whether any run of ``case`` is still to generate, not recorded by an earlier process (``--resume``):
-        its warm-up is skipped otherwise. The tuned arm's runs count once the recorded tuning runs choose it."""
+        its warm-up is skipped otherwise. The final round's runs count once the recorded first pass picks its
+        finalists, and the tuned arm's once the recorded tuning runs choose it."""
         tuned = [self._recorded("tune", case, prompt, arm) for prompt in case.tune_prompts for arm in self.candidates]
         if any(run is None for run in tuned):
             return True
-        labels = [arm.label for arm in (*self.baselines, self._choose(tuned)[1])]
+        scores = score_candidates(self.candidates, tuned)
+        shortlist = finalists(self.candidates, scores, self.config.tune_finalists)
+        finals = [self._recorded("final", case, prompt, arm) for prompt in case.tune_prompts for arm in shortlist]
+        if any(run is None for run in finals):
+            return True
+        labels = [arm.label for arm in (*self.baselines, self._choose(scores, finals)[1])]
         evaluated = [(prompt, label) for prompt in case.eval_prompts for label in labels]
         if self.reference is not None and case.context == shortest:
             evaluated += [(prompt, self.reference.label) for prompt in self._reference_prompts(case)]
         return any(self._recorded("eval", case, prompt, label) is None for prompt, label in evaluated)
 
-    def _choose(self, tuned: list[RunRecord]) -> tuple[list[CandidateScore], Arm]:
-        """The tuning pass's scores of its runs, and the candidate they choose."""
-        scores = score_candidates(self.candidates, tuned)
+    def _choose(self, scores: list[CandidateScore], finals: list[RunRecord]) -> tuple[list[CandidateScore], Arm]:
+        """The first pass's ``scores`` with the final round's figures of its ``finals`` (none: the first pass
+        chooses), and the candidate they choose."""
+        if finals:
+            scores = score_finalists(scores, finals)
         return scores, next(arm for arm, score in zip(self.candidates, scores) if score.chosen)
 
     def _recorded(self, phase: str, case: Case, prompt: tuple[int, list[int]], arm: Arm | str) -> RunRecord | None:
@@ -291,7 +300,12 @@ class _Protocol:
         bar.set_postfix_str(f"tune {case.dataset} {case.context}")
         tuned = [await self._run(bar, "tune", case, prompt, arm, self.config.tune_max_new_tokens)
                  for prompt in case.tune_prompts for arm in self.candidates]
-        scores, best = self._choose(tuned)
+        scores = score_candidates(self.candidates, tuned)
+        shortlist = finalists(self.candidates, scores, self.config.tune_finalists)
+        # the finalists again, paired on the same prompts, with as many tokens as the evaluation
+        finals = [await self._run(bar, "final", case, prompt, arm, self.config.eval_max_new_tokens)
+                  for prompt in case.tune_prompts for arm in shortlist]
+        scores, best = self._choose(scores, finals)
         self.scores += scores
         self.chosen[(case.dataset, case.context)] = best
         log.info("tuned %s @ %d: %s", case.dataset, case.context, best.label)

@@ -126,10 +126,14 @@ def markdown(summaries: list[ArmSummary], scores: list[CandidateScore], header: 
         lines.append("")
     if not scores:
         return "\n".join(lines) + "\n"
-    lines += ["## Tuning pass", "", "| dataset | context | candidate | prompts | tau | decode tok/s | chosen |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["## Tuning pass", "",
+              "First pass: every candidate. Final round (where run): the first pass's fastest again on the same "
+              "prompts with the evaluation's tokens; the fastest there is chosen.", "",
+              "| dataset | context | candidate | prompts | tau | decode tok/s | final tau | final decode tok/s | chosen |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {c.dataset} | {c.context} | {c.label} | {c.prompts} | {c.tau:.2f} | {c.decode_tokens_per_s:.1f} "
-              f"| {'**yes**' if c.chosen else ''} |" for c in scores]
+              f"| {_cell(c.final_tau)} | {_cell(c.final_decode_tokens_per_s, 1)} | {'**yes**' if c.chosen else ''} |"
+              for c in scores]
     return "\n".join(lines) + "\n"
 
 

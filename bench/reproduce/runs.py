@@ -29,7 +29,7 @@ class Engine(Protocol):
 class RunRecord:
     """One prompt generated with one arm; times in seconds, tokens in target-vocab ids."""
 
-    phase: str  # "tune" or "eval"
+    phase: str  # "tune" (first pass), "final" (the tuning finalists again) or "eval"
     dataset: str
     context: int  # the context target asked for (the prompt holds this many tokens)
     prompt: int  # index of the prompt within the dataset

@@ -1,6 +1,10 @@
 """The tuning pass: every DiffSpec candidate on the tuning prompts; the fastest one wins, and the winners
 become a tuned profile (``tuned_profile.json``) that ``diffspec serve`` loads as its defaults
-(``DIFFSPEC_TUNING_PROFILE``, ``draft_service/tuned_profile.py``)."""
+(``DIFFSPEC_TUNING_PROFILE``, ``draft_service/tuned_profile.py``).
+
+With a final round (``tune_finalists``), the first pass only shortlists: its few dozen verification steps
+per candidate rank close candidates by noise. The finalists run again on the same prompts with the
+evaluation's tokens, and the fastest there wins."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from bench.reproduce.arms import Arm
 from bench.reproduce.runs import RunRecord
@@ -18,16 +23,20 @@ PROFILE_NAME = "tuned_profile.json"
 
 @dataclass(frozen=True)
 class CandidateScore:
+    """One candidate at one (dataset, context): its first pass's figures, and a finalist's final round's."""
+
     dataset: str
     context: int
     label: str  # e.g. diffspec[online 64:0.0:8]
     policy: str
     tree_config: str
     salience: bool
-    prompts: int
-    tau: float  # accepted drafts + 1 bonus per verification step
-    decode_tokens_per_s: float  # tokens after the first over decode seconds, summed over prompts
-    chosen: bool = False
+    prompts: int  # tuning prompts, the same in both rounds
+    tau: float  # first pass: accepted drafts + 1 bonus per verification step
+    decode_tokens_per_s: float  # first pass: tokens after the first over decode seconds, summed over prompts
+    final_tau: float | None = None  # final round (finalists only)
+    final_decode_tokens_per_s: float | None = None  # final round (finalists only): it chooses among them
+    chosen: bool = False  # evaluated as the tuned arm
 
 
 def decode_tokens_per_second(runs: list[RunRecord]) -> float:
@@ -42,8 +51,8 @@ def tau(runs: list[RunRecord]) -> float:
 
 
 def score_candidates(candidates: list[Arm], runs: list[RunRecord]) -> list[CandidateScore]:
-    """One score per candidate over its runs of one (dataset, context); the fastest decode is chosen
-    (the first listed wins a tie)."""
+    """One score per candidate over its first-pass runs of one (dataset, context); the fastest decode is
+    chosen (the first listed wins a tie)."""
     scores = []
     for arm in candidates:
         assert arm.draft is not None, "candidates draft"
@@ -53,7 +62,30 @@ def score_candidates(candidates: list[Arm], runs: list[RunRecord]) -> list[Candi
             len(mine),
             round(tau(mine), 4), round(decode_tokens_per_second(mine), 3),
         ))
-    best = max(range(len(scores)), key=lambda i: scores[i].decode_tokens_per_s)
+    return _choose(scores, lambda score: score.decode_tokens_per_s)
+
+
+def finalists(candidates: list[Arm], scores: list[CandidateScore], k: int) -> list[Arm]:
+    """The ``k`` candidates of the fastest first pass (the first listed wins a tie), in the grid's order."""
+    ranked = sorted(range(len(scores)), key=lambda i: -scores[i].decode_tokens_per_s)[:k]
+    return [arm for i, arm in enumerate(candidates) if i in ranked]
+
+
+def score_finalists(scores: list[CandidateScore], runs: list[RunRecord]) -> list[CandidateScore]:
+    """``scores`` with each finalist's figures over its final-round ``runs`` (every finalist on the same
+    prompts), and the fastest finalist chosen (the first listed wins a tie)."""
+    final = []
+    for score in scores:
+        mine = [r for r in runs if r.label == score.label]
+        final.append(replace(score, final_tau=round(tau(mine), 4),
+                             final_decode_tokens_per_s=round(decode_tokens_per_second(mine), 3)) if mine else score)
+    return _choose(final, lambda score: -math.inf if score.final_decode_tokens_per_s is None
+                   else score.final_decode_tokens_per_s)
+
+
+def _choose(scores: list[CandidateScore], speed: Callable[[CandidateScore], float]) -> list[CandidateScore]:
+    """``scores`` with the one of the highest ``speed`` chosen, and only it (the first listed wins a tie)."""
+    best = max(range(len(scores)), key=lambda i: speed(scores[i]))
     return [replace(score, chosen=i == best) for i, score in enumerate(scores)]
 
 
@@ -61,10 +93,20 @@ def _options(score: CandidateScore) -> dict:
     return {"policy": score.policy, "tree_config": score.tree_config, "salience": score.salience}
 
 
+def _relative_speed(score: CandidateScore, case: list[CandidateScore]) -> float:
+    """``score``'s decode speed over the fastest of its (dataset, context) ``case`` in the round that ranked it
+    there: the final round for a finalist, the first pass for the rest."""
+    if score.final_decode_tokens_per_s is None:
+        mine, fastest = score.decode_tokens_per_s, max(s.decode_tokens_per_s for s in case)
+    else:
+        mine, fastest = score.final_decode_tokens_per_s, max(s.final_decode_tokens_per_s or 0.0 for s in case)
+    return mine / fastest if fastest > 0 else 1.0
+
+
 def tuned_profile(scores: list[CandidateScore], provenance: dict) -> dict:
     """The profile document: per dataset and context the chosen candidate, and ``default`` per context the
     candidate with the best geometric mean over datasets of its decode speed relative to each dataset's
-    fastest (with one dataset, the chosen one; the first listed wins a tie)."""
+    fastest, finalists by their final round (with one dataset, the chosen one; the first listed wins a tie)."""
     datasets: dict[str, list[dict]] = {}
     for score in (s for s in scores if s.chosen):
         datasets.setdefault(score.dataset, []).append({
@@ -74,10 +116,9 @@ def tuned_profile(scores: list[CandidateScore], provenance: dict) -> dict:
     default = []
     for context in sorted({s.context for s in scores}):
         mine = [s for s in scores if s.context == context]
-        fastest = {d: max(s.decode_tokens_per_s for s in mine if s.dataset == d) for d in {s.dataset for s in mine}}
         relative: dict[tuple, list[float]] = {}
         for s in mine:
-            ratio = s.decode_tokens_per_s / fastest[s.dataset] if fastest[s.dataset] > 0 else 1.0
+            ratio = _relative_speed(s, [c for c in mine if c.dataset == s.dataset])
             relative.setdefault(tuple(_options(s).values()), []).append(math.log(max(ratio, 1e-9)))
         best = max(relative, key=lambda options: sum(relative[options]) / len(relative[options]))
         default.append({"context": context, **dict(zip(("policy", "tree_config", "salience"), best))})

@@ -14,9 +14,11 @@ from bench.reproduce.cli import config_from, parser
 from bench.reproduce.inflate import inflate_command, inflate_pair
 from bench.reproduce.presets import FULL, SMOKE
 from bench.reproduce.prompts import Dataset, cut_to_context, load_datasets, prompts_at
-from bench.reproduce.protocol import model_settings
+from bench.reproduce.protocol import fingerprint_defaults, model_settings
 from bench.reproduce.runs import RunRecord
-from bench.reproduce.tuning import CandidateScore, score_candidates, tuned_profile, write_tuned_profile
+from bench.reproduce.tuning import (
+    CandidateScore, finalists, score_candidates, score_finalists, tuned_profile, write_tuned_profile,
+)
 from draft_service.options import DraftOptions
 from draft_service.tuned_profile import load_tuned_profile
 from gateway.request import GenerationStats
@@ -41,6 +43,11 @@ def test_flags_replace_preset_fields_and_the_rest_stays():
     assert (custom.reference_prompts, SMOKE.reference_prompts, FULL.reference_prompts) == (0, 2, 2)
 
 
+def test_the_full_preset_has_a_final_round_and_a_run_recorded_without_one_had_none():
+    assert (FULL.tune_finalists, SMOKE.tune_finalists, fingerprint_defaults()["tune_finalists"]) == (3, 0, 0)
+    assert config("--preset", "full", "--tune-finalists", "0").tune_finalists == 0
+
+
 def test_the_working_set_is_a_tuning_dimension_of_the_full_preset():
     assert FULL.salience_candidates == (True, False) and SMOKE.salience_candidates == (True,)
     assert config("--preset", "custom", "--salience-candidates", "off", "on").salience_candidates == (False, True)
@@ -56,7 +63,8 @@ def test_the_working_set_is_a_tuning_dimension_of_the_full_preset():
     assert grid[3].draft == baseline_arms()["eagle3"].draft
 
 
-@pytest.mark.parametrize("bad", [["--candidate-configs", "64:0.0"], ["--policies", "sideways"]])
+@pytest.mark.parametrize("bad", [["--candidate-configs", "64:0.0"], ["--policies", "sideways"],
+                                 ["--tune-finalists", "-1"]])
 def test_a_bad_grid_is_refused_before_anything_loads(bad):
     with pytest.raises(SystemExit):
         from bench.reproduce.cli import main
@@ -113,9 +121,23 @@ def test_tuning_chooses_the_fastest_decode_not_the_highest_tau():
     assert (scores[1].policy, scores[1].tree_config) == ("online", "64:0.0:8")
 
 
-def _score(dataset: str, context: int, policy: str, config: str, tokens_per_s: float, chosen: bool) -> CandidateScore:
+def test_the_final_round_scores_only_finalists_and_chooses_among_them():
+    grid = tuning_grid(["online"], ["16:0.0:4", "32:0.0:6", "64:0.0:8"])
+    first = score_candidates(grid, [_run(grid[0].label, 33, 0.5, 4, 8), _run(grid[1].label, 33, 1.0, 4, 8),
+                                    _run(grid[2].label, 33, 0.5, 4, 8)])  # 64, 32 and 64 tok/s
+    assert [s.chosen for s in first] == [True, False, False]  # the first listed wins a tie
+    shortlist = finalists(grid, first, 2)
+    assert shortlist == [grid[0], grid[2]] and finalists(grid, first, 5) == grid and finalists(grid, first, 0) == []
+    final = score_finalists(first, [_run(grid[0].label, 129, 4.0, 40, 88), _run(grid[2].label, 129, 2.0, 20, 108)])
+    assert [(s.final_tau, s.final_decode_tokens_per_s, s.chosen) for s in final] == [
+        (3.2, 32.0, False), (None, None, False), (6.4, 64.0, True)]
+    assert [(s.tau, s.decode_tokens_per_s) for s in final] == [(s.tau, s.decode_tokens_per_s) for s in first]
+
+
+def _score(dataset: str, context: int, policy: str, config: str, tokens_per_s: float, chosen: bool,
+           final_tokens_per_s: float | None = None) -> CandidateScore:
     return CandidateScore(dataset, context, f"diffspec[{policy} {config}]", policy, config, True, 2, 3.0, tokens_per_s,
-                          chosen)
+                          final_decode_tokens_per_s=final_tokens_per_s, chosen=chosen)
 
 
 def test_the_tuned_profile_keeps_each_case_winner_and_pools_datasets_per_context(tmp_path):
@@ -135,6 +157,17 @@ def test_the_tuned_profile_keeps_each_case_winner_and_pools_datasets_per_context
     loaded = load_tuned_profile(write_tuned_profile(tmp_path, scores, {}))
     assert loaded.options_for(3000) == DraftOptions("online", "32:0.0:6", True)
     assert loaded.options_for(70000) == DraftOptions("full", "16:0.0:4", True)
+
+
+def test_the_tuned_profile_ranks_finalists_by_their_final_round():
+    scores = [
+        _score("code", 4096, "online", "32:0.0:6", 100.0, False, 60.0),
+        _score("code", 4096, "online", "64:0.0:8", 95.0, True, 70.0),
+        _score("code", 4096, "online", "16:0.0:4", 90.0, False),
+    ]
+    profile = tuned_profile(scores, {})
+    assert [e["tree_config"] for e in profile["datasets"]["code"]] == ["64:0.0:8"]
+    assert [e["tree_config"] for e in profile["default"]] == ["64:0.0:8"]  # one dataset: the chosen one
 
 
 def test_draft_steps_come_only_from_a_recording_engine():

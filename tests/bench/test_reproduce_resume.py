@@ -96,15 +96,21 @@ def test_recorded_verdicts_are_reused_and_missing_ones_judged(smoke_run, code_pr
     assert len((stopped / VERDICTS_FILE).read_text().splitlines()) == len(judged)  # the rest judged and recorded
 
 
-def test_a_run_recorded_before_a_protocol_field_existed_resumes_at_its_default(smoke_run, code_prompts, tmp_path):
+@pytest.mark.parametrize(("field", "other"), [
+    ("salience_candidates", ["--salience-candidates", "on", "off"]),  # before the working set was tuned over
+    ("tune_finalists", ["--tune-finalists", "2"]),  # before the tuning pass had a final round
+])
+def test_a_run_recorded_before_a_protocol_field_existed_resumes_at_its_default(
+    smoke_run, code_prompts, tmp_path, field, other
+):
     _, smoke_dir, whole = smoke_run
     older = tmp_path / "older"
     shutil.copytree(smoke_dir, older)
     recorded = json.loads((older / PROTOCOL_FILE).read_text())
-    del recorded["salience_candidates"]  # as a run recorded before the working set was tuned over
+    del recorded[field]
     (older / PROTOCOL_FILE).write_text(json.dumps(recorded))
-    with pytest.raises(SystemExit, match="other settings \\(salience_candidates\\)"):
-        main([*_argv(code_prompts, older), "--salience-candidates", "on", "off", "--resume"])
+    with pytest.raises(SystemExit, match=f"other settings \\({field}\\)"):
+        main([*_argv(code_prompts, older), *other, "--resume"])
     assert main([*_argv(code_prompts, older), "--resume"]) == 0
     assert _runs(json.loads((older / "results.json").read_text())) == _runs(whole)
 
