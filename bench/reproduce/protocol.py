@@ -384,7 +384,8 @@ class _Protocol:
         arm = self.arm_of.get(run.label)
         tree_config = arm.draft.tree_config if arm is not None and arm.draft else self.config.baseline_config
         verify_tokens = int(tree_config.split(":")[0])  # the budget's total_tokens: its largest verify
-        evidence = replay.evidence(prompt_ids + shared, following, verify_tokens)
+        fp32_auto = rerun.auto_run(prompt_ids, self.config.eval_max_new_tokens)  # its logprobs: the fp32 evidence
+        evidence = replay.evidence(prompt_ids + shared, following, verify_tokens, fp32_auto.top_after(shared))
         gap = rounding_gap(divergence, evidence)
         if not (gap is not None and gap < evidence.spread and arm is not None and arm.draft is not None):
             return classify(divergence, evidence)  # a mismatch whatever the fp32 run: it is not made

@@ -1,8 +1,12 @@
 """The evidence behind a near-tie verdict (``bench/reproduce/exactness.py``), at a divergence.
 
-- **fp32 top-2 and margin**: the shared prefix (prompt + the tokens both generations agree on) replayed
-  with ``transformers``' ``LlamaForCausalLM`` in fp32 (the reference the project's forward is tested
-  against), prefilled in chunks so that a 64K prefix fits, then one decode of the last prefix token.
+- **fp32 top-2 and margin**: the target's fp32 logits after the shared prefix (prompt + the tokens both
+  generations agree on). The rule's fp32 Auto run of the prompt (below) decodes that very position
+  whenever it generated the shared tokens too, so its logprobs there (``Fp32AutoRun.top_after``) are the
+  evidence, at no cost beyond the run the rule makes anyway: at 64K on an 8B target a separate fp32
+  replay is a minute-long prefill. Where the fp32 run took another way first, the prefix is replayed with
+  ``transformers``' ``LlamaForCausalLM`` in fp32 (the reference the project's forward is tested against),
+  prefilled in chunks so that a 64K prefix fits, then one decode of the last prefix token.
 - **spread**: the same position's logits computed by the serving runtime (``TargetRuntime``: the
   project's forward, its attention backend, its CUDA-graph buckets) in the serving dtype, along every
   ``ServingPath`` the engine could have taken to decide that token: an Auto decode (a root-only tree,
@@ -32,7 +36,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 from bench.reproduce.exactness import TieEvidence, first_divergence
 from diffspec.devices import dtype_name
-from diffspec.sampling_params import SamplingParams
+from diffspec.sampling_params import SamplingParams, TokenLogprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes
 from diffspec.tree import DraftTree
 from draft_service.options import DraftOptions
@@ -111,15 +115,22 @@ class TargetReplay:
         # share the fp32 prefill, which at 64K on an 8B target takes most of a minute
         self._fp32_top: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def evidence(self, prefix_ids: list[int], following_ids: list[int], verify_tokens: int) -> TieEvidence:
+    def evidence(
+        self, prefix_ids: list[int], following_ids: list[int], verify_tokens: int,
+        fp32_top: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> TieEvidence:  # fmt: skip
         """At the position after ``prefix_ids``; ``following_ids`` (the tokens generated from there) fill
-        out the verified chains; ``verify_tokens`` is the arm's largest verify (its tree budget)."""
+        out the verified chains; ``verify_tokens`` is the arm's largest verify (its tree budget). ``fp32_top``:
+        the fp32 top tokens there (values, ids) when an fp32 run already computed them
+        (``Fp32AutoRun.top_after``); else the ``transformers`` replay does."""
         key = (tuple(prefix_ids), verify_tokens)
         if key not in self._evidence:
             if key[0] not in self._fp32_top:
-                with timed(f"fp32 logits after a {len(prefix_ids)}-token prefix"):
-                    top = torch.topk(self._fp32_logits(prefix_ids), FP32_TOP_TOKENS)
-                self._fp32_top[key[0]] = top.values.cpu(), top.indices.cpu()
+                if fp32_top is None:
+                    with timed(f"fp32 logits after a {len(prefix_ids)}-token prefix"):
+                        top = torch.topk(self._fp32_logits(prefix_ids), FP32_TOP_TOKENS)
+                    fp32_top = top.values.cpu(), top.indices.cpu()
+                self._fp32_top[key[0]] = fp32_top
             values, ids = self._fp32_top[key[0]]
             gaps = {int(token): float(values[0] - value) for token, value in zip(ids, values)}
             self._evidence[key] = TieEvidence(
@@ -236,6 +247,39 @@ def _raise(result: TargetBatchResult) -> TargetBatchResult:
     return result
 
 
+@dataclass(frozen=True)
+class Fp32AutoRun:
+    """Auto's generation of one prompt with the target in fp32, and at each generated position the fp32 top
+    tokens it chose among."""
+
+    token_ids: list[int]
+    logprobs: TokenLogprobs  # per generated position: FP32_TOP_TOKENS most likely tokens and their logprobs
+
+    def top_after(self, shared: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fp32 top tokens (values [k], ids [k], most likely first) at the position after ``shared``
+        generated tokens, when this run generated ``shared`` first: its decode there is then the fp32 replay of
+        that prefix, and logprobs differ from logits by one shift per position, so their gaps are the logits'.
+        None when the fp32 run took another way before that position."""
+        position = len(shared)
+        if position >= len(self.token_ids) or self.token_ids[:position] != shared:
+            return None
+        return torch.tensor(self.logprobs.top_logprobs[position]), torch.tensor(self.logprobs.top_ids[position])
+
+
+async def _generate(
+    engine: SpeculativeEngine, prompt: list[int], max_new_tokens: int, draft: DraftOptions | None,
+    logprobs: int | None = None,
+) -> tuple[list[int], TokenLogprobs | None]:  # fmt: skip
+    """One greedy generation's tokens, and their logprobs with ``logprobs`` alternatives when asked for."""
+    request = GenerationRequest(prompt, max_new_tokens, SamplingParams(logprobs=logprobs), draft=draft)
+    tokens: list[int] = []
+    parts: list[TokenLogprobs] = []
+    async for chunk in engine.generate(request):
+        tokens += chunk.token_ids
+        parts += [chunk.logprobs] if chunk.logprobs is not None else []
+    return tokens, TokenLogprobs.join(parts) if logprobs is not None else None
+
+
 class Fp32Rerun:
     """The rule's second clause: the same prompts generated by Auto and by an arm with the target (and the
     draft) in fp32, through an engine built from the serving settings with only the dtype changed."""
@@ -247,38 +291,40 @@ class Fp32Rerun:
         self.reserve_tokens = reserve_tokens
         self._engine: SpeculativeEngine | None = None
         self._num_pages = 0  # the built engine's KV pool
-        # (prompt, max_new_tokens) -> fp32 Auto's tokens: arms that part on one prompt share its Auto run, which
-        # at 64K on an 8B target is a whole fp32 prefill
-        self._auto: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        # (prompt, max_new_tokens) -> fp32 Auto's run: arms that part on one prompt share it, which at 64K on an
+        # 8B target is a whole fp32 prefill
+        self._auto: dict[tuple[tuple[int, ...], int], Fp32AutoRun] = {}
         self.auto_generations = 0  # fp32 Auto runs made
+
+    def auto_run(self, prompt: list[int], max_new_tokens: int) -> Fp32AutoRun:
+        """Auto's fp32 generation of ``prompt``, with each position's fp32 top tokens (made once per prompt)."""
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._auto:
+            engine = self._built(self._pages_for([max(len(prompt), self.reserve_tokens)], max_new_tokens))
+            with timed(f"fp32 Auto run of a {len(prompt)}-token prompt"):
+                tokens, logprobs = asyncio.run(_generate(engine, prompt, max_new_tokens, None, FP32_TOP_TOKENS))
+            assert logprobs is not None, "asked for"
+            self._auto[key] = Fp32AutoRun(tokens, logprobs)
+            self.auto_generations += 1
+        return self._auto[key]
 
     def diverges(
         self, prompts: list[list[int]], draft: DraftOptions, max_new_tokens: int, concurrent: bool = False
     ) -> list[bool]:
         """Per prompt, whether the arm's fp32 tokens differ from fp32 Auto's. Auto runs one prompt at a time;
         the arm too, or all prompts at once with ``concurrent`` (as the run being judged did)."""
+        auto = [self.auto_run(ids, max_new_tokens).token_ids for ids in prompts]
         lengths = [len(ids) for ids in prompts]
         needed = self._pages_for(lengths if concurrent else [max(lengths)], max_new_tokens)
         engine = self._built(max(needed, self._pages_for([self.reserve_tokens], max_new_tokens)))
 
-        async def generate(ids: list[int], options: DraftOptions | None) -> list[int]:
-            tokens: list[int] = []
-            async for chunk in engine.generate(GenerationRequest(ids, max_new_tokens, draft=options)):
-                tokens += chunk.token_ids
-            return tokens
+        async def arm_all() -> list[tuple[list[int], TokenLogprobs | None]]:
+            return list(await asyncio.gather(*(_generate(engine, ids, max_new_tokens, draft) for ids in prompts)))
 
-        async def arm_all() -> list[list[int]]:
-            return list(await asyncio.gather(*(generate(ids, draft) for ids in prompts)))
-
-        for ids in prompts:
-            if (tuple(ids), max_new_tokens) not in self._auto:
-                with timed(f"fp32 Auto run of a {len(ids)}-token prompt"):
-                    self._auto[tuple(ids), max_new_tokens] = asyncio.run(generate(ids, None))
-                self.auto_generations += 1
-        auto = [self._auto[tuple(ids), max_new_tokens] for ids in prompts]
         with timed(f"fp32 {draft.policy} {draft.tree_config} run of {len(prompts)} prompts"):
-            arm = asyncio.run(arm_all()) if concurrent else [asyncio.run(generate(ids, draft)) for ids in prompts]
-        return [first_divergence(a, b) is not None for a, b in zip(auto, arm)]
+            runs = asyncio.run(arm_all()) if concurrent else [
+                asyncio.run(_generate(engine, ids, max_new_tokens, draft)) for ids in prompts]
+        return [first_divergence(a, tokens) is not None for a, (tokens, _) in zip(auto, runs)]
 
     def close(self) -> None:
         if self._engine is not None:

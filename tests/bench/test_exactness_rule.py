@@ -212,3 +212,23 @@ def test_a_reserved_size_builds_each_model_once_for_every_prompt_length(replay_a
         finally:
             rerun.close()
         assert len(builds) == expected_builds, builds
+
+
+def test_the_fp32_auto_runs_logprobs_are_the_fp32_replays_evidence(replay_and_prompt):
+    """Where the fp32 Auto run generated the shared tokens, its top tokens at the next position are what the
+    transformers replay of that prefix finds, gaps included; where it took another way, it has none."""
+    replay, prompt = replay_and_prompt
+    rerun = Fp32Rerun(DiffSpecSettings(num_pages=256))
+    try:
+        run = rerun.auto_run(prompt, 6)
+    finally:
+        rerun.close()
+    assert len(run.token_ids) == len(run.logprobs) == 6
+    for position in (0, 4):
+        shared = run.token_ids[:position]
+        values, ids = run.top_after(shared)
+        replayed = torch.topk(replay._fp32_logits(prompt + shared), len(ids))
+        assert ids.tolist() == replayed.indices.tolist() and int(ids[0]) == run.token_ids[position]
+        assert (values[0] - values).tolist() == pytest.approx((replayed.values[0] - replayed.values).tolist(), abs=1e-4)
+    assert run.top_after([run.token_ids[0] + 1]) is None  # another first token: not this run's prefix
+    assert run.top_after(run.token_ids) is None  # past the run's end

@@ -86,7 +86,8 @@ class Judge:
                 results.append(ExactnessResult("exact", "same tokens as Auto"))
                 continue
             shared, following = auto_tokens[: divergence.position], auto_tokens[divergence.position :]
-            evidence = self.replay.evidence(prompt + shared, following, verify_tokens)
+            fp32_top = self.rerun.auto_run(prompt, max_new).top_after(shared)  # as the protocol's judging takes it
+            evidence = self.replay.evidence(prompt + shared, following, verify_tokens, fp32_top)
             results.append(classify(divergence, evidence, fp32))
         return results
 
