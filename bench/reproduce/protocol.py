@@ -56,8 +56,8 @@ SLACK_TOKENS = 64  # context kept free beyond max_new_tokens for a last step's t
 @dataclass
 class ProtocolResult:
     out_dir: Path
-    runs: list[RunRecord]  # tuning and evaluation runs, in the order they ran
-    scores: list[CandidateScore]  # the tuning pass, chosen candidates marked
+    runs: list[RunRecord]  # tuning (first pass and final round) and evaluation runs, in the order they ran
+    scores: list[CandidateScore]  # the tuning pass, both rounds' figures, chosen candidates marked
     summaries: list[ArmSummary]  # evaluation, per (dataset, context, arm)
     exit_code: int  # 0, or 1 when an engine arm's tokens differ from Auto's by more than a near-tie
     warmup_draft_steps: list[WarmupSteps]  # the untimed warm-ups' draft steps, where they ran
@@ -302,6 +302,7 @@ class _Protocol:
                  for prompt in case.tune_prompts for arm in self.candidates]
         scores = score_candidates(self.candidates, tuned)
         shortlist = finalists(self.candidates, scores, self.config.tune_finalists)
+        bar.set_postfix_str(f"final {case.dataset} {case.context}")
         # the finalists again, paired on the same prompts, with as many tokens as the evaluation
         finals = [await self._run(bar, "final", case, prompt, arm, self.config.eval_max_new_tokens)
                   for prompt in case.tune_prompts for arm in shortlist]
