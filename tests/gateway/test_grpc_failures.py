@@ -13,7 +13,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import CODE_PROMPTS, generate
-from tests.gateway.servers import ServerProcess, SplitDeployment, draft_info, free_port, target_info, wait_until
+from tests.gateway.servers import (
+    ServerProcess,
+    SplitDeployment,
+    draft_info,
+    free_port,
+    target_info,
+    wait_all_released,
+    wait_until,
+)
 
 MAX_NEW = 300  # ~3 s on a quiet machine: the kill lands mid-stream
 CALL_TIMEOUT_S = 300  # only a hung call reaches it, however busy the machine
@@ -80,7 +88,7 @@ def test_a_killed_draft_turns_streams_to_auto_and_a_restarted_one_is_used_again(
             time.sleep(0.2)
         assert back == auto_reference(text, 32) and not back_stats.fell_back_to_auto
         assert back_stats.steps < 32 and sum(back_stats.stop_depth_histogram[1:]) > 0  # drafts were accepted
-    info = target_info(deployment)
+    info = wait_all_released(deployment, timeout=10)  # a release goes out with the loop's next iteration
     assert info.num_free_pages == info.num_pages and info.active_sessions == 0
     assert draft_info(deployment).active_sessions == 0
 
