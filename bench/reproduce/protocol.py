@@ -32,8 +32,9 @@ from bench.reproduce import arms as arm_names
 from bench.reproduce.arms import Arm, baseline_arms, tuning_grid
 from bench.reproduce.checkpoint import RunCheckpoint, run_key
 from bench.reproduce.draft_steps import DraftStep, build_recording_engine, take_draft_steps
-from bench.reproduce.exactness import ExactnessResult, classify, first_divergence, rounding_gap
+from bench.reproduce.exactness import ExactnessResult, first_divergence
 from bench.reproduce.inflate import inflate_pair
+from bench.reproduce.judging import Judge
 from bench.reproduce.output import write_outputs
 from bench.reproduce.presets import ProtocolConfig, default_out_dir
 from bench.reproduce.profiling import nvtx_range, profiled
@@ -351,13 +352,13 @@ class _Protocol:
         longest = max((len(self.prompt_ids[r.dataset, r.context, r.prompt]) for r in diverging), default=0)
         replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device(), self.settings,
                               longest + self.config.eval_max_new_tokens)  # a prefix: the prompt and shared tokens
-        rerun = Fp32Rerun(self.settings, longest)
+        judge = Judge(replay, Fp32Rerun(self.settings, longest))
         for run in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
             key = (run.dataset, run.context, run.prompt)
             run.exactness = self.checkpoint.verdict(run_key(run))
             if run.exactness is None:
                 started = time.perf_counter()
-                run.exactness = self._verdict(replay, rerun, run, auto[key], self.prompt_ids[key])
+                run.exactness = self._verdict(judge, run, auto[key], self.prompt_ids[key])
                 self.checkpoint.record_verdict(run_key(run), run.exactness)
                 if run.exactness.verdict != "exact":
                     log.info("judged %s ctx=%d prompt=%d %s: %s (%s) in %.1f s", run.dataset, run.context, run.prompt,
@@ -368,30 +369,19 @@ class _Protocol:
                 report("%s: %s ctx=%d prompt=%d %s diverges from Auto at token %d: %s",
                        "REFERENCE DIFFERS" if run.arm == REFERENCE else "EXACTNESS FAILED", run.dataset,
                        run.context, run.prompt, run.label, run.exactness.divergence.position, run.exactness.reason)
-        rerun.close()
+        judge.close()
         return int(any(r.exactness is not None and r.exactness.verdict == "mismatch" and r.arm != REFERENCE
                        for r in evaluated))
 
-    def _verdict(
-        self, replay: TargetReplay, rerun: Fp32Rerun, run: RunRecord, auto: RunRecord, prompt_ids: list[int]
-    ) -> ExactnessResult:
+    def _verdict(self, judge: Judge, run: RunRecord, auto: RunRecord, prompt_ids: list[int]) -> ExactnessResult:
         if self.config.temperature > 0:
             return ExactnessResult("unchecked", "sampled (temperature > 0): no token-level check")
-        divergence = first_divergence(auto.token_ids, run.token_ids)
-        if divergence is None:
-            return ExactnessResult("exact", "same tokens as Auto")
-        shared = auto.token_ids[: divergence.position]
-        following = auto.token_ids[divergence.position:]
         arm = self.arm_of.get(run.label)
-        tree_config = arm.draft.tree_config if arm is not None and arm.draft else self.config.baseline_config
+        draft = arm.draft if arm is not None else None  # None: the outside reference, or an arm no longer listed
+        tree_config = draft.tree_config if draft is not None else self.config.baseline_config
         verify_tokens = int(tree_config.split(":")[0])  # the budget's total_tokens: its largest verify
-        fp32_auto = rerun.auto_run(prompt_ids, self.config.eval_max_new_tokens)  # its logprobs: the fp32 evidence
-        evidence = replay.evidence(prompt_ids + shared, following, verify_tokens, fp32_auto.top_after(shared))
-        gap = rounding_gap(divergence, evidence)
-        if not (gap is not None and gap < evidence.spread and arm is not None and arm.draft is not None):
-            return classify(divergence, evidence)  # a mismatch whatever the fp32 run: it is not made
-        fp32_diverges = rerun.diverges([prompt_ids], arm.draft, self.config.eval_max_new_tokens)[0]
-        return classify(divergence, evidence, fp32_diverges)
+        return judge.verdict(prompt_ids, auto.token_ids, run.token_ids, draft, verify_tokens,
+                             self.config.eval_max_new_tokens)
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from bench.reproduce.exactness import ExactnessResult, classify, first_divergence
+from bench.reproduce.exactness import ExactnessResult
+from bench.reproduce.judging import Judge
 from bench.reproduce.replay import Fp32Rerun, TargetReplay
 from diffspec.settings import BUNDLED_DRAFT, BUNDLED_TARGET, SHARED_DIR, DiffSpecSettings
 from draft_service.options import DraftOptions
@@ -61,38 +61,14 @@ async def generate(engine: SpeculativeEngine, ids: list[int], options: DraftOpti
     return tokens
 
 
-@dataclass(frozen=True)
-class Judge:
-    """The rule's evidence on one pair: the replays in fp32 and through a bf16 serving runtime, and the fp32 rerun."""
-
-    replay: TargetReplay
-    rerun: Fp32Rerun
-
-    def verdicts(
-        self, prompts: list[list[int]], auto: list[list[int]], arm: list[list[int]], options: DraftOptions,
-        max_new: int, concurrent: bool = False,
-    ) -> list[ExactnessResult]:  # fmt: skip
-        """``concurrent``: the arm ran every prompt at once, and so does its fp32 rerun."""
-        verify_tokens = int(options.tree_config.split(":")[0])  # the tree budget: the largest verify
-        divergences = [first_divergence(a, b) for a, b in zip(auto, arm)]
-        fp32_diverges = (
-            self.rerun.diverges(prompts, options, max_new, concurrent)
-            if any(d is not None for d in divergences)
-            else [False] * len(prompts)
-        )
-        results = []
-        for prompt, auto_tokens, divergence, fp32 in zip(prompts, auto, divergences, fp32_diverges):
-            if divergence is None:
-                results.append(ExactnessResult("exact", "same tokens as Auto"))
-                continue
-            shared, following = auto_tokens[: divergence.position], auto_tokens[divergence.position :]
-            fp32_top = self.rerun.auto_run(prompt, max_new).top_after(shared)  # as the protocol's judging takes it
-            evidence = self.replay.evidence(prompt + shared, following, verify_tokens, fp32_top)
-            results.append(classify(divergence, evidence, fp32))
-        return results
-
-    def close(self) -> None:
-        self.rerun.close()
+def verdicts(
+    judge: Judge, prompts: list[list[int]], auto: list[list[int]], arm: list[list[int]], options: DraftOptions,
+    max_new: int, concurrent: bool = False,
+) -> list[ExactnessResult]:  # fmt: skip
+    """The reproduce protocol's verdicts; ``concurrent``: the arm ran every prompt at once, and so does its fp32 run."""
+    verify_tokens = int(options.tree_config.split(":")[0])  # the tree budget: the largest verify
+    return [judge.verdict(prompt, a, b, options, verify_tokens, max_new, prompts if concurrent else None)
+            for prompt, a, b in zip(prompts, auto, arm)]
 
 
 def assert_exact_up_to_near_ties(results: list[ExactnessResult], label: str) -> None:
@@ -105,8 +81,7 @@ def assert_exact_up_to_near_ties(results: list[ExactnessResult], label: str) -> 
 
 
 def judge_for(settings: DiffSpecSettings) -> Judge:
-    replay = TargetReplay(settings.base_model, torch.bfloat16, torch.device("cuda"), settings)
-    return Judge(replay, Fp32Rerun(settings))
+    return Judge(TargetReplay(settings.base_model, torch.bfloat16, torch.device("cuda"), settings), Fp32Rerun(settings))
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +101,7 @@ def test_each_policy_in_bf16_equals_auto_up_to_near_ties(bundled, options: Draft
     engine, judge, prompts = bundled
     auto = [asyncio.run(generate(engine, ids, None, 128)) for ids in prompts]
     arm = [asyncio.run(generate(engine, ids, options, 128)) for ids in prompts]
-    assert_exact_up_to_near_ties(judge.verdicts(prompts, auto, arm, options, 128), options.policy)
+    assert_exact_up_to_near_ties(verdicts(judge, prompts, auto, arm, options, 128), options.policy)
 
 
 def test_concurrent_streams_in_bf16_equal_auto_up_to_near_ties(bundled):
@@ -140,7 +115,7 @@ def test_concurrent_streams_in_bf16_equal_auto_up_to_near_ties(bundled):
 
     auto = [asyncio.run(generate(engine, ids, None, 64)) for ids in prompts]  # one at a time: batch-1 buckets
     arm = asyncio.run(all_streams())
-    assert_exact_up_to_near_ties(judge.verdicts(prompts, auto, arm, options, 64, concurrent=True), "8 streams")
+    assert_exact_up_to_near_ties(verdicts(judge, prompts, auto, arm, options, 64, concurrent=True), "8 streams")
 
 
 @pytest.mark.parametrize("options", [DraftOptions("online", "64:0.0:8"), DraftOptions("online", "64:0.0:8", salience=True)],
@@ -159,6 +134,6 @@ def test_shared_pair_on_eval_prompts_in_bf16_equals_auto_up_to_near_ties(options
         engine.close()
     judge = judge_for(settings)
     try:
-        assert_exact_up_to_near_ties(judge.verdicts(prompts, auto, arm, options, 128), "../shared pair")
+        assert_exact_up_to_near_ties(verdicts(judge, prompts, auto, arm, options, 128), "../shared pair")
     finally:
         judge.close()

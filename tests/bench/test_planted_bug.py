@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 import torch
 
-from bench.reproduce import protocol
+from bench.reproduce import judging
 from bench.reproduce.presets import SMOKE
 from bench.reproduce.protocol import run_protocol
 from bench.reproduce.replay import TargetReplay
@@ -75,7 +75,7 @@ def test_a_divergence_within_the_spread_is_rerun_in_fp32_from_inside_the_protoco
     the planted token is not among the fp32 top tokens."""
     replay_evidence = TargetReplay.evidence
     monkeypatch.setattr(TargetReplay, "evidence", lambda self, *a, **k: replace(replay_evidence(self, *a, **k), spread=1.0))
-    monkeypatch.setattr(protocol, "rounding_gap", lambda divergence, evidence: 0.0)
+    monkeypatch.setattr(judging, "rounding_gap", lambda divergence, evidence: 0.0)
     config = replace(
         SMOKE, data_files=(code_prompts,), context_targets=(1024,), candidate_configs=("32:0.0:6",),
         baseline_arms=("auto",), tune_max_new_tokens=8, eval_max_new_tokens=12, warmup_tokens=4,

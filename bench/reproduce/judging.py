@@ -1,0 +1,56 @@
+"""One generation judged against Auto's by the near-tie rule (``exactness.py``), on the evidence that
+``replay.py`` gathers. The reproduce protocol judges every evaluated run with it, and the bf16 GPU tests
+(``tests/bench/test_gpu_bf16_exactness.py``) the engine's generations.
+
+Order of the evidence, cheapest first where it decides: the fp32 Auto run of the prompt (made once per
+prompt; its logprobs at the divergence are the fp32 top tokens whenever it generated the shared tokens
+too), the serving runtime's spread there, and only for a divergence that rounding could explain the arm's
+own fp32 run, the costliest (at 64K on an 8B target, a minute-long fp32 prefill per arm).
+"""
+
+from __future__ import annotations
+
+from bench.reproduce.exactness import ExactnessResult, classify, first_divergence, rounding_gap
+from bench.reproduce.replay import Fp32Rerun, TargetReplay
+from draft_service.options import DraftOptions
+
+
+class Judge:
+    """The rule's evidence sources for one serving configuration; each loads its model at first use."""
+
+    def __init__(self, replay: TargetReplay, rerun: Fp32Rerun) -> None:
+        self.replay = replay
+        self.rerun = rerun
+        # (prompts run together, options, tokens) -> per prompt, whether the arm's fp32 run diverges
+        self._fp32_diverges: dict[tuple[tuple[tuple[int, ...], ...], DraftOptions, int], list[bool]] = {}
+
+    def verdict(
+        self, prompt: list[int], auto: list[int], arm: list[int], draft: DraftOptions | None, verify_tokens: int,
+        max_new_tokens: int, ran_with: list[list[int]] | None = None,
+    ) -> ExactnessResult:  # fmt: skip
+        """``arm``'s greedy tokens for ``prompt`` against ``auto``'s. ``draft``: the arm's options; None for a
+        generator outside the engine (no fp32 run of it can be made, so any divergence is a mismatch).
+        ``verify_tokens``: its largest verify (the tree budget's total). ``ran_with``: the prompts the arm ran
+        at once, this one among them; their fp32 runs then run at once too (None: this prompt alone)."""
+        divergence = first_divergence(auto, arm)
+        if divergence is None:
+            return ExactnessResult("exact", "same tokens as Auto")
+        shared, following = auto[: divergence.position], auto[divergence.position :]
+        fp32_top = self.rerun.auto_run(prompt, max_new_tokens).top_after(shared)
+        evidence = self.replay.evidence(prompt + shared, following, verify_tokens, fp32_top)
+        gap = rounding_gap(divergence, evidence)
+        if gap is None or not gap < evidence.spread or draft is None:
+            return classify(divergence, evidence)  # a mismatch whatever the fp32 run: it is not made
+        return classify(divergence, evidence, self._arm_diverges_in_fp32(prompt, draft, max_new_tokens, ran_with))
+
+    def close(self) -> None:
+        self.rerun.close()
+
+    def _arm_diverges_in_fp32(
+        self, prompt: list[int], draft: DraftOptions, max_new_tokens: int, ran_with: list[list[int]] | None
+    ) -> bool:
+        group = ran_with or [prompt]
+        key = (tuple(tuple(ids) for ids in group), draft, max_new_tokens)
+        if key not in self._fp32_diverges:
+            self._fp32_diverges[key] = self.rerun.diverges(group, draft, max_new_tokens, concurrent=ran_with is not None)
+        return self._fp32_diverges[key][group.index(prompt)]

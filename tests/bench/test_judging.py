@@ -1,0 +1,89 @@
+"""bench/reproduce/judging.py: which evidence a verdict asks for, in which order, and how often; with stand-ins
+for the replays (their own tests are in test_exactness_rule.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.reproduce.exactness import TieEvidence
+from bench.reproduce.judging import Judge
+from bench.reproduce.replay import Fp32AutoRun
+from diffspec.sampling_params import TokenLogprobs
+from draft_service.options import DraftOptions
+
+AUTO = [5, 6, 7, 8]
+TIED = [5, 6, 9, 8]  # parts at position 2, where fp32 ranks 7 then 9 close together
+FAR = [5, 6, 4, 8]  # parts at position 2 with a token fp32 does not rank near the top
+OPTIONS = DraftOptions("full", "16:0.0:4")
+
+
+def auto_run(tokens: list[int]) -> Fp32AutoRun:
+    top_ids = [[t, 9] for t in tokens]
+    return Fp32AutoRun(tokens, TokenLogprobs([0.0] * len(tokens), top_ids, [[-0.70, -0.72]] * len(tokens)))
+
+
+class StubRerun:
+    def __init__(self, auto_tokens: list[int]) -> None:
+        self.auto_tokens = auto_tokens
+        self.auto_runs: list[tuple[int, ...]] = []
+        self.arm_runs: list[tuple[int, bool]] = []  # (prompts, concurrent)
+
+    def auto_run(self, prompt: list[int], max_new_tokens: int) -> Fp32AutoRun:
+        self.auto_runs.append(tuple(prompt))
+        return auto_run(self.auto_tokens)
+
+    def diverges(self, prompts: list[list[int]], draft: DraftOptions, max_new_tokens: int, concurrent: bool) -> list[bool]:
+        self.arm_runs.append((len(prompts), concurrent))
+        return [False] * len(prompts)
+
+    def close(self) -> None: ...
+
+
+class StubReplay:
+    def __init__(self) -> None:
+        self.fp32_tops: list[object] = []
+
+    def evidence(self, prefix, following, verify_tokens, fp32_top=None) -> TieEvidence:  # noqa: ANN001
+        self.fp32_tops.append(fp32_top)
+        values, ids = fp32_top if fp32_top is not None else (torch.tensor([1.0, 0.99]), torch.tensor([7, 9]))
+        gaps = {int(i): float(values[0] - v) for i, v in zip(ids, values)}
+        return TieEvidence(int(ids[0]), int(ids[1]), float(values[0] - values[1]), spread=0.05, fp32_gaps=gaps)
+
+
+def judge(auto_tokens: list[int] = AUTO) -> tuple[Judge, StubReplay, StubRerun]:
+    replay, rerun = StubReplay(), StubRerun(auto_tokens)
+    return Judge(replay, rerun), replay, rerun  # type: ignore[arg-type]
+
+
+def test_an_equal_generation_needs_no_evidence():
+    j, replay, rerun = judge()
+    assert j.verdict([1, 2], AUTO, AUTO, OPTIONS, 16, 4).verdict == "exact"
+    assert (replay.fp32_tops, rerun.auto_runs, rerun.arm_runs) == ([], [], [])
+
+
+def test_a_tie_takes_its_fp32_evidence_from_the_fp32_auto_run_and_runs_the_arm_once_per_group():
+    j, replay, rerun = judge()
+    prompts = [[1, 2], [3, 4]]
+    verdicts = [j.verdict(p, AUTO, TIED, OPTIONS, 16, 4, ran_with=prompts) for p in prompts]
+    assert [v.verdict for v in verdicts] == ["near-tie", "near-tie"]
+    assert abs(verdicts[0].evidence.fp32_gaps[9] - 0.02) < 1e-6  # the run's logprob gap, as a logit gap
+    assert all(top is not None for top in replay.fp32_tops)  # no transformers replay was asked for
+    assert rerun.arm_runs == [(2, True)]  # both prompts' arm runs at once, as the arm ran, and only once
+
+
+def test_a_divergence_rounding_cannot_explain_is_a_mismatch_without_the_arms_fp32_run():
+    j, _, rerun = judge()
+    assert j.verdict([1, 2], AUTO, FAR, OPTIONS, 16, 4).verdict == "mismatch"
+    assert rerun.arm_runs == []
+
+
+def test_a_generator_outside_the_engine_has_no_fp32_run_so_its_divergence_is_a_mismatch():
+    j, _, rerun = judge()
+    result = j.verdict([1, 2], AUTO, TIED, None, 64, 4)
+    assert result.verdict == "mismatch" and "not checked" in result.reason and rerun.arm_runs == []
+
+
+def test_where_the_fp32_auto_run_took_another_way_the_replay_computes_the_fp32_top():
+    j, replay, _ = judge(auto_tokens=[5, 3, 7, 8])  # fp32 Auto parted from the bf16 tokens before position 2
+    assert j.verdict([1, 2], AUTO, TIED, OPTIONS, 16, 4).verdict == "near-tie"
+    assert replay.fp32_tops == [None]
