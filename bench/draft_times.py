@@ -12,6 +12,10 @@ host clocks, median of several:
 - ``graph_gpu_ms``: the replayed graph's GPU time (CUDA events around the replay);
 - ``kernels_per_proposal`` and ``costliest_kernels``: the proposal run eagerly under the torch profiler,
   its kernels counted and the costliest listed by name (launches, GPU microseconds);
+- ``accept_ops``, ``accept_device_work`` and ``accept_costliest_host_ops``: one accept under the torch
+  profiler: the torch ops it dispatches, the kernels and copies it puts on the device, and the ops that
+  cost the host most (calls, CPU microseconds of their own). An accept is host-bound: these say where the
+  working set's share of it goes;
 - ``floor_ms``: the bytes a proposal must read (the head's weights once per depth, plus each session's
   attended context once per depth) over the copy bandwidth measured in the same run.
 
@@ -99,6 +103,7 @@ def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, b
         "attended_tokens_per_session": attended // batch,
         **_kernel_profile(lambda: proposer._search(run)),
         "accept_ms": round(1e3 * _host_seconds(accept, sync=True), 3),
+        **_host_profile(accept, "accept"),
         "propose_ms": round(1e3 * _host_seconds(lambda: drafter.propose_many(requests), sync=True), 3),
         "launch_ms": round(1e3 * _host_seconds(run.graph.replay, sync=False), 3),
         "graph_gpu_ms": round(median_ms(run.graph.replay), 3),
@@ -123,6 +128,35 @@ def _kernel_profile(work: Callable[[], object]) -> dict:
     return {
         "kernels_per_proposal": sum(entry[1] for entry in by_name.values()),
         "costliest_kernels": [[name, count, round(us, 1)] for name, count, us in costliest],
+    }
+
+
+@torch.no_grad()
+def _host_profile(work: Callable[[], object], name: str) -> dict:
+    """What one run of ``work`` costs the host, op by op: the torch ops it calls (not the ops those call in
+    turn), the kernels and copies it puts on the device, and the ops costliest in host time, each with what
+    it called inside: [op, calls, CPU us] per row."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        work()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = profile.events()
+    on_device = sum(1 for event in events if event.device_type == torch.autograd.DeviceType.CUDA)
+    by_op: dict[str, list] = {}
+    for event in events:
+        parent = event.cpu_parent
+        if event.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
+            entry = by_op.setdefault(event.name, [event.name, 0, 0.0])
+            entry[1] += 1
+            entry[2] += event.cpu_time_total
+    costliest = sorted(by_op.values(), key=lambda entry: -entry[2])[:TOP_KERNELS]
+    return {
+        f"{name}_ops": sum(entry[1] for entry in by_op.values()),
+        f"{name}_device_work": on_device,
+        f"{name}_costliest_host_ops": [[op, calls, round(us, 1)] for op, calls, us in costliest],
     }
 
 
