@@ -11,7 +11,8 @@ own fp32 run, the costliest (at 64K on an 8B target, a minute-long fp32 prefill 
 from __future__ import annotations
 
 from bench.reproduce.exactness import ExactnessResult, classify, first_divergence, rounding_gap
-from bench.reproduce.replay import Fp32Rerun, TargetReplay
+from bench.reproduce.fp32_rerun import Fp32Rerun
+from bench.reproduce.replay import TargetReplay
 from draft_service.options import DraftOptions
 
 

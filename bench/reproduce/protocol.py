@@ -33,6 +33,7 @@ from bench.reproduce.arms import Arm, baseline_arms, tuning_grid
 from bench.reproduce.checkpoint import RunCheckpoint, run_key
 from bench.reproduce.draft_steps import DraftStep, build_recording_engine, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult, first_divergence
+from bench.reproduce.fp32_rerun import Fp32Rerun
 from bench.reproduce.inflate import inflate_pair
 from bench.reproduce.judging import Judge
 from bench.reproduce.output import write_outputs
@@ -40,7 +41,7 @@ from bench.reproduce.presets import ProtocolConfig, default_out_dir
 from bench.reproduce.profiling import nvtx_range, profiled
 from bench.reproduce.prompts import Dataset, load_datasets, prompts_at
 from bench.reproduce.reference import REFERENCE, TransformersReference
-from bench.reproduce.replay import Fp32Rerun, TargetReplay
+from bench.reproduce.replay import TargetReplay
 from bench.reproduce.report import ArmSummary, summarise
 from bench.reproduce.runs import Engine, RunRecord, generate_run
 from bench.reproduce.tuning import CandidateScore, finalists, score_candidates, score_finalists

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bench.reproduce.exactness import ENDED, Divergence, TieEvidence, classify
-from bench.reproduce.replay import Fp32Rerun, ServingPath, TargetReplay, logit_spread, serving_paths
+from bench.reproduce.fp32_rerun import Fp32Rerun
+from bench.reproduce.replay import ServingPath, TargetReplay, logit_spread, serving_paths
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import BUNDLED_TARGET, DiffSpecSettings
 from diffspec.tree import DraftTree
@@ -183,12 +184,13 @@ def test_arms_of_other_budgets_parting_at_one_position_share_the_fp32_prefill(re
 def test_a_reserved_size_builds_each_model_once_for_every_prompt_length(replay_and_prompt, monkeypatch):
     """With the longest prompt known up front, a shorter prompt judged first does not leave a pool that the
     longer one must rebuild (on an 8B target each build loads the model again)."""
+    from bench.reproduce import fp32_rerun as rerun_module
     from bench.reproduce import replay as replay_module
 
     _, prompt = replay_and_prompt
     long_prompt = (prompt * 40)[:600]  # longer than the short one's pool would hold, page for page
     builds: list[int] = []
-    build_engine, runtime_class = replay_module.build_engine, replay_module.TargetRuntime
+    build_engine, runtime_class = rerun_module.build_engine, replay_module.TargetRuntime
 
     def counted_engine(settings: DiffSpecSettings):  # noqa: ANN202
         builds.append(settings.num_pages)
@@ -198,7 +200,7 @@ def test_a_reserved_size_builds_each_model_once_for_every_prompt_length(replay_a
         builds.append(-settings.num_pages)
         return runtime_class(settings)
 
-    monkeypatch.setattr(replay_module, "build_engine", counted_engine)
+    monkeypatch.setattr(rerun_module, "build_engine", counted_engine)
     monkeypatch.setattr(replay_module, "TargetRuntime", counted_runtime)
     settings = DiffSpecSettings(**SMALL_BUCKETS)
     for reserve, expected_builds in ((0, 4), (len(long_prompt), 2)):

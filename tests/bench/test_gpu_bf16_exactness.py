@@ -26,7 +26,8 @@ import torch
 
 from bench.reproduce.exactness import ExactnessResult
 from bench.reproduce.judging import Judge
-from bench.reproduce.replay import Fp32Rerun, TargetReplay
+from bench.reproduce.fp32_rerun import Fp32Rerun
+from bench.reproduce.replay import TargetReplay
 from diffspec.settings import BUNDLED_DRAFT, BUNDLED_TARGET, SHARED_DIR, DiffSpecSettings
 from draft_service.options import DraftOptions
 from gateway.assembly import build_engine, load_tokenizer

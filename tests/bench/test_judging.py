@@ -7,7 +7,7 @@ import torch
 
 from bench.reproduce.exactness import TieEvidence
 from bench.reproduce.judging import Judge
-from bench.reproduce.replay import Fp32AutoRun
+from bench.reproduce.fp32_rerun import Fp32AutoRun
 from diffspec.sampling_params import TokenLogprobs
 from draft_service.options import DraftOptions
 
