@@ -69,7 +69,7 @@ class BatchCost:
     def step_seconds(self, bound: Bound) -> float:
         """A whole step within ``bound``: its depths' proposal, the padded verify, and what every step costs
         besides (``StepCostModel.observe_step``)."""
-        proposal = bound.depth * self.cost.draft_seconds_per_depth
+        proposal = self.cost.draft_seconds(bound.depth)
         return self.cost.step_overhead_seconds + proposal + self.verify_seconds(bound.tokens)
 
 

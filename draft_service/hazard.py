@@ -234,7 +234,8 @@ def _piecewise_linear(points: list[tuple[int, float]]) -> Callable[[int], float]
 
 @dataclass
 class StepCostModel:
-    """Verify seconds per (context bucket, padded rows), draft time per depth, and a step's time outside both.
+    """Verify seconds per (context bucket, padded rows), a proposal's seconds by depth (a fixed part and a part
+    per depth, ``draft_seconds``), and a step's time outside both.
 
     Seconds are as measured by whoever feeds it; before any measurement the defaults make a
     verification of N rows cost like N/100 extra decode steps and a draft depth 5% of one. A
@@ -251,6 +252,7 @@ class StepCostModel:
     decay: float = 0.9
     tables: list[VerifyTable] = field(default_factory=lambda: [VerifyTable() for _ in range(CONTEXT_BUCKETS)])
     draft_seconds_per_depth: float = 0.05  # replaced by the first measurement, then a running average
+    draft_seconds_by_depth: dict[int, float] = field(default_factory=dict)  # depth -> a proposal's, running average
     default_intercept: float = 1.0
     default_slope: float = 0.01
     draft_measured: bool = False
@@ -274,12 +276,35 @@ class StepCostModel:
         self.tables[_bucket(self.batch_context)].observe(rows, seconds, self.decay)
 
     def observe_draft(self, depths: int, seconds: float) -> None:
+        """One proposal ``depths`` deep that took ``seconds`` on the device."""
         if depths <= 0:
             return
         if not self.draft_measured:  # the default is in relative units: never average it with seconds
             self.draft_seconds_per_depth, self.draft_measured = seconds / depths, True
         else:
             self.draft_seconds_per_depth = 0.9 * self.draft_seconds_per_depth + 0.1 * seconds / depths
+        last = self.draft_seconds_by_depth.get(depths)
+        self.draft_seconds_by_depth[depths] = seconds if last is None else 0.9 * last + 0.1 * seconds
+
+    def draft_seconds(self, depth: int) -> float:
+        """A proposal ``depth`` deep: on the line through the depths measured so far, least squares.
+
+        A proposal has a part that does not grow with depth (the final rerank, the tree's mask, staging);
+        priced per depth alone, that part makes the depths being proposed look dearer per depth than they
+        are at any other depth, and a planner proposing shallow trees would price deep ones too high and
+        stay shallow. With fewer than two depths measured there is no line: per depth, as averaged."""
+        points = self.draft_seconds_by_depth
+        if len(points) < 2:
+            return depth * self.draft_seconds_per_depth
+        depths, seconds = list(points), list(points.values())
+        mean_depth, mean_seconds = sum(depths) / len(depths), sum(seconds) / len(seconds)
+        spread = sum((d - mean_depth) ** 2 for d in depths)
+        slope = sum((d - mean_depth) * (t - mean_seconds) for d, t in zip(depths, seconds)) / spread
+        slope = max(slope, 0.0)  # a deeper proposal never costs less: noise at close depths can say otherwise
+        intercept = mean_seconds - slope * mean_depth
+        if intercept < 0:  # through the origin: cost per depth alone, fitted to every point
+            intercept, slope = 0.0, sum(d * t for d, t in zip(depths, seconds)) / sum(d * d for d in depths)
+        return intercept + slope * depth
 
     def observe_step(self, step_seconds: float, proposal_seconds: float, verify_seconds: float) -> None:
         """One whole step (wall time from one proposing draft call to the next) whose proposal took

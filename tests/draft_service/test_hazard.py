@@ -15,7 +15,8 @@ from draft_service.hazard import (
     tree_size,
     widths_to_plan,
 )
-from draft_service.batch_plan import PLAN_HYSTERESIS
+from draft_service.batch_plan import PLAN_HYSTERESIS, BatchCost
+from draft_service.tree_plan import Bound
 
 
 def simulate_step(rng: random.Random, rank_probs: list[list[float]], widths: list[int]) -> tuple[list[int], int]:
@@ -263,3 +264,35 @@ def test_step_overhead_is_the_rest_of_a_step_averaged_with_long_steps_bounded():
     before = cost.step_overhead_seconds
     cost.observe_step(0.0050, proposal_seconds=0.0020, verify_seconds=0.0080)  # overlapping spans: none
     assert cost.step_overhead_seconds == pytest.approx(0.9 * before)
+
+
+@pytest.mark.parametrize(
+    ("observed", "depth", "expected"),
+    [
+        ({}, 8, 8 * 0.05),  # nothing measured: the default per depth
+        ({4: 0.0011}, 8, 8 * 0.0011 / 4),  # one depth: per depth alone, as measured there
+        ({4: 0.0011, 8: 0.0019}, 6, 0.0015),  # a fixed 0.3 ms and 0.2 ms a depth
+        ({4: 0.0011, 8: 0.0019}, 10, 0.0023),
+        ({4: 0.0011, 6: 0.0015, 8: 0.0019}, 2, 0.0007),
+        ({4: 0.0012, 8: 0.0011}, 10, 0.00115),  # noise says deeper is cheaper: flat at the mean instead
+        ({4: 0.0004, 8: 0.0016}, 2, 2 * (4 * 0.0004 + 8 * 0.0016) / 80),  # would cross zero: per depth, fitted
+    ],
+)
+def test_a_proposals_cost_is_a_fixed_part_plus_a_part_per_depth(observed, depth, expected):
+    cost = StepCostModel()
+    for depths, seconds in observed.items():
+        cost.observe_draft(depths, seconds)
+    assert cost.draft_seconds(depth) == pytest.approx(expected)
+
+
+def test_shallow_proposals_do_not_price_deep_ones_by_their_own_per_depth_cost():
+    """Mostly depth-4 proposals with a few depth-8 probes: depth 8 costs what it was measured at, not twice
+    depth 4's cost (the per-depth average, dominated by the shallow proposals, says about that)."""
+    cost = StepCostModel()
+    for _ in range(30):
+        cost.observe_draft(4, 0.0011)
+    cost.observe_draft(8, 0.0019)
+    assert cost.draft_seconds_per_depth * 8 > 0.0021  # what pricing per depth alone predicts
+    assert cost.draft_seconds(8) == pytest.approx(0.0019)
+    assert BatchCost(cost, 1, 4096).step_seconds(Bound(64, 8)) == pytest.approx(
+        cost.step_overhead_seconds + 0.0019 + cost.verify_seconds(64, 4096))
