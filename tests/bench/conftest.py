@@ -4,6 +4,7 @@ smoke run on them that the report and analysis tests share."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,20 @@ def smoke_run(code_prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> t
             "--out-dir", str(out_dir)]
     exit_code = main(argv)
     return exit_code, out_dir, json.loads((out_dir / "results.json").read_text())
+
+
+def stopped_copy(run_dir: Path, to: Path) -> Path:
+    """A finished run's folder copied to ``to`` as a run stopped before its results were written."""
+    shutil.copytree(run_dir, to)
+    (to / "results.json").unlink()
+    return to
+
+
+def forbid(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...], why: str) -> None:
+    """Each of ``bench.reproduce.protocol``'s ``names`` fails the test when called, saying ``why``."""
+
+    def fail(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError(why)
+
+    for name in names:
+        monkeypatch.setattr(f"bench.reproduce.protocol.{name}", fail)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from dataclasses import replace
 from operator import itemgetter
 from pathlib import Path
@@ -24,6 +23,7 @@ from bench.reproduce.protocol import Case, _Protocol
 from bench.reproduce.report import markdown
 from diffspec.settings import DiffSpecSettings
 from gateway.request import GenerationChunk, GenerationRequest, GenerationStats
+from tests.bench.conftest import forbid, stopped_copy
 
 TUNE_TOKENS, EVAL_TOKENS = 8, 16
 # decode tokens/s per (tree config, max_new_tokens): the first pass ranks 32 > 48 > 64 > 16, the final round
@@ -151,15 +151,8 @@ def test_the_tiny_pair_runs_the_final_round_and_evaluates_its_choice(finals_run)
 def test_a_resumed_run_with_its_first_pass_and_final_runs_recorded_only_judges(finals_run, code_prompts, tmp_path,
                                                                                monkeypatch):
     out_dir, whole, _ = finals_run
-    finished = tmp_path / "finished"
-    shutil.copytree(out_dir, finished)
-    (finished / "results.json").unlink()
-
-    def no_generation(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("a resumed run with every run recorded generated")
-
-    for name in ("warm_up_generations", "generate_run"):
-        monkeypatch.setattr(f"bench.reproduce.protocol.{name}", no_generation)
+    finished = stopped_copy(out_dir, tmp_path / "finished")
+    forbid(monkeypatch, ("warm_up_generations", "generate_run"), "a resumed run with every run recorded generated")
     assert main([*_argv(code_prompts, finished), "--resume"]) == 0
     assert (finished / RUNS_FILE).read_text() == (out_dir / RUNS_FILE).read_text()
     resumed = json.loads((finished / "results.json").read_text())

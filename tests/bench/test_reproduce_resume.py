@@ -11,6 +11,7 @@ import pytest
 
 from bench.reproduce.checkpoint import PROTOCOL_FILE, RUNS_FILE, VERDICTS_FILE
 from bench.reproduce.cli import main
+from tests.bench.conftest import forbid, stopped_copy
 
 KEPT_RUNS = 4  # of the smoke run's 7: its tuning pass and Auto's and one baseline's evaluation
 
@@ -30,9 +31,7 @@ def test_a_resumed_run_generates_only_what_is_missing_and_ends_as_one_run(smoke_
     _, smoke_dir, whole = smoke_run
     recorded = (smoke_dir / RUNS_FILE).read_text().splitlines()
     assert len(recorded) == len(whole["runs"]) == 7
-    stopped = tmp_path / "stopped"
-    shutil.copytree(smoke_dir, stopped)
-    (stopped / "results.json").unlink()
+    stopped = stopped_copy(smoke_dir, tmp_path / "stopped")
     (stopped / RUNS_FILE).write_text("".join(line + "\n" for line in recorded[:KEPT_RUNS]))
 
     assert main([*_argv(code_prompts, stopped), "--resume"]) == 0
@@ -62,15 +61,9 @@ def test_resuming_under_other_flags_or_without_a_folder_is_refused(smoke_run, co
 def test_a_resumed_run_with_every_run_recorded_only_judges(smoke_run, code_prompts, tmp_path, monkeypatch):
     """Nothing left to generate: no warm-up runs, the results are the recorded ones."""
     _, smoke_dir, whole = smoke_run
-    finished = tmp_path / "finished"
-    shutil.copytree(smoke_dir, finished)
-    (finished / "results.json").unlink()
-
-    def no_warm_up(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("a resumed run with nothing left warmed up")
-
-    for name in ("warm_up_target", "warm_up_draft", "warm_up_generations"):
-        monkeypatch.setattr(f"bench.reproduce.protocol.{name}", no_warm_up)
+    finished = stopped_copy(smoke_dir, tmp_path / "finished")
+    forbid(monkeypatch, ("warm_up_target", "warm_up_draft", "warm_up_generations"),
+           "a resumed run with nothing left warmed up")
     assert main([*_argv(code_prompts, finished), "--resume"]) == 0
     resumed = json.loads((finished / "results.json").read_text())
     assert _runs(resumed) == _runs(whole) and resumed["exactness"]["passed"]
