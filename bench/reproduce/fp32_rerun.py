@@ -74,7 +74,7 @@ class Fp32Rerun:
         """Auto's fp32 generation of ``prompt``, with each position's fp32 top tokens (made once per prompt)."""
         key = (tuple(prompt), max_new_tokens)
         if key not in self._auto:
-            engine = self._built(self._pages_for([max(len(prompt), self.reserve_tokens)], max_new_tokens))
+            engine = self._engine_for([len(prompt)], max_new_tokens)
             with timed(f"fp32 Auto run of a {len(prompt)}-token prompt"):
                 tokens, logprobs = asyncio.run(_generate(engine, prompt, max_new_tokens, None, FP32_TOP_TOKENS))
             assert logprobs is not None, "asked for"
@@ -89,8 +89,7 @@ class Fp32Rerun:
         the arm too, or all prompts at once with ``concurrent`` (as the run being judged did)."""
         auto = [self.auto_run(ids, max_new_tokens).token_ids for ids in prompts]
         lengths = [len(ids) for ids in prompts]
-        needed = self._pages_for(lengths if concurrent else [max(lengths)], max_new_tokens)
-        engine = self._built(max(needed, self._pages_for([self.reserve_tokens], max_new_tokens)))
+        engine = self._engine_for(lengths if concurrent else [max(lengths)], max_new_tokens)
 
         async def arm_all() -> list[tuple[list[int], TokenLogprobs | None]]:
             return list(await asyncio.gather(*(_generate(engine, ids, max_new_tokens, draft) for ids in prompts)))
@@ -110,10 +109,13 @@ class Fp32Rerun:
         page, tree = self.settings.page_size, max(parse_sizes(self.settings.graph_tree_sizes))
         return sum(-(-(n + max_new_tokens + tree) // page) + 2 for n in prompt_lengths) + SPARE_PAGES
 
-    def _built(self, num_pages: int) -> SpeculativeEngine:
-        """The fp32 engine, rebuilt when these prompts need more pages. Its pool is sized to them rather than
-        copied from the serving settings: a page holds twice the bytes in fp32, and the pool shares the GPU
-        with the replay's two targets (at 64K on an 8B target, one sequence's KV is 17 GB in fp32)."""
+    def _engine_for(self, prompt_lengths: list[int], max_new_tokens: int) -> SpeculativeEngine:
+        """The fp32 engine for these prompts running at once, rebuilt when they need more pages than it has,
+        and never smaller than ``reserve_tokens`` needs. Its pool is sized to them rather than copied from the
+        serving settings: a page holds twice the bytes in fp32, and the pool shares the GPU with the replay's
+        two targets (at 64K on an 8B target, one sequence's KV is 17 GB in fp32)."""
+        num_pages = max(self._pages_for(prompt_lengths, max_new_tokens),
+                        self._pages_for([self.reserve_tokens], max_new_tokens))
         if self._engine is None or self._num_pages < num_pages:
             self.close()
             gc.collect()

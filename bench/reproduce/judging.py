@@ -53,5 +53,6 @@ class Judge:
         group = ran_with or [prompt]
         key = (tuple(tuple(ids) for ids in group), draft, max_new_tokens)
         if key not in self._fp32_diverges:
-            self._fp32_diverges[key] = self.rerun.diverges(group, draft, max_new_tokens, concurrent=ran_with is not None)
+            concurrent = ran_with is not None
+            self._fp32_diverges[key] = self.rerun.diverges(group, draft, max_new_tokens, concurrent=concurrent)
         return self._fp32_diverges[key][group.index(prompt)]

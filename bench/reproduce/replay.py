@@ -159,7 +159,8 @@ class TargetReplay:
             for d in sorted({p.depth for p in paths})
         }  # fmt: skip
         prompts = {sid: prefix_ids[: len(prefix_ids) - 1 - d] for d, ids in sessions.items() for sid in ids}
-        runtime = self._serving_runtime(max(len(prefix_ids), self.reserve_tokens) + chain_tokens, len(prompts), chain_tokens)
+        tokens = max(len(prefix_ids), self.reserve_tokens) + chain_tokens
+        runtime = self._serving_runtime(tokens, len(prompts), chain_tokens)
         first, *others = prompts
         logits: dict[ServingPath, torch.Tensor] = {}
         try:

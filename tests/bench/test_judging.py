@@ -32,7 +32,9 @@ class StubRerun:
         self.auto_runs.append(tuple(prompt))
         return auto_run(self.auto_tokens)
 
-    def diverges(self, prompts: list[list[int]], draft: DraftOptions, max_new_tokens: int, concurrent: bool) -> list[bool]:
+    def diverges(
+        self, prompts: list[list[int]], draft: DraftOptions, max_new_tokens: int, concurrent: bool
+    ) -> list[bool]:
         self.arm_runs.append((len(prompts), concurrent))
         return [False] * len(prompts)
 
