@@ -34,6 +34,8 @@ start)
     pack "$2" ;;
 poll)
     [ $# -eq 3 ] || { echo "usage: bash bench/detached.sh poll DIR SECONDS" >&2; exit 2; }
+    # a fresh machine has no copy: the one that ran the job went back, and the job with it
+    [ -d "$ROOT/$2" ] || { echo "detached: no job at $ROOT/$2 (the machine was released); start it again" >&2; exit 3; }
     wait_for "$2" "$3"
     pack "$2" ;;
 *)

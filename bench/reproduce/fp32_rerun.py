@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from bench.reproduce.exactness import first_divergence
-from bench.reproduce.replay import FP32_TOP_TOKENS, SPARE_PAGES, timed
+from bench.reproduce.replay import FP32_TOP_TOKENS, SPARE_PAGES, log, timed
 from diffspec.sampling_params import SamplingParams, TokenLogprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes
 from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
 from gateway.engine import SpeculativeEngine
-from gateway.request import GenerationRequest
+from gateway.request import GenerationRequest, GenerationStats
 
 
 @dataclass(frozen=True)
@@ -40,18 +40,35 @@ class Fp32AutoRun:
         return torch.tensor(self.logprobs.top_logprobs[position]), torch.tensor(self.logprobs.top_ids[position])
 
 
+@dataclass(frozen=True)
+class _Generation:
+    token_ids: list[int]
+    logprobs: TokenLogprobs | None  # with ``logprobs`` alternatives per position, when asked for
+    stats: GenerationStats
+
+
 async def _generate(
     engine: SpeculativeEngine, prompt: list[int], max_new_tokens: int, draft: DraftOptions | None,
     logprobs: int | None = None,
-) -> tuple[list[int], TokenLogprobs | None]:  # fmt: skip
-    """One greedy generation's tokens, and their logprobs with ``logprobs`` alternatives when asked for."""
+) -> _Generation:
+    """One greedy generation, its logprobs when asked for, and its timings."""
     request = GenerationRequest(prompt, max_new_tokens, SamplingParams(logprobs=logprobs), draft=draft)
     tokens: list[int] = []
     parts: list[TokenLogprobs] = []
+    stats = GenerationStats()
     async for chunk in engine.generate(request):
         tokens += chunk.token_ids
         parts += [chunk.logprobs] if chunk.logprobs is not None else []
-    return tokens, TokenLogprobs.join(parts) if logprobs is not None else None
+        stats = chunk.stats or stats
+    return _Generation(tokens, TokenLogprobs.join(parts) if logprobs is not None else None, stats)
+
+
+def _log_split(what: str, runs: list[_Generation]) -> None:
+    """Where an fp32 run's time went: on an 8B target its long prefills, not its decode, are expected to
+    dominate (fp32 attention runs without tensor cores), and the judging's length at 64K hangs on which."""
+    log.info("judging: %s: prefill %.1f s, decode %.1f s over %d steps", what,
+             sum(run.stats.prefill_seconds for run in runs), sum(run.stats.decode_seconds for run in runs),
+             sum(run.stats.steps for run in runs))
 
 
 class Fp32Rerun:
@@ -75,10 +92,12 @@ class Fp32Rerun:
         key = (tuple(prompt), max_new_tokens)
         if key not in self._auto:
             engine = self._engine_for([len(prompt)], max_new_tokens)
-            with timed(f"fp32 Auto run of a {len(prompt)}-token prompt"):
-                tokens, logprobs = asyncio.run(_generate(engine, prompt, max_new_tokens, None, FP32_TOP_TOKENS))
-            assert logprobs is not None, "asked for"
-            self._auto[key] = Fp32AutoRun(tokens, logprobs)
+            what = f"fp32 Auto run of a {len(prompt)}-token prompt"
+            with timed(what):
+                run = asyncio.run(_generate(engine, prompt, max_new_tokens, None, FP32_TOP_TOKENS))
+            _log_split(what, [run])
+            assert run.logprobs is not None, "asked for"
+            self._auto[key] = Fp32AutoRun(run.token_ids, run.logprobs)
             self.auto_generations += 1
         return self._auto[key]
 
@@ -91,13 +110,15 @@ class Fp32Rerun:
         lengths = [len(ids) for ids in prompts]
         engine = self._engine_for(lengths if concurrent else [max(lengths)], max_new_tokens)
 
-        async def arm_all() -> list[tuple[list[int], TokenLogprobs | None]]:
+        async def arm_all() -> list[_Generation]:
             return list(await asyncio.gather(*(_generate(engine, ids, max_new_tokens, draft) for ids in prompts)))
 
-        with timed(f"fp32 {draft.policy} {draft.tree_config} run of {len(prompts)} prompts"):
+        what = f"fp32 {draft.policy} {draft.tree_config} run of {len(prompts)} prompts"
+        with timed(what):
             runs = asyncio.run(arm_all()) if concurrent else [
                 asyncio.run(_generate(engine, ids, max_new_tokens, draft)) for ids in prompts]
-        return [first_divergence(a, tokens) is not None for a, (tokens, _) in zip(auto, runs)]
+        _log_split(what, runs)
+        return [first_divergence(a, run.token_ids) is not None for a, run in zip(auto, runs)]
 
     def close(self) -> None:
         if self._engine is not None:

@@ -33,3 +33,10 @@ def test_a_wrong_call_is_refused_with_its_usage(tmp_path):
     done = subprocess.run(["bash", "bench/detached.sh", "start", "results/job"], cwd=REPO, env=env,
                           capture_output=True, text=True)
     assert done.returncode == 2 and "usage" in done.stderr
+
+
+def test_a_poll_on_a_machine_without_the_job_says_so_at_once(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DETACHED_ROOT": str(tmp_path / "copy")}
+    done = subprocess.run(["bash", "bench/detached.sh", "poll", "results/job", "600"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 3 and "machine was released" in done.stderr

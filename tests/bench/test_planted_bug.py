@@ -90,6 +90,9 @@ def test_a_divergence_within_the_spread_is_rerun_in_fp32_from_inside_the_protoco
     for phase in ("serving runtime built", "serving paths after a", "fp32 engine built", "fp32 Auto run of a",
                   "fp32 online 32:0.0:6 run of 1 prompts"):
         assert re.search(rf"judging: {phase}.* in \d+\.\d s", log), phase
+    for run in ("fp32 Auto run of a", "fp32 online 32:0.0:6 run of 1 prompts"):  # and how prefill and decode shared it
+        split = re.search(rf"judging: {run}[^:\n]*: prefill (\d+\.\d) s, decode (\d+\.\d) s over (\d+) steps", log)
+        assert split and int(split.group(3)) >= 1, run
     assert "fp32 reference loaded" not in log  # the fp32 Auto run, which generated the shared tokens, had the logits
     assert re.search(r"judged \S+ ctx=1024 prompt=\d+ diffspec\S* .*: mismatch \(.*\) in \d+\.\d s", log)
 
