@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class Fp32AutoRun:
 
     token_ids: list[int]
     logprobs: TokenLogprobs  # per generated position: FP32_TOP_TOKENS most likely tokens and their logprobs
+    stats: GenerationStats = field(default_factory=GenerationStats)  # its prefill and decode seconds among them
 
     def top_after(self, shared: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The fp32 top tokens (values [k], ids [k], most likely first) at the position after ``shared``
@@ -97,7 +98,7 @@ class Fp32Rerun:
                 run = asyncio.run(_generate(engine, prompt, max_new_tokens, None, FP32_TOP_TOKENS))
             _log_split(what, [run])
             assert run.logprobs is not None, "asked for"
-            self._auto[key] = Fp32AutoRun(run.token_ids, run.logprobs)
+            self._auto[key] = Fp32AutoRun(run.token_ids, run.logprobs, run.stats)
             self.auto_generations += 1
         return self._auto[key]
 
