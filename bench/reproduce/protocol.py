@@ -51,7 +51,8 @@ from diffspec.settings import DiffSpecSettings
 from gateway.assembly import load_tokenizer
 
 log = logging.getLogger("bench.reproduce")
-NOT_FINGERPRINTED = ("out_dir", "resume", "profile_window")  # where and how a run writes, not what it measures
+# where and how a run writes or judges, not what it measures
+NOT_FINGERPRINTED = ("out_dir", "resume", "profile_window", "fp32_attention_backend")
 SLACK_TOKENS = 64  # context kept free beyond max_new_tokens for a last step's tree
 
 
@@ -353,7 +354,8 @@ class _Protocol:
         longest = max((len(self.prompt_ids[r.dataset, r.context, r.prompt]) for r in diverging), default=0)
         replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device(), self.settings,
                               longest + self.config.eval_max_new_tokens)  # a prefix: the prompt and shared tokens
-        judge = Judge(replay, Fp32Rerun(self.settings, longest))
+        fp32_settings = self.settings.model_copy(update={"attention_backend": self.config.fp32_attention_backend})
+        judge = Judge(replay, Fp32Rerun(fp32_settings, longest))
         for run in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
             key = (run.dataset, run.context, run.prompt)
             run.exactness = self.checkpoint.verdict(run_key(run))

@@ -120,3 +120,25 @@ def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default(smoke_ru
         main([*_argv(code_prompts, older), "--resume"])
     monkeypatch.delenv("DIFFSPEC_SALIENCE_MIN_OVERLAP")
     assert main([*_argv(code_prompts, older), "--resume"]) == 0
+
+
+def test_the_fp32_runs_attention_is_a_judging_choice_that_a_resumed_run_may_change(
+    smoke_run, code_prompts, tmp_path, monkeypatch
+):
+    """``--fp32-attention-backend`` sets the rule's fp32 engine's attention alone: not part of what the run
+    measures, so a run resumes under another one, and the serving settings keep theirs."""
+    import bench.reproduce.protocol as protocol
+
+    _, smoke_dir, _ = smoke_run
+    resumed = stopped_copy(smoke_dir, tmp_path / "resumed")
+    built = []
+
+    class RecordingRerun(protocol.Fp32Rerun):
+        def __init__(self, settings, reserve_tokens=0):  # noqa: ANN001
+            built.append(settings.attention_backend)
+            super().__init__(settings, reserve_tokens)
+
+    monkeypatch.setattr(protocol, "Fp32Rerun", RecordingRerun)
+    assert main([*_argv(code_prompts, resumed), "--resume", "--fp32-attention-backend", "torch"]) == 0
+    assert built == ["torch"]
+    assert json.loads((resumed / PROTOCOL_FILE).read_text())["settings"]["attention_backend"] == "auto"
