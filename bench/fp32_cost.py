@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.reproduce.fp32_rerun import Fp32Rerun
+from diffspec.model_config import load_llama_config
 from diffspec.settings import DiffSpecSettings
 
 WARMUP_TOKENS = 64  # the untimed first prompt's length
@@ -62,7 +63,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     settings = DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model)
-    vocab_size = json.loads((args.base_model / "config.json").read_text())["vocab_size"]
+    vocab_size = load_llama_config(args.base_model).vocab_size
     rows = [row for backend in args.backends
             for row in measure(settings, backend, args.prompt_tokens, args.max_new_tokens, vocab_size)]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
