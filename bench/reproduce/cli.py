@@ -58,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nsys", action="store_true", help="profile with Nsight Systems: one report spanning "
                    "the first evaluated prompt's arms at the first context (needs nsys on PATH)")
     p.add_argument("--fp32-attention-backend", choices=["auto", "triton", "torch"],
-                   help="attention of the exactness rule's fp32 runs (default auto: as served); a judging cost only")
+                   help="attention of the exactness rule's fp32 runs (default: the serving settings'); a judging cost only")
     p.add_argument("--profile-window", action="store_true", default=None, help=argparse.SUPPRESS)  # set by --nsys
     return p
 

@@ -38,9 +38,9 @@ class ProtocolConfig:
     out_dir: Path | None = None  # None = results/<preset>_<timestamp>/
     resume: bool = False  # continue the run recorded in out_dir, reusing its finished runs (checkpoint.py)
     profile_window: bool = False  # bracket the first evaluated prompt (all arms) for Nsight Systems
-    # attention of the exactness rule's fp32 runs (auto: as served); at 32K-64K on an 8B target their prefills
-    # are most of the judging's time, and which backend prefills fp32 faster is measured by bench.fp32_cost
-    fp32_attention_backend: str = "auto"
+    # attention of the exactness rule's fp32 runs (None: the serving settings'); at 32K-64K on an 8B target their
+    # prefills are most of the judging's time, and which backend prefills fp32 faster is measured by bench.fp32_cost
+    fp32_attention_backend: str | None = None
 
 
 SMOKE = ProtocolConfig(

@@ -354,7 +354,8 @@ class _Protocol:
         longest = max((len(self.prompt_ids[r.dataset, r.context, r.prompt]) for r in diverging), default=0)
         replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device(), self.settings,
                               longest + self.config.eval_max_new_tokens)  # a prefix: the prompt and shared tokens
-        fp32_settings = self.settings.model_copy(update={"attention_backend": self.config.fp32_attention_backend})
+        backend = self.config.fp32_attention_backend
+        fp32_settings = self.settings if backend is None else self.settings.model_copy(update={"attention_backend": backend})
         judge = Judge(replay, Fp32Rerun(fp32_settings, longest))
         for run in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
             key = (run.dataset, run.context, run.prompt)

@@ -141,4 +141,6 @@ def test_the_fp32_runs_attention_is_a_judging_choice_that_a_resumed_run_may_chan
     monkeypatch.setattr(protocol, "Fp32Rerun", RecordingRerun)
     assert main([*_argv(code_prompts, resumed), "--resume", "--fp32-attention-backend", "torch"]) == 0
     assert built == ["torch"]
+    assert main([*_argv(code_prompts, resumed), "--resume"]) == 0  # without the flag: the serving settings' own
+    assert built == ["torch", "auto"]
     assert json.loads((resumed / PROTOCOL_FILE).read_text())["settings"]["attention_backend"] == "auto"
