@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def free_gpu_memory() -> None:
+    """Return the blocks of tensors no longer referenced to the GPU, so that a model loaded next can use them
+    (dropped models in reference cycles need the collector first)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -45,7 +45,8 @@ def tree_attention_reference(
         visible = torch.ones(q_len, ctx_len + q_len, dtype=torch.bool, device=q.device)
         visible[:, ctx_len:] = meta.new_token_mask[rows, :q_len]
         scores.masked_fill_(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # softmax in place: each row sees itself
+        probs.div_(probs.sum(dim=-1, keepdim=True))
         out[rows] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
         start += q_len
     return out

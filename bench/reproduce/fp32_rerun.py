@@ -6,13 +6,13 @@ fp32 evidence there (``TargetReplay.evidence``) whenever it generated the shared
 from __future__ import annotations
 
 import asyncio
-import gc
 from dataclasses import dataclass, field
 
 import torch
 
 from bench.reproduce.exactness import first_divergence
 from bench.reproduce.replay import FP32_TOP_TOKENS, SPARE_PAGES, log, timed
+from diffspec.devices import free_gpu_memory
 from diffspec.sampling_params import SamplingParams, TokenLogprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes
 from draft_service.options import DraftOptions
@@ -122,9 +122,11 @@ class Fp32Rerun:
         return [first_divergence(a, run.token_ids) is not None for a, run in zip(auto, runs)]
 
     def close(self) -> None:
+        """Frees the engine; the next run builds it again (the judge frees it before the replay loads its models)."""
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+            free_gpu_memory()
 
     def _pages_for(self, prompt_lengths: list[int], max_new_tokens: int) -> int:
         """KV pages for these prompts running at once, each with its generation and a last step's tree."""
@@ -134,15 +136,12 @@ class Fp32Rerun:
     def _engine_for(self, prompt_lengths: list[int], max_new_tokens: int) -> SpeculativeEngine:
         """The fp32 engine for these prompts running at once, rebuilt when they need more pages than it has,
         and never smaller than ``reserve_tokens`` needs. Its pool is sized to them rather than copied from the
-        serving settings: a page holds twice the bytes in fp32, and the pool shares the GPU with the replay's
-        two targets (at 64K on an 8B target, one sequence's KV is 17 GB in fp32)."""
+        serving settings: a page holds twice the bytes in fp32 (at 64K on an 8B target, one sequence's KV is
+        17 GB)."""
         num_pages = max(self._pages_for(prompt_lengths, max_new_tokens),
                         self._pages_for([self.reserve_tokens], max_new_tokens))
         if self._engine is None or self._num_pages < num_pages:
             self.close()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
             with timed(f"fp32 engine built ({num_pages} pages)"):
                 self._engine = build_engine(self.settings.model_copy(update={"num_pages": num_pages}))
             self._num_pages = num_pages

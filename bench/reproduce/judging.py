@@ -6,6 +6,10 @@ Order of the evidence, cheapest first where it decides: the fp32 Auto run of the
 prompt; its logprobs at the divergence are the fp32 top tokens whenever it generated the shared tokens
 too), the serving runtime's spread there, and only for a divergence that rounding could explain the arm's
 own fp32 run, the costliest (at 64K on an 8B target, a minute-long fp32 prefill per arm).
+
+The GPU holds one source's models at a time: at 64K on an 8B target the fp32 engine with its KV (52 GB), the
+fp32 reference with its cache (49 GB) and the serving runtime (25 GB) do not fit beside one another and a
+prefill's activations. A switch costs a reload (seconds) against runs of a minute.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ class Judge:
         if divergence is None:
             return ExactnessResult("exact", "same tokens as Auto")
         shared, following = auto[: divergence.position], auto[divergence.position :]
+        self.replay.release()
         fp32_top = self.rerun.auto_run(prompt, max_new_tokens).top_after(shared)
+        self.rerun.close()
         evidence = self.replay.evidence(prompt + shared, following, verify_tokens, fp32_top)
         gap = rounding_gap(divergence, evidence)
         if gap is None or not gap < evidence.spread or draft is None:
@@ -46,6 +52,7 @@ class Judge:
 
     def close(self) -> None:
         self.rerun.close()
+        self.replay.release()
 
     def _arm_diverges_in_fp32(
         self, prompt: list[int], draft: DraftOptions, max_new_tokens: int, ran_with: list[list[int]] | None
@@ -54,5 +61,6 @@ class Judge:
         key = (tuple(tuple(ids) for ids in group), draft, max_new_tokens)
         if key not in self._fp32_diverges:
             concurrent = ran_with is not None
+            self.replay.release()
             self._fp32_diverges[key] = self.rerun.diverges(group, draft, max_new_tokens, concurrent=concurrent)
         return self._fp32_diverges[key][group.index(prompt)]

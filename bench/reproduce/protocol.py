@@ -16,7 +16,6 @@ prompt, before any other request has seen it.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import time
@@ -46,6 +45,7 @@ from bench.reproduce.report import ArmSummary, summarise
 from bench.reproduce.runs import Engine, RunRecord, generate_run
 from bench.reproduce.tuning import CandidateScore, finalists, score_candidates, score_finalists
 from bench.warmup import warm_up_draft, warm_up_generations, warm_up_target
+from diffspec.devices import free_gpu_memory
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from gateway.assembly import load_tokenizer
@@ -213,9 +213,7 @@ class _Protocol:
         if close is not None:
             close()
         del self.engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the serving pool's blocks, before two fp32 targets load
+        free_gpu_memory()  # the serving pool's blocks, before the judging's models load
         # on a thread of its own: the fp32 run behind a near-tie drives an engine with asyncio.run of its own
         exit_code = await asyncio.to_thread(self._judge_exactness, info.dtype)
         return ProtocolResult(self.out_dir, self.runs, self.scores, summarise([r for r in self.runs if r.phase == "eval"]),

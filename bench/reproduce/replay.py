@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 from bench.reproduce.exactness import TieEvidence
-from diffspec.devices import dtype_name
+from diffspec.devices import dtype_name, free_gpu_memory
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings, parse_sizes
 from diffspec.tree import DraftTree
@@ -134,6 +134,14 @@ class TargetReplay:
             )  # fmt: skip
         return self._evidence[key]
 
+    def release(self) -> None:
+        """Frees the fp32 reference and the serving runtime; each loads again at its next use. The judge
+        calls it before an fp32 run: at 64K on an 8B target they do not fit beside the fp32 engine and its
+        prefill on one GPU."""
+        self._fp32 = None
+        self._runtime = None
+        free_gpu_memory()
+
     # -- spread: the serving runtime --------------------------------------------------------------
 
     def serving_spread(self, prefix_ids: list[int], following_ids: list[int], verify_tokens: int) -> float:
@@ -182,7 +190,7 @@ class TargetReplay:
     def _serving_runtime(self, tokens: int, sessions: int, chain_tokens: int) -> TargetRuntime:
         """The runtime, rebuilt with more pages when this prefix needs them: its pages once (fillers share
         them through the prefix cache), each session's unshared last page and chain, spare pages. No more: the
-        pool shares the GPU with two fp32 targets (the reference and the fp32 rerun's)."""
+        pool shares the GPU with the fp32 reference."""
         page = self.settings.page_size
         pages = -(-tokens // page) + sessions * (-(-chain_tokens // page) + 2) + SPARE_PAGES
         if self._runtime is None or self._runtime.pool.num_pages < pages:

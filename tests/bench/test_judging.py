@@ -22,30 +22,52 @@ def auto_run(tokens: list[int]) -> Fp32AutoRun:
     return Fp32AutoRun(tokens, TokenLogprobs([0.0] * len(tokens), top_ids, [[-0.70, -0.72]] * len(tokens)))
 
 
+class GpuLedger:
+    """Which stand-in holds models on the GPU, and whether two ever ran while both held them."""
+
+    def __init__(self) -> None:
+        self.holding: set[str] = set()
+        self.overlaps: list[str] = []
+
+    def use(self, source: str, what: str) -> None:
+        self.holding.add(source)
+        if len(self.holding) > 1:
+            self.overlaps.append(what)
+
+
 class StubRerun:
-    def __init__(self, auto_tokens: list[int]) -> None:
+    def __init__(self, auto_tokens: list[int], gpu: GpuLedger) -> None:
         self.auto_tokens = auto_tokens
+        self.gpu = gpu
         self.auto_runs: list[tuple[int, ...]] = []
         self.arm_runs: list[tuple[int, bool]] = []  # (prompts, concurrent)
 
     def auto_run(self, prompt: list[int], max_new_tokens: int) -> Fp32AutoRun:
+        self.gpu.use("rerun", "fp32 Auto run")
         self.auto_runs.append(tuple(prompt))
         return auto_run(self.auto_tokens)
 
     def diverges(
         self, prompts: list[list[int]], draft: DraftOptions, max_new_tokens: int, concurrent: bool
     ) -> list[bool]:
+        self.gpu.use("rerun", "fp32 arm run")
         self.arm_runs.append((len(prompts), concurrent))
         return [False] * len(prompts)
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        self.gpu.holding.discard("rerun")
 
 
 class StubReplay:
-    def __init__(self) -> None:
+    def __init__(self, gpu: GpuLedger) -> None:
+        self.gpu = gpu
         self.fp32_tops: list[object] = []
 
+    def release(self) -> None:
+        self.gpu.holding.discard("replay")
+
     def evidence(self, prefix, following, verify_tokens, fp32_top=None) -> TieEvidence:  # noqa: ANN001
+        self.gpu.use("replay", "evidence")
         self.fp32_tops.append(fp32_top)
         values, ids = fp32_top if fp32_top is not None else (torch.tensor([1.0, 0.99]), torch.tensor([7, 9]))
         gaps = {int(i): float(values[0] - v) for i, v in zip(ids, values)}
@@ -53,7 +75,8 @@ class StubReplay:
 
 
 def judge(auto_tokens: list[int] = AUTO) -> tuple[Judge, StubReplay, StubRerun]:
-    replay, rerun = StubReplay(), StubRerun(auto_tokens)
+    gpu = GpuLedger()
+    replay, rerun = StubReplay(gpu), StubRerun(auto_tokens, gpu)
     return Judge(replay, rerun), replay, rerun  # type: ignore[arg-type]
 
 
@@ -89,3 +112,14 @@ def test_where_the_fp32_auto_run_took_another_way_the_replay_computes_the_fp32_t
     j, replay, _ = judge(auto_tokens=[5, 3, 7, 8])  # fp32 Auto parted from the bf16 tokens before position 2
     assert j.verdict([1, 2], AUTO, TIED, OPTIONS, 16, 4).verdict == "near-tie"
     assert replay.fp32_tops == [None]
+
+
+def test_the_gpu_holds_one_evidence_sources_models_at_a_time():
+    j, replay, rerun = judge(auto_tokens=[5, 3, 7, 8])  # the replay's own fp32 top is needed too
+    prompts = [[1, 2], [3, 4]]
+    for prompt in prompts:
+        assert j.verdict(prompt, AUTO, TIED, OPTIONS, 16, 4).verdict == "near-tie"
+    assert len(rerun.auto_runs) == 2 and len(rerun.arm_runs) == 2 and len(replay.fp32_tops) == 2
+    assert replay.gpu.overlaps == []
+    j.close()
+    assert replay.gpu.holding == set()
