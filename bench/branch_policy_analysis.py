@@ -1,7 +1,7 @@
 """Tau and decode tokens/s per tree policy and budget across contexts, from a reproduce run.
 
-The tuning pass of ``python -m bench.reproduce`` runs every (policy, ``total:threshold:depth``)
-candidate over the salience working set on the tuning prompts of each dataset and context; this
+The tuning pass of ``python -m bench.reproduce`` runs every (policy, ``total:threshold:depth``, working set
+or whole context) candidate on the tuning prompts of each dataset and context; this
 lays those scores out as one row per candidate and one column per context, with the fraction of
 that context's best decode speed and the winner marked. The evaluated arms (Auto, the EAGLE-3
 baselines, DiffSpec tuned; evaluation prompts, not the tuning ones) follow in a second table.
@@ -36,19 +36,24 @@ class PolicyRow:
     dataset: str
     policy: str
     tree_config: str  # total:threshold:depth
+    salience: bool  # drafts over the working set (False: over the whole context)
     cells: dict[int, PolicyCell]  # context -> its scores
+
+    @property
+    def candidate(self) -> str:
+        return f"{self.policy} {self.tree_config}" + ("" if self.salience else ", whole context")
 
 
 def policy_rows(document: dict) -> list[PolicyRow]:
-    """One row per (dataset, policy, config) of the tuning pass, in the order it ran."""
+    """One row per (dataset, policy, config, working set or not) of the tuning pass, in the order it ran."""
     scores = document["tuning"]
     best = {}
     for s in scores:
         key = (s["dataset"], s["context"])
         best[key] = max(best.get(key, 0.0), s["decode_tokens_per_s"])
-    rows: dict[tuple[str, str, str], PolicyRow] = {}
+    rows: dict[tuple[str, str, str, bool], PolicyRow] = {}
     for s in scores:
-        key = (s["dataset"], s["policy"], s["tree_config"])
+        key = (s["dataset"], s["policy"], s["tree_config"], s["salience"])
         row = rows.setdefault(key, PolicyRow(*key, {}))
         fastest = best[(s["dataset"], s["context"])]
         row.cells[s["context"]] = PolicyCell(s["tau"], s["decode_tokens_per_s"],
@@ -70,15 +75,15 @@ def markdown(rows: list[PolicyRow], summaries: list[dict], source: str) -> str:
     ]
     for dataset in dict.fromkeys(r.dataset for r in rows):
         contexts = _contexts(rows, dataset)
-        lines += [f"## {dataset}", "", "| policy | config | " + " | ".join(str(c) for c in contexts) + " |",
-                  "| --- | --- | " + " | ".join("---" for _ in contexts) + " |"]
+        lines += [f"## {dataset}", "", "| candidate | " + " | ".join(str(c) for c in contexts) + " |",
+                  "| --- | " + " | ".join("---" for _ in contexts) + " |"]
         for r in (r for r in rows if r.dataset == dataset):
             cells = []
             for c in contexts:
                 cell = r.cells.get(c)
                 text = "-" if cell is None else f"{cell.tau:.2f} / {cell.decode_tokens_per_s:.1f} ({cell.of_best:.2f})"
                 cells.append(f"**{text}**" if cell is not None and cell.chosen else text)
-            lines.append(f"| {r.policy} | {r.tree_config} | " + " | ".join(cells) + " |")
+            lines.append(f"| {r.candidate} | " + " | ".join(cells) + " |")
         lines.append("")
         evaluated = [s for s in summaries if s["dataset"] == dataset]
         if evaluated:
@@ -116,7 +121,7 @@ def plot(rows: list[PolicyRow], summaries: list[dict], out_dir: Path) -> list[Pa
             contexts = sorted(r.cells)
             for ax, key in ((left, "tau"), (right, "decode_tokens_per_s")):
                 line, = ax.plot(contexts, [getattr(r.cells[c], key) for c in contexts], marker="o",
-                                label=f"{r.policy} {r.tree_config}")
+                                label=r.candidate)
                 chosen = [c for c in contexts if r.cells[c].chosen]
                 ax.plot(chosen, [getattr(r.cells[c], key) for c in chosen], marker="*", markersize=14,
                         linestyle="none", color=line.get_color())

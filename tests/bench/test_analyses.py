@@ -12,28 +12,34 @@ from bench.reproduce.draft_steps import DraftStep
 from bench.hazard_stability_analysis import fixed_widths, pooled_hazard
 
 
-def _score(context: int, policy: str, config: str, tau: float, tps: float, chosen: bool) -> dict:
+def _score(context: int, policy: str, config: str, tau: float, tps: float, chosen: bool, salience: bool = True) -> dict:
     return {"dataset": "d", "context": context, "label": f"diffspec[{policy} {config}]", "policy": policy,
-            "tree_config": config, "prompts": 2, "tau": tau, "decode_tokens_per_s": tps, "chosen": chosen}
+            "tree_config": config, "salience": salience, "prompts": 2, "tau": tau, "decode_tokens_per_s": tps,
+            "chosen": chosen}
 
 
 TUNING = [
     _score(4096, "online", "32:0.0:6", 3.0, 80.0, False), _score(4096, "full", "32:0.0:6", 4.0, 100.0, True),
+    _score(4096, "full", "32:0.0:6", 4.0, 50.0, False, salience=False),
     _score(16384, "online", "32:0.0:6", 3.5, 90.0, True), _score(16384, "full", "32:0.0:6", 4.0, 45.0, False),
+    _score(16384, "full", "32:0.0:6", 4.5, 72.0, False, salience=False),
 ]
 
 
 def test_policy_rows_lay_the_tuning_pass_out_by_context(tmp_path):
     rows = branch_policy_analysis.policy_rows({"tuning": TUNING})
-    assert [(r.policy, r.tree_config, sorted(r.cells)) for r in rows] == [
-        ("online", "32:0.0:6", [4096, 16384]), ("full", "32:0.0:6", [4096, 16384])]
-    online, full = rows
+    assert [(r.candidate, sorted(r.cells)) for r in rows] == [
+        ("online 32:0.0:6", [4096, 16384]), ("full 32:0.0:6", [4096, 16384]),
+        ("full 32:0.0:6, whole context", [4096, 16384])]
+    online, full, whole = rows
     assert (online.cells[4096].of_best, online.cells[16384].of_best) == (0.8, 1.0)
     assert (full.cells[4096].of_best, full.cells[16384].of_best) == (1.0, 0.5)
+    assert (whole.cells[4096].of_best, whole.cells[16384].of_best) == (0.5, 0.8)
     assert [full.cells[4096].chosen, online.cells[16384].chosen] == [True, True]
     table = branch_policy_analysis.markdown(rows, [], "r.json")
-    assert "| online | 32:0.0:6 | 3.00 / 80.0 (0.80) | **3.50 / 90.0 (1.00)** |" in table
-    assert "| full | 32:0.0:6 | **4.00 / 100.0 (1.00)** | 4.00 / 45.0 (0.50) |" in table
+    assert "| online 32:0.0:6 | 3.00 / 80.0 (0.80) | **3.50 / 90.0 (1.00)** |" in table
+    assert "| full 32:0.0:6 | **4.00 / 100.0 (1.00)** | 4.00 / 45.0 (0.50) |" in table
+    assert "| full 32:0.0:6, whole context | 4.00 / 50.0 (0.50) | 4.50 / 72.0 (0.80) |" in table
 
 
 def test_branch_policy_analysis_of_the_smoke_run(smoke_run, tmp_path):
@@ -41,7 +47,8 @@ def test_branch_policy_analysis_of_the_smoke_run(smoke_run, tmp_path):
     assert branch_policy_analysis.main([str(out_dir / "results.json"), "--out-dir", str(tmp_path)]) == 0
     assert {p.name for p in tmp_path.iterdir()} == {"branch_policy.md", "branch_policy.json", "branch_policy_repo_code.png"}
     written = json.loads((tmp_path / "branch_policy.json").read_text())
-    assert [(r["policy"], r["tree_config"]) for r in written["rows"]] == [("online", "32:0.0:6"), ("online", "64:0.0:8")]
+    assert [(r["policy"], r["tree_config"], r["salience"]) for r in written["rows"]] == [
+        (s["policy"], s["tree_config"], s["salience"]) for s in result["tuning"]]
     cells = [r["cells"]["1024"] for r in written["rows"]]
     assert [c["chosen"] for c in cells] == [s["chosen"] for s in result["tuning"]]
     assert max(c["of_best"] for c in cells) == 1.0
