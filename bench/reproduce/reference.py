@@ -19,6 +19,7 @@ from transformers import LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from bench.reproduce.runs import RunRecord
+from diffspec.devices import free_gpu_memory
 from gateway.request import GenerationStats
 
 REFERENCE = "transformers"
@@ -94,8 +95,7 @@ class TransformersReference:
 
     def close(self) -> None:
         self._model = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_gpu_memory()
 
     def _load(self) -> LlamaForCausalLM:
         if self._model is None:
