@@ -8,7 +8,9 @@ streams): generated tokens over wall time, requests verified per iteration and t
 verify computed (requests x widest tree), the target calls with and without prompt work (with the
 slowest prompt call and the prompt tokens per call), the loop's own host time per iteration (wall time
 outside the draft and target calls), and what a timed run should not do: record proposal graphs or
-compile Triton kernels. A plot of throughput against streams goes beside the JSON.
+compile Triton kernels. Online modes add the batch bounds proposed within and, per bound, what the
+batch planner predicted for it against what its steps delivered (``draft_service.bound_audit``). A
+plot of throughput against streams goes beside the JSON.
 
     python -m bench.batching --base-model .carry/b8/target --draft-model .carry/b8/head \
         --data .carry/data/shortctx_eval.jsonl --streams 1 4 16 32 --out bench/results/batching.json
@@ -17,7 +19,6 @@ compile Triton kernels. A plot of throughput against streams goes beside the JSO
 from __future__ import annotations
 
 import argparse
-import collections
 import asyncio
 import json
 import statistics
@@ -29,6 +30,8 @@ import torch
 
 from bench.warmup import triton_kernels_compiled, warm_up_draft, warm_up_target
 from diffspec.settings import DiffSpecSettings
+from draft_service.batch_plan import StepSeconds
+from draft_service.bound_audit import BoundAudit, BoundReport
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
 from gateway.assembly import build_engine
@@ -67,18 +70,20 @@ async def concurrent(engine: SpeculativeEngine, streams: list[list[list[int]]], 
 
 
 def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]], max_new_tokens: int) -> dict:
-    timing = engine.core.timing
-    while engine.core.has_work():  # the last run's releases: an iteration in flight would add to the reset timing
-        time.sleep(0.001)
+    timing, audit = engine.core.timing, _bound_audit(engine)
+    _settle(engine)  # the last run's releases: an iteration in flight would add to the reset timing
     timing.reset()
-    recorded_before, bounds_before, compiled_before = _draft_graphs(engine), _bounds_proposed(engine), triton_kernels_compiled()
+    recorded_before, audit_before, compiled_before = _draft_graphs(engine), audit.snapshot(), triton_kernels_compiled()
     tokens, seconds = asyncio.run(concurrent(engine, streams, MODES[mode], max_new_tokens))
-    bounds = _bounds_proposed(engine) - bounds_before
+    _settle(engine)  # this run's last verify: the audit measures it
+    bounds = {f"{b.tokens}:{b.depth}": report for b, report in audit.reports(since=audit_before).items()}
     return {
         "draft_graphs_recorded_in_run": _draft_graphs(engine) - recorded_before,
         "triton_compiles_in_run": triton_kernels_compiled() - compiled_before,
         # the online batch bounds proposed within, "tokens:depth" -> proposals, commonest first
-        "online_bounds": {f"{b.tokens}:{b.depth}": n for b, n in bounds.most_common()},
+        "online_bounds": {key: report.proposals for key, report in bounds.items()},
+        # per bound: what the batch planner predicted against what its steps delivered
+        "online_bound_audit": {key: _audit_json(report) for key, report in bounds.items()},
         "mode": mode,
         "streams": len(streams),
         "requests_per_stream": len(streams[0]),
@@ -99,10 +104,53 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
     }
 
 
-def _bounds_proposed(engine: SpeculativeEngine) -> collections.Counter:
-    """Proposals per online batch bound of the in-process draft so far (empty without one)."""
-    draft = engine.draft
-    return collections.Counter(draft.bounds_proposed) if isinstance(draft, DraftRuntime) else collections.Counter()
+def _settle(engine: SpeculativeEngine) -> None:
+    """Until the engine's loop has nothing left to run."""
+    while engine.core.has_work():
+        time.sleep(0.001)
+
+
+def _bound_audit(engine: SpeculativeEngine) -> BoundAudit:
+    """The in-process draft's audit of its online batch bounds (an empty one without an in-process draft)."""
+    return engine.draft.bound_audit if isinstance(engine.draft, DraftRuntime) else BoundAudit()
+
+
+def _audit_json(report: BoundReport) -> dict:
+    """One bound's audit for the JSON: tokens per step per session, tokens/s of the batch, seconds in ms."""
+
+    def ms(seconds: StepSeconds) -> dict[str, float]:
+        parts = {"step": seconds.total, "overhead": seconds.overhead, "draft": seconds.draft, "verify": seconds.verify}
+        return {part: round(1000 * value, 3) for part, value in parts.items()}
+
+    realised, runner_up = report.realised_tokens_per_step, report.runner_up_tokens_per_second
+    return {
+        "proposals": report.proposals,
+        "choices": report.choices,
+        "batch": round(report.batch, 2),
+        "context_tokens": round(report.context_tokens),
+        "predicted_tokens_per_step": round(report.predicted_tokens_per_step, 3),
+        "realised_tokens_per_step": round(realised, 3) if realised is not None else None,
+        "predicted_tokens_per_s": round(report.predicted_tokens_per_second, 1),
+        "runner_up_tokens_per_s": round(runner_up, 1) if runner_up is not None else None,
+        "predicted_ms": ms(report.predicted_seconds),
+        "measured_ms": ms(report.measured_seconds) if report.measured_seconds is not None else None,
+        "measured_steps": report.measured_steps,
+    }
+
+
+def _audit_lines(row: dict) -> list[str]:
+    """A line per bound of a row's ``online_bound_audit``: each prediction beside what was realised or measured."""
+    lines = []
+    for key, audit in row["online_bound_audit"].items():
+        predicted, measured = audit["predicted_ms"], audit["measured_ms"] or {"step": None, "verify": None}
+        lines.append(
+            f"  {row['mode']} x{row['streams']} bound {key}: {audit['proposals']} proposals, {audit['choices']}"
+            f" choices; predicted / realised tokens per step {audit['predicted_tokens_per_step']} / "
+            f"{audit['realised_tokens_per_step']}, step ms {predicted['step']} / {measured['step']}, verify ms "
+            f"{predicted['verify']} / {measured['verify']}; predicted tokens/s {audit['predicted_tokens_per_s']}, "
+            f"runner-up {audit['runner_up_tokens_per_s']}"
+        )
+    return lines
 
 
 def _draft_graphs(engine: SpeculativeEngine) -> int:
@@ -176,7 +224,7 @@ def main() -> int:
             # untimed first: every draft graph shape this run meets is recorded, and the planner has its costs
             measure(engine, mode, prompts(streams), args.max_new_tokens)
             rows.append(measure(engine, mode, prompts(streams), args.max_new_tokens))
-            print(json.dumps(rows[-1]), flush=True)
+            print(json.dumps(rows[-1]), *_audit_lines(rows[-1]), sep="\n", flush=True)
     for row in rows:
         single = next(r for r in rows if r["mode"] == row["mode"] and r["streams"] == min(args.streams))
         auto = next((r for r in rows if r["mode"] == "auto" and r["streams"] == row["streams"]), None)

@@ -24,6 +24,9 @@ crosses a power of two (the verify cost moves with it). The runtime's first onli
 the largest of its sessions' own budgets (where a tuned profile starts them) and keeps it
 ``START_STEPS`` proposals, so the own budgets are measured first. A probe (``tree_plan.prober``) goes ahead only when its padded
 verify is predicted to cost at most ``PROBE_OVERHEAD`` more than the bound's.
+
+Record. Each choice keeps what it predicted for the bound it chose, by part, and the best other bound's
+value (``BoundChoice``): ``draft_service.bound_audit`` sets it beside what the steps within the bound delivered.
 """
 
 from __future__ import annotations
@@ -50,6 +53,19 @@ class SessionOutlook:
 
 
 @dataclass(frozen=True)
+class StepSeconds:
+    """A step's seconds by part: what ``BatchCost`` predicts for a bound, or what the runtime measured of one."""
+
+    overhead: float  # s: the rest of the step (the accept, host work, the engine loop)
+    draft: float  # s: the proposal on the device
+    verify: float  # s: the target's verify of the padded trees
+
+    @property
+    def total(self) -> float:
+        return self.overhead + self.draft + self.verify
+
+
+@dataclass(frozen=True)
 class BatchCost:
     """The measured costs a bound is scored with, read once per choice."""
 
@@ -66,11 +82,50 @@ class BatchCost:
         """A verify of every session's tree padded to ``tokens``."""
         return self._verify(self.batch * tokens)
 
-    def step_seconds(self, bound: Bound) -> float:
+    def step_seconds(self, bound: Bound) -> StepSeconds:
         """A whole step within ``bound``: its depths' proposal, the padded verify, and what every step costs
         besides (``StepCostModel.observe_step``)."""
-        proposal = self.cost.draft_seconds(bound.depth)
-        return self.cost.step_overhead_seconds + proposal + self.verify_seconds(bound.tokens)
+        return StepSeconds(
+            self.cost.step_overhead_seconds, self.cost.draft_seconds(bound.depth), self.verify_seconds(bound.tokens)
+        )
+
+
+@dataclass(frozen=True)
+class BoundPrediction:
+    """What a choice predicts for one bound over its batch: the V(T, D) of the module, by part."""
+
+    tokens_per_step: float  # tokens the whole batch emits per step: the sum of its sessions' E_s
+    seconds: StepSeconds  # the step at the bound (padded to the fixed sessions' trees)
+    batch: int  # sessions verified together
+    context_tokens: int  # mean committed tokens per session
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.seconds.total
+
+
+@dataclass(frozen=True)
+class BoundChoice:
+    """What the planner predicted at its last choice for the bound it chose, and how close the call was."""
+
+    predicted: BoundPrediction  # for the bound chosen (or kept)
+    runner_up_tokens_per_second: float | None  # the best other bound scored; None where none was (the start)
+
+
+def _predictor(outlooks: list[SessionOutlook], cost: BatchCost) -> Callable[[Bound], BoundPrediction]:
+    """What the batch of ``outlooks`` is predicted to emit and spend per step within a bound."""
+    fixed = [next(iter(o.expectations)) for o in outlooks if o.fixed]
+    widest = Bound(max((c.tokens for c in fixed), default=1), max((c.depth for c in fixed), default=0))
+
+    def predict(bound: Bound) -> BoundPrediction:
+        expected = 0.0
+        for outlook in outlooks:
+            fitting = [e for c, e in outlook.expectations.items() if outlook.fixed or bound.fits(c)]
+            expected += max(fitting, default=1.0)  # no fitting candidate: the bonus token alone
+        padded = Bound(max(bound.tokens, widest.tokens), max(bound.depth, widest.depth))
+        return BoundPrediction(expected, cost.step_seconds(padded), cost.batch, cost.context_tokens)
+
+    return predict
 
 
 class BatchPlanner:
@@ -78,6 +133,7 @@ class BatchPlanner:
 
     def __init__(self) -> None:
         self.bound: Bound | None = None
+        self.choice: BoundChoice | None = None  # what was predicted when the bound was last chosen
         self.proposals_to_choice = 0  # proposals left before the bound is chosen again
         self.batch_scale = 0  # the batch size's power of two when the bound was chosen
 
@@ -85,31 +141,25 @@ class BatchPlanner:
         """Whether this proposal chooses the bound again."""
         return self.bound is None or self.proposals_to_choice <= 0 or batch.bit_length() != self.batch_scale
 
-    def start(self, own_budgets: list[Bound], batch: int) -> Bound:
+    def start(self, own_budgets: list[Bound], outlooks: list[SessionOutlook], cost: BatchCost) -> Bound:
         """A new batch's bound: the largest of its sessions' own budgets, kept ``START_STEPS`` proposals."""
-        self.bound = Bound(max(b.tokens for b in own_budgets), max(b.depth for b in own_budgets))
-        self.proposals_to_choice, self.batch_scale = START_STEPS, batch.bit_length()
-        return self.bound
+        bound = Bound(max(b.tokens for b in own_budgets), max(b.depth for b in own_budgets))
+        self.bound, self.choice = bound, BoundChoice(_predictor(outlooks, cost)(bound), None)
+        self.proposals_to_choice, self.batch_scale = START_STEPS, cost.batch.bit_length()
+        return bound
 
     def choose(self, bounds: list[Bound], outlooks: list[SessionOutlook], cost: BatchCost) -> Bound:
         """The bound of ``bounds`` with the most predicted tokens per second for the batch (see the module)."""
-        fixed = [next(iter(o.expectations)) for o in outlooks if o.fixed]
-        widest = Bound(max((c.tokens for c in fixed), default=1), max((c.depth for c in fixed), default=0))
-
-        def value(bound: Bound) -> float:
-            expected = 0.0
-            for outlook in outlooks:
-                fitting = [e for c, e in outlook.expectations.items() if outlook.fixed or bound.fits(c)]
-                expected += max(fitting, default=1.0)  # no fitting candidate: the bonus token alone
-            padded = Bound(max(bound.tokens, widest.tokens), max(bound.depth, widest.depth))
-            return expected / cost.step_seconds(padded)
-
-        scored = [(value(b), b) for b in dict.fromkeys(bounds)]
-        best_value, best = max(scored, key=lambda pair: pair[0])  # the first listed wins a tie
+        predict = _predictor(outlooks, cost)
+        scored = {bound: predict(bound) for bound in dict.fromkeys(bounds)}
+        best = max(scored, key=lambda bound: scored[bound].tokens_per_second)  # the first listed wins a tie
         kept = self.bound if self.bound is not None else best
-        if best_value > value(kept) * (1 + PLAN_HYSTERESIS):
-            kept = best
-        self.bound, self.proposals_to_choice, self.batch_scale = kept, REPLAN_EVERY, cost.batch.bit_length()
+        predicted = scored[kept] if kept in scored else predict(kept)
+        if scored[best].tokens_per_second > predicted.tokens_per_second * (1 + PLAN_HYSTERESIS):
+            kept, predicted = best, scored[best]
+        runner_up = max((p.tokens_per_second for b, p in scored.items() if b != kept), default=None)
+        self.bound, self.choice = kept, BoundChoice(predicted, runner_up)
+        self.proposals_to_choice, self.batch_scale = REPLAN_EVERY, cost.batch.bit_length()
         return kept
 
     def step(self) -> None:

@@ -21,9 +21,10 @@ from diffspec.tree import DraftTree, PendingTree
 from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats
 from draft_service.drafter import Drafter, DraftSession, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
-from draft_service.batch_plan import REPLAN_EVERY, BatchCost, BatchPlanner, SessionOutlook
+from draft_service.batch_plan import REPLAN_EVERY, BatchCost, BatchPlanner, SessionOutlook, StepSeconds
+from draft_service.bound_audit import BoundAudit
 from draft_service.hazard import HazardProfile, StepCostModel, expected_tokens
-from draft_service.options import DraftOptions, validate_options
+from draft_service.options import validate_options
 from draft_service.tree_budget import MAX_DEPTH
 from draft_service.tree_plan import (
     CANDIDATE_GRID,
@@ -39,6 +40,15 @@ from draft_service.working_set import WorkingSetConfig
 OBSERVED_PER_STEP = 4  # online sessions whose verified tree a step hands their planner (host time per step)
 REQUEST_DECAY = 0.9  # a request's hazard forgets old steps fast: it follows the text
 GLOBAL_DECAY = 0.995  # the global prior moves slowly
+
+
+@dataclass(frozen=True)
+class _TimedProposal:
+    """The last batch proposal, read at the next step: it returned before the device ran it."""
+
+    depth: int  # draft depths of its deepest plan
+    timer: DeviceTimer  # its span on the device
+    bound: Bound | None  # the online bound every tree kept within; None without one, or with a probe past it
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class _SessionState:
     last_tree: DraftTree | PendingTree | None = None  # its host nodes are read when its verification is observed
     proposed: _Proposed | None = None  # for the planner: the last proposal, until its step is observed
     expected_tokens: float = 1.0  # what the last plan expected to emit per step
+    proposed_within: Bound | None = None  # the online bound its last tree kept within (None: none, or a probe past it)
     steps_to_replan: int = 0  # proposals left before the plan is made again
 
 
@@ -84,11 +95,15 @@ class DraftRuntime:
         self.candidate_grid = CANDIDATE_GRID  # the dynamic trees an online session chooses among, beside its own
         self.proposals = 0  # batch proposals so far: when an online session probes
         self.batch_plan = BatchPlanner()  # the bound every online session's tree keeps within
-        self.bounds_proposed: collections.Counter[Bound] = collections.Counter()  # proposals per bound (online)
-        # the last proposal's depth and device span, read at the next one (it returned before the device ran it)
-        self._timed_proposal: tuple[int, DeviceTimer] | None = None
+        self.bound_audit = BoundAudit()  # per bound: what the batch planner predicted, what its steps delivered
+        self._timed_proposal: _TimedProposal | None = None
         self._proposing_step_started: float | None = None  # when the last step began, if it proposed
         self._lock = threading.Lock()
+
+    @property
+    def bounds_proposed(self) -> collections.Counter[Bound]:
+        """Proposals per online batch bound so far."""
+        return collections.Counter({bound: report.proposals for bound, report in self.bound_audit.reports().items()})
 
     def step(self, batch: DraftBatch) -> DraftBatchResult:
         """Release, start, accept, then propose for every session asked; failures stay per session."""
@@ -184,6 +199,8 @@ class DraftRuntime:
         self._check_token_ids(emitted)
         if session.last_tree is not None and accept.verified_draft_tree:
             self._observe_step(session, emitted[:-1])
+            if session.proposed_within is not None:
+                self.bound_audit.emitted(session.proposed_within, len(emitted))
         session.last_tree = None  # observed, or an Auto step in its stead verified nothing of it
         return Extension(session.drafter_state, features, emitted)
 
@@ -198,9 +215,13 @@ class DraftRuntime:
         """The step that ended now, when the last one proposed and this batch carries its verify's cost: from
         the start of that draft call to the start of this one is one whole step of the engine (its draft
         call, its target call and the loop around them)."""
-        if self._proposing_step_started is not None and self._timed_proposal is not None:
-            proposal_seconds = self._timed_proposal[1].seconds()
-            self.step_cost.observe_step(started - self._proposing_step_started, proposal_seconds, verify_seconds)
+        last = self._timed_proposal
+        if self._proposing_step_started is not None and last is not None:
+            step_seconds, proposal_seconds = started - self._proposing_step_started, last.timer.seconds()
+            self.step_cost.observe_step(step_seconds, proposal_seconds, verify_seconds)
+            if last.bound is not None:
+                overhead = step_seconds - proposal_seconds - verify_seconds
+                self.bound_audit.measured(last.bound, StepSeconds(overhead, proposal_seconds, verify_seconds))
 
     def _propose(self, session_ids: list[str]) -> dict[str, DraftTree | PendingTree]:
         """Trees for several sessions, grown together (one head pass per depth for all)."""
@@ -211,18 +232,29 @@ class DraftRuntime:
             chosen = self._plan_batch(sessions)
         requests = [ProposalRequest(s.drafter_state, list(c.plan), c.budget) for s, c in zip(sessions, chosen)]
         if self._timed_proposal is not None:  # the last proposal ran on the device by now: its span is a read
-            depth, timer = self._timed_proposal
-            self.step_cost.observe_draft(depth, timer.seconds())
+            self.step_cost.observe_draft(self._timed_proposal.depth, self._timed_proposal.timer.seconds())
         timer = DeviceTimer(self.head.fc.weight.device)
         timer.start()
         trees = self.drafter.propose_pending(requests)
         timer.stop()
-        self._timed_proposal = (max(c.depth for c in chosen), timer)
+        within = self._within_bound(sessions, chosen)
+        step_bound = within[0] if None not in within else None  # every tree within: the step measures the bound
+        self._timed_proposal = _TimedProposal(max(c.depth for c in chosen), timer, step_bound)
         for i in self._observed(sessions, chosen):
             sessions[i].proposed = _Proposed(trees[i], chosen[i], sessions[i].hazard.steps)
-        for session, tree in zip(sessions, trees):
+        for session, tree, bound in zip(sessions, trees, within):
             session.last_tree = tree
+            session.proposed_within = bound
         return dict(zip(session_ids, trees))
+
+    def _within_bound(self, sessions: list[_SessionState], chosen: list[Candidate]) -> list[Bound | None]:
+        """Per session, the online bound its tree kept within (``bound_audit``); None without online sessions,
+        and for a probe past the bound: neither its tree nor the verify padded to it measure the bound. A fixed
+        policy's tree widens the bound the batch is predicted for, so it is part of that prediction."""
+        bound = self.batch_plan.bound
+        if bound is None or all(s.planner is None for s in sessions):
+            return [None] * len(sessions)
+        return [bound if s.planner is None or bound.fits(c) else None for s, c in zip(sessions, chosen)]
 
     def _plan_batch(self, sessions: list[_SessionState]) -> list[Candidate]:
         """Each session's tree: a fixed policy's own; an ``online`` one's best within the batch's bound
@@ -263,19 +295,22 @@ class DraftRuntime:
     def _bound_online(self, sessions: list[_SessionState], online: list[_SessionState], cost: BatchCost) -> None:
         """Choose the batch's bound when due, then re-plan the online sessions whose turn it is within it."""
         plan = self.batch_plan
-        if plan.bound is None:
-            plan.start([Bound(s.candidate.tokens, s.candidate.depth) for s in online], len(sessions))
-        elif plan.due(len(sessions)):
+        if plan.due(len(sessions)):
             outlooks = [
                 SessionOutlook(s.planner.expectations(s.hazard), False) if s.planner is not None
                 else SessionOutlook({s.candidate: s.expected_tokens}, True)
                 for s in sessions
             ]  # fmt: skip
-            plan.choose([b for s in online if s.planner is not None for b in s.planner.bounds()], outlooks, cost)
+            if plan.bound is None:
+                chosen = plan.start([Bound(s.candidate.tokens, s.candidate.depth) for s in online], outlooks, cost)
+            else:
+                bounds = [b for s in online if s.planner is not None for b in s.planner.bounds()]
+                chosen = plan.choose(bounds, outlooks, cost)
+            self.bound_audit.chose(chosen)
         plan.step()
-        bound = plan.bound
-        assert bound is not None
-        self.bounds_proposed[bound] += 1
+        bound, choice = plan.bound, plan.choice
+        assert bound is not None and choice is not None
+        self.bound_audit.proposed(bound, choice)
         for session in online:
             if session.steps_to_replan <= 0 or not bound.fits(session.candidate):
                 assert session.planner is not None

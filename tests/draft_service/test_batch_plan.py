@@ -12,6 +12,7 @@ from draft_service.batch_plan import (
     START_STEPS,
     BatchCost,
     BatchPlanner,
+    BoundPrediction,
     SessionOutlook,
 )
 from draft_service.hazard import HazardProfile, StepCostModel
@@ -41,10 +42,14 @@ def outlooks(sessions: int, means: dict[str, float] = MEANS) -> list[SessionOutl
     return [SessionOutlook(expectations, False)] * sessions
 
 
+def expected(bound: Bound, looks: list[SessionOutlook]) -> float:
+    """The batch's tokens per step within ``bound``, online sessions alone: the sum of their E_s."""
+    return sum(max((e for c, e in o.expectations.items() if bound.fits(c)), default=1.0) for o in looks)
+
+
 def value(bound: Bound, looks: list[SessionOutlook], cost: BatchCost) -> float:
     """The module's V(T, D) for online sessions alone, written out."""
-    expected = sum(max((e for c, e in o.expectations.items() if bound.fits(c)), default=1.0) for o in looks)
-    return expected / cost.step_seconds(bound)
+    return expected(bound, looks) / cost.step_seconds(bound).total
 
 
 @pytest.mark.parametrize("cost", [KNEE, FLAT], ids=["knee", "flat"])
@@ -79,14 +84,36 @@ def test_hysteresis_keeps_a_near_equal_bound_and_yields_to_a_clear_gain():
     assert value(Bound(96, 10), looks, flat) > value(Bound(64, 8), looks, flat)  # better, by under 3%
     assert value(Bound(96, 10), looks, flat) < value(Bound(64, 8), looks, flat) * (1 + PLAN_HYSTERESIS)
     assert planner.choose(GRID_BOUNDS, looks, flat) == Bound(64, 8)
+    assert planner.choice is not None  # the call was close: the best other bound was the one not taken
+    assert planner.choice.runner_up_tokens_per_second == value(Bound(96, 10), looks, flat)
     knee = BatchCost(KNEE, 16, 2048)
     assert planner.choose(GRID_BOUNDS, outlooks(16), knee) == Bound(16, 4)
+
+
+@pytest.mark.parametrize("sessions", [1, 16])
+def test_a_choice_keeps_what_it_predicted_for_its_bound_and_the_best_other_bounds_value(sessions):
+    looks, batch, planner = outlooks(sessions), BatchCost(KNEE, sessions, 2048), BatchPlanner()
+    chosen = planner.choose(GRID_BOUNDS, looks, batch)
+    assert planner.choice is not None
+    predicted = BoundPrediction(expected(chosen, looks), batch.step_seconds(chosen), sessions, 2048)
+    assert planner.choice.predicted == predicted
+    assert planner.choice.predicted.tokens_per_second == value(chosen, looks, batch)
+    others = [value(b, looks, batch) for b in GRID_BOUNDS if b != chosen]
+    assert planner.choice.runner_up_tokens_per_second == max(others)
+
+
+def test_a_start_predicts_for_its_bound_and_scores_no_other():
+    looks, batch, planner = outlooks(3), BatchCost(KNEE, 3, 2048), BatchPlanner()
+    start = planner.start([Bound(24, 5), Bound(64, 8)], looks, batch)
+    assert planner.choice is not None and planner.choice.runner_up_tokens_per_second is None
+    assert planner.choice.predicted == BoundPrediction(expected(start, looks), batch.step_seconds(start), 3, 2048)
 
 
 def test_a_batch_starts_from_the_largest_own_budget_and_chooses_again_when_due():
     planner = BatchPlanner()
     assert planner.due(3)
-    assert planner.start([Bound(24, 5), Bound(64, 8), Bound(48, 10)], batch=3) == Bound(64, 10)
+    own_budgets = [Bound(24, 5), Bound(64, 8), Bound(48, 10)]
+    assert planner.start(own_budgets, outlooks(3), BatchCost(KNEE, 3, 2048)) == Bound(64, 10)
     for _ in range(START_STEPS):
         assert not planner.due(3)
         planner.step()
@@ -116,6 +143,6 @@ def test_what_every_step_costs_besides_weighs_a_larger_tree_fairly():
         cost = measured({1: 0.0062, 16: 0.0066, 64: 0.0090, 256: 0.0150}, draft_seconds_per_depth=0.00025)
         cost.step_overhead_seconds = overhead
         batch = BatchCost(cost, 1, 32768)
-        assert batch.step_seconds(Bound(64, 8)) == pytest.approx(overhead + 8 * 0.00025 + 0.0090)
+        assert batch.step_seconds(Bound(64, 8)).total == pytest.approx(overhead + 8 * 0.00025 + 0.0090)
         chosen.append(BatchPlanner().choose(GRID_BOUNDS, outlooks(1), batch))
     assert chosen == [Bound(32, 6), Bound(64, 8)]

@@ -294,5 +294,5 @@ def test_shallow_proposals_do_not_price_deep_ones_by_their_own_per_depth_cost():
     cost.observe_draft(8, 0.0019)
     assert cost.draft_seconds_per_depth * 8 > 0.0021  # what pricing per depth alone predicts
     assert cost.draft_seconds(8) == pytest.approx(0.0019)
-    assert BatchCost(cost, 1, 4096).step_seconds(Bound(64, 8)) == pytest.approx(
+    assert BatchCost(cost, 1, 4096).step_seconds(Bound(64, 8)).total == pytest.approx(
         cost.step_overhead_seconds + 0.0019 + cost.verify_seconds(64, 4096))

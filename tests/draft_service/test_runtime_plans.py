@@ -1,13 +1,17 @@
 """The draft runtime's plans for a batch of online sessions on the bundled head (CPU): the trees it asks the
-device proposal for, how often it re-plans, probes and hands verified trees to the planners."""
+device proposal for, how often it re-plans, probes and hands verified trees to the planners, and its audit of the
+bounds."""
 
 from __future__ import annotations
 
+import collections
 import time
+from typing import Callable, Iterator
 
+import pytest
 import torch
 
-from diffspec.tree import DraftTree
+from diffspec.tree import DraftTree, PendingTree
 
 from draft_service.backend import DraftAccept, DraftBatch, DraftStart, VerifyCost
 from draft_service.options import DraftOptions
@@ -18,34 +22,71 @@ from draft_service.tree_plan import CANDIDATE_GRID, DYNAMIC, PROBE_EVERY, Bound,
 from tests.draft_service.test_drafter import load_head
 
 SESSIONS, STEPS = 6, 2 * PROBE_EVERY
+FLAT_VERIFY_SECONDS = 0.01  # one size measured: every size costs the same
+DRAFT_SECONDS_PER_DEPTH = 0.001
 
 
-def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work(monkeypatch):
+@pytest.fixture
+def planning_runtime(monkeypatch) -> DraftRuntime:
+    """A runtime over the bundled head whose planner prices a step alike on any machine: a proposal costs
+    ``DRAFT_SECONDS_PER_DEPTH`` per depth and a step nothing besides its proposal and its verify (priced by
+    measured wall times, the bounds chosen would hang on the machine's load)."""
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
+    observe_draft = runtime.step_cost.observe_draft
+    fixed = lambda depths, seconds: observe_draft(depths, DRAFT_SECONDS_PER_DEPTH * depths)  # noqa: E731
+    monkeypatch.setattr(runtime.step_cost, "observe_draft", fixed)
+    monkeypatch.setattr(runtime.step_cost, "observe_step", lambda *measured: None)
+    return runtime
+
+
+def first_children(tree: DraftTree | PendingTree, drafts: int) -> list[int]:
+    """The tokens of the path from the root through each node's first child, ``drafts`` deep or to a leaf."""
+    tree = DraftTree.of(tree)
+    children, tokens, node, path = tree.children(), tree.token_list(), 0, []
+    while len(path) < drafts and children[node]:
+        node = children[node][0]
+        path.append(tokens[node])
+    return path
+
+
+def stepped_online_batch(
+    runtime: DraftRuntime, steps: int, drafts_accepted: Callable[[int, int], int] = lambda step, session: 1
+) -> Iterator[list[DraftAccept]]:
+    """Start ``SESSIONS`` online sessions (own budget 24:0.0:5, prompts of 20, 30, ... tokens) proposing together,
+    then step them ``steps`` times; yields after each step what it accepted (nothing at the start). At step k the
+    target accepts ``drafts_accepted(k, i)`` drafts of session i's tree through first children (as many as it
+    holds), then a bonus token, and its verify costs ``FLAT_VERIFY_SECONDS``."""
     c = runtime.head.config
     generator = torch.Generator().manual_seed(0)
     features = lambda rows: torch.randn(rows, 3 * c.target_hidden_size, generator=generator)  # noqa: E731
-    requests, chooses = [], []
-    propose = runtime.drafter.propose_pending
-    monkeypatch.setattr(runtime.drafter, "propose_pending", lambda batch: requests.append(batch) or propose(batch))
-    choose = TreePlanner.choose
-    monkeypatch.setattr(TreePlanner, "choose", lambda self, *a: chooses.append(self) or choose(self, *a))
     ids = [f"s{i}" for i in range(SESSIONS)]
     starts = []
     for i, sid in enumerate(ids):
         prompt = torch.randint(0, c.vocab_size, (20 + 10 * i,), generator=generator).tolist()
         starts.append(DraftStart(sid, prompt, features(len(prompt)), 1, DraftOptions("online", "24:0.0:5")))
     trees = runtime.step(DraftBatch(starts=starts, proposes=ids)).trees
-    plans_per_step, observed_per_step, bounds = [len(chooses)], [], [runtime.batch_plan.bound]
-    for _ in range(STEPS):
-        observed = sum(s.planner.observed_steps for s in runtime.sessions.values())
-        # the target accepts each tree's first child, then a bonus token
-        accepts = [DraftAccept(sid, [int(DraftTree.of(trees[sid]).tokens[1]), 2], features(2)) for sid in ids]
-        flat = VerifyCost(rows=SESSIONS * 24, seconds=0.01)  # one size measured: every size costs the same
+    yield []
+    for step in range(1, steps + 1):
+        emitted = [[*first_children(trees[sid], drafts_accepted(step, i)), 2] for i, sid in enumerate(ids)]
+        accepts = [DraftAccept(sid, tokens, features(len(tokens))) for sid, tokens in zip(ids, emitted)]
+        flat = VerifyCost(rows=SESSIONS * 24, seconds=FLAT_VERIFY_SECONDS)
         trees = runtime.step(DraftBatch(accepts=accepts, proposes=ids, verify_cost=flat)).trees
+        yield accepts
+
+
+def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work(planning_runtime, monkeypatch):
+    runtime = planning_runtime
+    requests, chooses = [], []
+    propose = runtime.drafter.propose_pending
+    monkeypatch.setattr(runtime.drafter, "propose_pending", lambda batch: requests.append(batch) or propose(batch))
+    choose = TreePlanner.choose
+    monkeypatch.setattr(TreePlanner, "choose", lambda self, *a: chooses.append(self) or choose(self, *a))
+    plans_per_step, observed, bounds = [], [], []
+    for _ in stepped_online_batch(runtime, STEPS):  # the target accepts each tree's first child, then a bonus token
         plans_per_step.append(len(chooses) - sum(plans_per_step))
-        observed_per_step.append(sum(s.planner.observed_steps for s in runtime.sessions.values()) - observed)
+        observed.append(sum(s.planner.observed_steps for s in runtime.sessions.values()))
         bounds.append(runtime.batch_plan.bound)
+    observed_per_step = [after - before for before, after in zip(observed, observed[1:])]
     allowed = {TreeBudget.parse("24:0.0:5"), *CANDIDATE_GRID, TreeBudget.parse("96:0.0:10")}
     for batch in requests:
         assert {r.budget for r in batch if r.plan[0].children == 10} <= allowed  # dynamic trees: the grid's or own
@@ -92,3 +133,39 @@ def test_the_runtime_measures_a_steps_overhead_between_proposing_calls():
     measured = runtime.step_cost.step_overhead_seconds
     runtime.step(DraftBatch(proposes=["s"], verify_cost=verify))  # the step before proposed nothing
     assert runtime.step_cost.step_overhead_seconds == measured
+
+
+def test_the_bound_audit_counts_every_proposal_within_its_bound_and_what_the_steps_delivered(
+    planning_runtime, monkeypatch
+):
+    """Per bound: as many proposals as were made within it; each verified tree's tokens (drafts through first
+    children, 0 to 3 deep, then the bonus) and each verified step's seconds, but a probe's past the bound."""
+    runtime = planning_runtime
+    requests = []
+    propose = runtime.drafter.propose_pending
+    monkeypatch.setattr(runtime.drafter, "propose_pending", lambda batch: requests.append(batch) or propose(batch))
+    bounds, accepted = [], []
+    for accepts in stepped_online_batch(runtime, STEPS, lambda step, i: (step + i) % 4):
+        bounds.append(runtime.batch_plan.bound)
+        accepted.append(accepts)
+    reports = runtime.bound_audit.reports()
+    assert {bound: report.proposals for bound, report in reports.items()} == runtime.bounds_proposed
+    assert runtime.bounds_proposed == collections.Counter(bounds)  # one per proposal, to the bound it kept within
+    assert sum(r.choices for r in reports.values()) == 1 + len(range(START_STEPS, STEPS + 1, REPLAN_EVERY))
+    # each step verifies the trees proposed at the step before, within its bound but a probe
+    session_steps, emitted, measured_steps = collections.Counter(), collections.Counter(), collections.Counter()
+    for batch, bound, accepts in zip(requests, bounds, accepted[1:]):
+        within = [bound.fits(Candidate(DYNAMIC, tuple(r.plan), r.budget)) for r in batch]
+        session_steps[bound] += sum(within)
+        emitted[bound] += sum(len(a.emitted_tokens) for a, w in zip(accepts, within) if w)
+        measured_steps[bound] += all(within)
+    assert sum(measured_steps.values()) < STEPS  # a probe went past its bound
+    for bound, report in reports.items():
+        tally = runtime.bound_audit.tallies[bound]
+        assert (tally.session_steps, tally.emitted_tokens) == (session_steps[bound], emitted[bound])
+        assert report.measured_steps == measured_steps[bound]
+        if session_steps[bound]:
+            assert report.realised_tokens_per_step == emitted[bound] / session_steps[bound]
+            assert 1 <= report.realised_tokens_per_step <= bound.depth + 1
+        if report.measured_seconds is not None:
+            assert report.measured_seconds.verify == pytest.approx(FLAT_VERIFY_SECONDS)
