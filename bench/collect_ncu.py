@@ -8,7 +8,7 @@ so the CUDA profiler can be switched on for exactly the iterations wanted, each 
 - ``auto step``: one Auto decode iteration (the target's step graph);
 - ``diffspec start``: the iteration in which the draft session starts: the draft's KV over the
   prompt, the working set chosen and the chunk arena filled by gathering every selected chunk
-  (``ChunkArena.update``), then the first proposal and its verification;
+  (``ChunkArena.apply``, through ``draft_context.reselect_all``), then the first proposal and its verification;
 - ``diffspec step``: one steady DiffSpec iteration (accept, arena refresh, proposal, tree verify);
   the draft attends to the arena staged with the partial tail chunk (``DraftContext.view``'s gather).
 

@@ -10,7 +10,8 @@ path. The plan: a chunk that stays keeps its slot unless that slot is past the n
 shrank); the free slots below the new end (leavers' slots, or unused ones) take those stragglers
 first, then the entering chunks in ``selected`` order. So only entering chunks and stragglers are
 copied, as one indexed copy each (keys and values), from one host-to-device upload of the slot and
-chunk ids.
+chunk ids. A session's arenas of every decoder layer take one plan, and a batch's sessions whose sets
+changed share one upload (``plan``, then ``apply``: ``draft_context.reselect_all``).
 
 Order. Slots are in no particular chunk order, and nothing needs one: the committed keys are roped
 when they are written (``Eagle3Head.attention_inputs``), and the draft attends to every context key
@@ -24,8 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from diffspec.devices import PinnedStaging
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,11 @@ class ArenaPlan:
             slot_chunk[slot] = chunk
         return ArenaPlan(slot_chunk, move_from, move_to, enter_slots, enter_chunks)
 
+    @property
+    def ids(self) -> list[int]:
+        """What an update uploads: the slot and chunk ids of its copies, in field order."""
+        return [*self.move_from, *self.move_to, *self.enter_slots, *self.enter_chunks]
+
 
 class ChunkArena:
     def __init__(
@@ -62,10 +66,7 @@ class ChunkArena:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        staging: PinnedStaging | None = None,
     ) -> None:
-        """``staging``: where an update's ids go up, shared with the drafter's other small uploads (None: a
-        ring of the arena's own), so sessions and layers do not each pin buffers of their own."""
         shape = (num_slots, chunk_size, num_kv_heads, head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)  # [slots, chunk, kv_heads, hd]
         self.values = torch.empty(shape, dtype=dtype, device=device)
@@ -73,7 +74,6 @@ class ChunkArena:
         self.slot_chunk: list[int] = []  # [num_used] chunk id held by each used slot
         self.copies = 0  # chunks copied in so far (entering chunks and stragglers moved below the end)
         self.batched_copies = 0  # indexed copies issued so far, each of keys and values: at most 2 an update
-        self._staging = staging or PinnedStaging(device)  # the slot and chunk ids of an update, one upload
 
     @property
     def num_slots(self) -> int:
@@ -86,19 +86,23 @@ class ChunkArena:
     def chunks(self) -> set[int]:
         return set(self.slot_chunk)
 
-    def update(self, selected: list[int], source_keys: torch.Tensor, source_values: torch.Tensor) -> None:
-        """Make the arena hold exactly ``selected`` (distinct chunk ids, each a full chunk of the sources
-        [length, kv_heads, hd]): one upload and at most two indexed copies of keys and values, with no sync."""
-        num_full = source_keys.shape[0] // self.chunk_size
+    def plan(self, selected: list[int], num_full: int) -> ArenaPlan:
+        """How the arena comes to hold ``selected``, distinct chunks among the sources' ``num_full`` full ones."""
         if len(selected) > self.num_slots:
             raise ValueError(f"{len(selected)} chunks selected for an arena of {self.num_slots} slots")
         if len(set(selected)) != len(selected) or any(not 0 <= c < num_full for c in selected):
             raise ValueError(f"selected chunks {selected} are not distinct full chunks of {num_full}")
-        plan = ArenaPlan.of(self.slot_chunk, selected)
+        return ArenaPlan.of(self.slot_chunk, selected)
+
+    def apply(
+        self, plan: ArenaPlan, ids: torch.Tensor | None, source_keys: torch.Tensor, source_values: torch.Tensor
+    ) -> None:
+        """Carry out ``plan``, made by this arena or another holding the same chunks (a session's arenas of the
+        other decoder layers); ``ids`` [len(plan.ids)]: its ids on the device (None when it copies nothing),
+        uploaded by the caller, so the arenas of a batch share one upload."""
         self.slot_chunk = plan.slot_chunk
-        if not plan.move_from and not plan.enter_chunks:
+        if ids is None or ids.numel() == 0:
             return
-        ids = self._staging.upload([*plan.move_from, *plan.move_to, *plan.enter_slots, *plan.enter_chunks])
         move_from, move_to, enter_slots, enter_chunks = ids.split(
             [len(plan.move_from), len(plan.move_to), len(plan.enter_slots), len(plan.enter_chunks)]
         )
@@ -108,6 +112,7 @@ class ChunkArena:
             self.copies += len(plan.move_from)
             self.batched_copies += 1
         if plan.enter_chunks:
+            num_full = source_keys.shape[0] // self.chunk_size
             for arena, source in ((self.keys, source_keys), (self.values, source_values)):
                 chunked = source[: num_full * self.chunk_size].unflatten(0, (num_full, self.chunk_size))
                 arena.index_copy_(0, enter_slots, chunked.index_select(0, enter_chunks))

@@ -1,16 +1,27 @@
-"""Salience encodings of the draft's context: per chunk and KV head, the min and max key.
+"""Salience encodings of the draft's contexts: per chunk and KV head, the min and max key.
 
-The index grows with the draft KV: only chunks that became full since the last update are
-encoded, so the cost per step is O(new tokens), and the encodings take 2/chunk_size of the
-keys' memory.
+Every session of a drafter keeps its encodings in one pool, a page of ``page_chunks`` chunks at a time,
+so one launch scores a whole batch (``diffspec_kernels/chunk_scoring_triton.py``) and a chunk that fills
+costs a row written, not the session's encodings copied. A session's ``ChunkIndex`` holds its pages in
+order; the pool doubles when it runs out of pages and takes a session's pages back when its index is
+collected: a session ends by being dropped (``runtime.py``), and nothing else refers to its index.
+
+An index grows with the draft KV: only chunks that became full since it last grew are encoded, so
+the cost per step is O(new tokens), and the encodings take 2/chunk_size of the keys' memory.
 """
 
 from __future__ import annotations
 
+import weakref
+
+import numpy as np
 import torch
 
+from diffspec.devices import PinnedStaging
 from diffspec_kernels.chunk_scoring_ref import chunk_scores_reference
 from diffspec_kernels.dispatch import triton_kernels_on
+
+PAGE_CHUNKS = 64  # chunks a page: at 64-token chunks, 4K tokens of context
 
 
 def _scorer(device: torch.device):  # noqa: ANN202 - one of two functions of the same signature
@@ -22,27 +33,115 @@ def _scorer(device: torch.device):  # noqa: ANN202 - one of two functions of the
     return chunk_scores_triton
 
 
-class ChunkIndex:
-    def __init__(self, chunk_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+class ChunkEncodingPool:
+    """The encodings of every session's chunks of ``chunk_size`` tokens, in pages handed out to sessions."""
+
+    def __init__(
+        self,
+        chunk_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        staging: PinnedStaging | None = None,
+        page_chunks: int = PAGE_CHUNKS,
+    ) -> None:
+        """``staging``: where the page tables and new rows go up, shared with the drafter's other uploads."""
         self.chunk_size = chunk_size
-        self.key_min = torch.empty(0, num_kv_heads, head_dim, dtype=dtype, device=device)  # [chunks, kv_heads, hd]
-        self.key_max = torch.empty_like(self.key_min)
+        shape = (0, page_chunks, num_kv_heads, head_dim)
+        self.key_min = torch.empty(shape, dtype=dtype, device=device)  # [pages, page_chunks, kv_heads, hd]
+        self.key_max = torch.empty(shape, dtype=dtype, device=device)  # [pages, page_chunks, kv_heads, hd]
+        self.free_pages: list[int] = []  # taken from the end
+        self.staging = staging or PinnedStaging(device)
         self._score = _scorer(device)
 
     @property
-    def num_chunks(self) -> int:
+    def page_chunks(self) -> int:
+        return self.key_min.shape[1]
+
+    @property
+    def num_pages(self) -> int:
         return self.key_min.shape[0]
 
-    def update(self, keys: torch.Tensor) -> None:
-        """keys [length, kv_heads, hd]: every committed key so far; encodes the newly full chunks."""
-        full = keys.shape[0] // self.chunk_size
-        if full <= self.num_chunks:
-            return
-        fresh = keys[self.num_chunks * self.chunk_size : full * self.chunk_size]
-        fresh = fresh.view(full - self.num_chunks, self.chunk_size, *keys.shape[1:])
-        self.key_min = torch.cat([self.key_min, fresh.amin(1)])
-        self.key_max = torch.cat([self.key_max, fresh.amax(1)])
+    @property
+    def live_pages(self) -> int:
+        """Pages some session holds."""
+        return self.num_pages - len(self.free_pages)
 
-    def scores(self, q: torch.Tensor) -> torch.Tensor:
-        """[num_chunks] float32 upper bounds of q . k per chunk (q [heads, hd])."""
-        return self._score(q, self.key_min, self.key_max)
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free pages, the pool doubled first if it has too few (the pages held keep their ids). Pages
+        are taken one pop at a time and added in place: a dropped session's pages may come back in the middle
+        (its finalizer runs wherever the collector does)."""
+        if n > len(self.free_pages):
+            held = self.num_pages
+            grown = max(2 * held, held + n - len(self.free_pages))
+            self.key_min, self.key_max = _grown(self.key_min, grown), _grown(self.key_max, grown)
+            self.free_pages[:0] = range(grown - 1, held - 1, -1)
+        return [self.free_pages.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self.free_pages += pages
+
+    def encode(self, indexes: list[ChunkIndex], keys: list[torch.Tensor], lengths: list[int]) -> None:
+        """Encode every index's chunks that filled since it last grew, from its session's first lengths[i]
+        keys, which keys[i] [at least lengths[i], kv_heads, hd] begins with: one upload of their rows, one min
+        and one max for the batch, and nothing for a session with no new full chunk."""
+        fresh, rows = [], []
+        for index, session_keys, length in zip(indexes, keys, lengths):
+            full = length // self.chunk_size
+            if full <= index.num_chunks:
+                continue
+            new = session_keys[index.num_chunks * self.chunk_size : full * self.chunk_size]
+            fresh.append(new.view(full - index.num_chunks, self.chunk_size, *new.shape[1:]))
+            rows.append(index.grow(full))
+        if not fresh:
+            return
+        chunks = fresh[0] if len(fresh) == 1 else torch.cat(fresh)  # [new chunks, chunk_size, kv_heads, hd]
+        at = self.staging.upload(np.concatenate(rows).tolist())
+        self.key_min.view(-1, *self.key_min.shape[2:]).index_copy_(0, at, chunks.amin(1))
+        self.key_max.view(-1, *self.key_max.shape[2:]).index_copy_(0, at, chunks.amax(1))
+
+    def scores(self, indexes: list[ChunkIndex], queries: torch.Tensor) -> torch.Tensor:
+        """[len(indexes), widest page table * page_chunks] float32 upper bounds of q . k per chunk, -inf past
+        each index's chunks, for each index's query (``queries`` [len(indexes), heads, hd]); one launch."""
+        table = np.zeros((len(indexes), max(len(index.pages) for index in indexes)), dtype=np.int64)
+        for row, index in zip(table, indexes):
+            row[: len(index.pages)] = index.pages
+        ids = self.staging.upload([*table.ravel().tolist(), *(index.num_chunks for index in indexes)])
+        page_table, num_chunks = ids.split([table.size, len(indexes)])
+        return self._score(queries, self.key_min, self.key_max, page_table.view(table.shape), num_chunks)
+
+
+class ChunkIndex:
+    """One session's encodings: the pool pages that hold them, in chunk order, and how many chunks they hold."""
+
+    def __init__(
+        self,
+        chunk_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pool: ChunkEncodingPool | None = None,
+    ) -> None:
+        """``pool``: shared with the other sessions of a batch (None: a pool of its own)."""
+        self.pool = pool or ChunkEncodingPool(chunk_size, num_kv_heads, head_dim, dtype, device)
+        if self.pool.chunk_size != chunk_size or self.pool.key_min.shape[2:] != (num_kv_heads, head_dim):
+            raise ValueError(f"a pool of {self.pool.chunk_size}-token chunks of {tuple(self.pool.key_min.shape[2:])}")
+        self.pages: list[int] = []  # [ceil(num_chunks / page_chunks)] pool page of each page of chunks
+        self.num_chunks = 0
+        weakref.finalize(self, self.pool.free, self.pages)  # the pages go back when the session is dropped
+
+    def grow(self, num_chunks: int) -> np.ndarray:
+        """Hold ``num_chunks`` chunks; the pool rows [new chunks] of the ones added, for the caller to fill."""
+        page_chunks = self.pool.page_chunks
+        self.pages += self.pool.allocate(-(-num_chunks // page_chunks) - len(self.pages))
+        added = np.arange(self.num_chunks, num_chunks)
+        self.num_chunks = num_chunks
+        return np.asarray(self.pages, dtype=np.int64)[added // page_chunks] * page_chunks + added % page_chunks
+
+
+def _grown(pages: torch.Tensor, num_pages: int) -> torch.Tensor:
+    grown = torch.empty(num_pages, *pages.shape[1:], dtype=pages.dtype, device=pages.device)
+    grown[: pages.shape[0]] = pages
+    return grown

@@ -16,19 +16,34 @@ are only queued: their host copy runs behind the accept, and the context takes t
 at its next accept, when the copy is long done. The proposal in between attends to the set chosen a
 step earlier, and the tail past the chunks that set chose among grows to hold the newer tokens, so
 nothing committed is left out. So no step waits for the device to choose chunks.
+
+Batches. An accept's salience work is a constant number of launches and host passes for the whole
+batch: the chunks that filled are encoded together, every context's chunks are scored in one launch
+from a pool of encodings shared by the drafter's sessions (``chunk_encoding``), the scores come to the
+host in one copy, one pass over the host arrays chooses every set (``working_set``), and the arenas
+whose set changed take one upload between them. A single context is a batch of one.
 """
 
 from __future__ import annotations
 
-import itertools
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from diffspec.devices import HostCopy, PinnedStaging
 from draft_service.chunk_arena import ChunkArena
-from draft_service.chunk_encoding import ChunkIndex
+from draft_service.chunk_encoding import ChunkEncodingPool, ChunkIndex
 from draft_service.draft_kv import DraftKV
-from draft_service.working_set import WorkingSetConfig, WorkingSetSelector
+from draft_service.working_set import WorkingSetConfig, WorkingSetSelector, select_working_sets
+
+
+@dataclass(frozen=True)
+class QueuedScores:
+    """A batch's chunk scores on their way to the host: the next working sets of its contexts."""
+
+    copy: HostCopy  # of [contexts, width] float32 scores, -inf past each context's chunks
+    num_chunks: np.ndarray  # [contexts] full chunks each context's row scored
 
 
 class DraftContext:
@@ -41,18 +56,24 @@ class DraftContext:
         salience: WorkingSetConfig | None = None,
         num_layers: int = 1,
         staging: PinnedStaging | None = None,
+        chunk_pool: ChunkEncodingPool | None = None,
     ) -> None:
-        """``staging``: the drafter's ring of pinned upload buffers, which the arenas' updates share."""
+        """``staging``: the drafter's ring of pinned upload buffers, which carries the arenas' slot and chunk
+        ids (None: a ring of the context's own). ``chunk_pool``: where the chunk encodings live, shared by the drafter's
+        sessions of the same chunk size so that a batch is scored in one launch (None: a pool of its own)."""
         self.kvs = [DraftKV(num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]  # per decoder layer
         self.salience = salience
+        self.staging = staging or PinnedStaging(device)
         if salience is not None:
-            self.index = ChunkIndex(salience.chunk_size, num_kv_heads, head_dim, dtype, device)
+            size = salience.chunk_size
+            pool = chunk_pool or ChunkEncodingPool(size, num_kv_heads, head_dim, dtype, device, self.staging)
+            self.index = ChunkIndex(size, num_kv_heads, head_dim, dtype, device, pool)
             self.selector = WorkingSetSelector(salience)
             shape = (salience.max_chunks, salience.chunk_size, num_kv_heads, head_dim)
-            self.arenas = [ChunkArena(*shape, dtype, device, staging) for _ in range(num_layers)]  # per decoder layer
+            self.arenas = [ChunkArena(*shape, dtype, device) for _ in range(num_layers)]  # per layer
         self.covered_chunks = 0  # full chunks the applied working set was chosen among: the tail starts after them
         self.working_set_updates = 0  # times the working set changed (every layer's arena updated)
-        self._queued: tuple[HostCopy, slice] | None = None  # a batch's scores on their way to the host; this one's
+        self._queued: tuple[QueuedScores, int] | None = None  # a batch's scores on their way to the host; the row
 
     @property
     def length(self) -> int:
@@ -60,7 +81,7 @@ class DraftContext:
 
     def claim(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The next ``n`` committed positions' keys and values [n, kv_heads, hd] of each decoder layer, for the
-        caller to fill before the next ``refresh``."""
+        caller to fill before the next ``refresh_all``."""
         return [kv.claim(n) for kv in self.kvs]
 
     def committed(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,38 +92,6 @@ class DraftContext:
     def selects(self) -> bool:
         """Whether a working set is chosen: salience is on and the full chunks outnumber the arena's slots."""
         return self.salience is not None and self.length // self.salience.chunk_size > self.salience.max_chunks
-
-    def refresh(self, q: torch.Tensor) -> None:
-        """Re-score chunks against the last layer's latest query [heads, hd] and update the arenas if needed."""
-        refresh_all([self], q[None], wait=True)
-
-    def chunk_scores(self, q: torch.Tensor) -> torch.Tensor:
-        """[num_chunks] float32 chunk scores of the last layer's keys for its latest query [heads, hd], on the
-        device."""
-        self.index.update(self.kvs[-1].view()[0])
-        return self.index.scores(q)
-
-    def reselect(self, scores: torch.Tensor) -> None:
-        """The working set for host ``scores`` [num_chunks] (one per full chunk); every layer's arena follows
-        when it changed."""
-        assert self.salience is not None
-        selected = self.selector.select(scores)
-        if set(selected) != self.arenas[0].chunks():
-            for arena, kv in zip(self.arenas, self.kvs):
-                arena.update(selected, *kv.view())
-            self.working_set_updates += 1
-        self.covered_chunks = scores.numel()
-
-    def queue_selection(self, copy: HostCopy, rows: slice) -> None:
-        """Scores [num_chunks] on their way to the host, at ``rows`` of ``copy``: the next working set."""
-        self._queued = (copy, rows)
-
-    def take_queued_selection(self) -> None:
-        """Choose the working set from the scores the last accept queued (their copy is done by now)."""
-        if self._queued is not None:
-            copy, rows = self._queued
-            self._queued = None
-            self.reselect(copy.get()[rows])
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer ``layer``'s keys and values [tokens, kv_heads, hd] the draft attends to."""
@@ -148,15 +137,59 @@ def copy_contexts(contexts: list[DraftContext], keys_out: torch.Tensor, values_o
 
 
 def refresh_all(contexts: list[DraftContext], queries: torch.Tensor, wait: bool) -> None:
-    """Re-score every salience context against its last layer's latest query (``queries`` [B, heads, hd]). The
-    selection runs on the host, from one copy of all contexts' scores: with ``wait`` now (a prompt's first
-    working set), else at each context's next accept (``take_queued_selection``), so an accept never waits."""
-    scored = [(c, c.chunk_scores(q)) for c, q in zip(contexts, queries) if c.selects]
-    if not scored:
-        return
-    copy = HostCopy(torch.cat([scores for _, scores in scored]))
-    bounds = [0, *itertools.accumulate(s.numel() for _, s in scored)]
-    for (context, _), lo, hi in zip(scored, bounds, bounds[1:]):
-        context.queue_selection(copy, slice(lo, hi))
-        if wait:
-            context.take_queued_selection()
+    """Re-score every salience context against its last layer's latest query (``queries`` [B, heads, hd]): the
+    chunks that filled encoded, then all contexts sharing an encoding pool (all of a drafter's, normally) scored
+    in one launch and copied to the host in one copy. The selection runs on the host: with ``wait`` now (a
+    prompt's first working set), else at each context's next accept (``take_queued_selections``), so an accept
+    never waits."""
+    selecting = [i for i, context in enumerate(contexts) if context.selects]
+    by_pool: dict[int, list[int]] = {}
+    for i in selecting:
+        by_pool.setdefault(id(contexts[i].index.pool), []).append(i)
+    for rows in by_pool.values():
+        group = [contexts[i] for i in rows]
+        indexes = [context.index for context in group]
+        pool = indexes[0].pool
+        pool.encode(indexes, [context.kvs[-1].keys for context in group], [context.length for context in group])
+        if len(rows) < queries.shape[0]:  # some contexts attend to everything: their rows are left out
+            scores = pool.scores(indexes, queries.index_select(0, pool.staging.upload(rows)))
+        else:
+            scores = pool.scores(indexes, queries)
+        queued = QueuedScores(HostCopy(scores), np.array([index.num_chunks for index in indexes]))
+        for row, context in enumerate(group):
+            context._queued = (queued, row)
+    if wait:
+        take_queued_selections(contexts)
+
+
+def take_queued_selections(contexts: list[DraftContext]) -> None:
+    """Choose each context's working set from the scores the last accept queued (their copy is done by now):
+    one selection for the contexts of each queued batch."""
+    batches: dict[int, list[DraftContext]] = {}
+    for context in contexts:
+        if context._queued is not None:
+            batches.setdefault(id(context._queued[0]), []).append(context)
+    for group in batches.values():
+        queued = group[0]._queued[0]
+        rows = [context._queued[1] for context in group]
+        for context in group:
+            context._queued = None
+        reselect_all(group, queued.copy.get().numpy()[rows], queued.num_chunks[rows])
+
+
+def reselect_all(contexts: list[DraftContext], scores: np.ndarray, num_chunks: np.ndarray) -> None:
+    """Each context's working set for its row of host ``scores`` [contexts, width] (its first num_chunks[i]
+    [contexts] entries score its full chunks); the arenas of every context whose set changed follow, from one
+    upload of their ids."""
+    selections = select_working_sets([context.selector for context in contexts], scores, num_chunks)
+    changed = [(c, selected) for c, selected in zip(contexts, selections) if set(selected) != c.arenas[0].chunks()]
+    plans = [c.arenas[0].plan(selected, c.length // c.salience.chunk_size) for c, selected in changed]
+    flat_ids = [i for plan in plans for i in plan.ids]
+    sizes = [len(plan.ids) for plan in plans]
+    uploaded = contexts[0].staging.upload(flat_ids).split(sizes) if flat_ids else [None] * len(plans)
+    for (context, _), plan, ids in zip(changed, plans, uploaded):
+        for arena, kv in zip(context.arenas, context.kvs):
+            arena.apply(plan, ids, *kv.view())
+        context.working_set_updates += 1
+    for context, n in zip(contexts, num_chunks):
+        context.covered_chunks = int(n)

@@ -30,8 +30,9 @@ import torch
 
 from diffspec.devices import PinnedStaging, upload
 from diffspec.tree import DraftTree, PendingTree
+from draft_service.chunk_encoding import ChunkEncodingPool
 from draft_service.draft_attention import causal_attention
-from draft_service.draft_context import DraftContext, refresh_all
+from draft_service.draft_context import DraftContext, refresh_all, take_queued_selections
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.tree_budget import DepthPlan, TreeBudget
 from draft_service.tree_proposal import TreeProposer
@@ -60,6 +61,7 @@ class Drafter:
         graphed = cuda_graphs and head.fc.weight.device.type == "cuda"
         self.proposer = TreeProposer(head, self.fused, capture=graphed)
         self.staging = PinnedStaging(head.fc.weight.device)  # an accept's tokens, positions and last rows; arena updates' ids
+        self.chunk_pools: dict[int, ChunkEncodingPool] = {}  # per chunk size: the salience sessions' chunk encodings
 
     @torch.no_grad()
     def start(
@@ -71,13 +73,23 @@ class Drafter:
     ) -> DraftSession:
         """Build the draft KV over the prompt: entries pair f[t] with token t + 1."""
         c, weight = self.head.config, self.head.fc.weight
+        pool = self._chunk_pool(salience.chunk_size) if salience is not None else None
         context = DraftContext(
-            c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers, self.staging
+            c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers, self.staging, pool
         )
         nothing = torch.empty(0)
         session = DraftSession(context, root_query=nothing, root_hidden=nothing, num_entries=0, root_token=first_token)
         self.extend_many([Extension(session, features, [*prompt_ids[1:], first_token])], select_now=True)
         return session
+
+    def _chunk_pool(self, chunk_size: int) -> ChunkEncodingPool:
+        """The pool the sessions with chunks of ``chunk_size`` share, so that a batch of them scores in one launch."""
+        if chunk_size not in self.chunk_pools:
+            c, weight = self.head.config, self.head.fc.weight
+            self.chunk_pools[chunk_size] = ChunkEncodingPool(
+                chunk_size, c.num_kv_heads, c.head_dim, weight.dtype, weight.device, self.staging
+            )
+        return self.chunk_pools[chunk_size]
 
     def extend(self, session: DraftSession, features: torch.Tensor, next_tokens: list[int]) -> None:
         """Commit entries (features[i], next_tokens[i]) at the session's next positions."""
@@ -100,8 +112,7 @@ class Drafter:
         """
         if not extensions:
             return
-        for extension in extensions:  # the working sets the last accept's scores chose (see draft_context)
-            extension.session.context.take_queued_selection()
+        take_queued_selections([e.session.context for e in extensions])  # the sets the last accept's scores chose
         device, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
         num_layers = self.head.config.num_layers
         counts = [len(e.next_tokens) for e in extensions]

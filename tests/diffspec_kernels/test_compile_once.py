@@ -49,16 +49,20 @@ def test_kv_commit_compiles_once_across_step_sizes():
     assert _compiles(module._kv_commit_kernel, [lambda n=n: commit(n) for n in (1, 5, 16, 17, 32)]) == 1
 
 
-def test_chunk_scoring_compiles_once_as_chunks_grow():
+def test_chunk_scoring_compiles_once_as_contexts_grow():
     from diffspec_kernels import chunk_scoring_triton as module
 
-    q = torch.randn(8, 64, device=DEVICE).to(torch.bfloat16)
+    pages = torch.randn(80, 64, 2, 64, device=DEVICE).to(torch.bfloat16)  # a pool of 80 pages of 64 chunks
 
-    def score(n: int) -> None:
-        keys = torch.randn(n, 2, 64, device=DEVICE).to(torch.bfloat16)
-        module.chunk_scores_triton(q, keys, keys + 1)
+    def score(batch: int, max_pages: int) -> None:
+        q = torch.randn(batch, 8, 64, device=DEVICE).to(torch.bfloat16)
+        ids = torch.randint(0, 80, (batch * max_pages + batch,), device=DEVICE)  # one upload, as the pool's
+        table, num_chunks = ids.split([batch * max_pages, batch])
+        module.chunk_scores_triton(q, pages, pages + 1, table.view(batch, max_pages), num_chunks)
 
-    assert _compiles(module._chunk_scores_kernel, [lambda n=n: score(n) for n in (1, 16, 17, 64, 65)]) == 1
+    # (sessions, widest page table): the chunk counts at 16-byte offsets into the upload and not
+    shapes = [(1, 1), (16, 1), (3, 16), (17, 17), (1, 65)]
+    assert _compiles(module._chunk_scores_kernel, [lambda s=s: score(*s) for s in shapes]) == 1
 
 
 def test_qkv_rope_compiles_once_across_row_counts():

@@ -209,10 +209,11 @@ def kernel_cases() -> list[Case]:
         *tree_rerank_cases(),
         Case(
             "chunk_scores", "diffspec_kernels.chunk_scoring_triton", "_chunk_scores_kernel",
-            {**pointers("q_ptr kmin_ptr kmax_ptr", DTYPE), "out_ptr": "*fp32", "num_chunks": "i32",
-             **scalars("NUM_KV_HEADS GROUP HEAD_DIM BLOCK_C BLOCK_D", "constexpr")},
-            {"NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": NUM_HEADS // NUM_KV_HEADS, "HEAD_DIM": HEAD_DIM, "BLOCK_C": 64,
-             "BLOCK_D": HEAD_DIM},
+            {**pointers("q_ptr kmin_ptr kmax_ptr", DTYPE), **pointers("page_table_ptr num_chunks_ptr", "i64"),
+             "out_ptr": "*fp32", "max_pages": "i32",
+             **scalars("NUM_KV_HEADS GROUP HEAD_DIM PAGE_CHUNKS BLOCK_C BLOCK_D", "constexpr")},
+            {"NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": NUM_HEADS // NUM_KV_HEADS, "HEAD_DIM": HEAD_DIM,
+             "PAGE_CHUNKS": 64, "BLOCK_C": 64, "BLOCK_D": HEAD_DIM},
         ),
         Case(
             "kv_commit", "diffspec_kernels.kv_commit_triton", "_kv_commit_kernel",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,25 +10,33 @@ from hypothesis import strategies as st
 
 from draft_service.chunk_arena import ChunkArena
 from draft_service.chunk_encoding import ChunkIndex
-from draft_service.draft_context import DraftContext
+from draft_service.draft_context import DraftContext, refresh_all, reselect_all
 from draft_service.working_set import WorkingSetConfig, WorkingSetSelector
-from diffspec_kernels.chunk_scoring_ref import chunk_scores_reference
+from tests.draft_service.reference_selection import select_alone
 
 KV_HEADS, HEAD_DIM, CHUNK = 2, 16, 8
+
+
+def update(arena: ChunkArena, selected: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``arena`` hold ``selected``, full chunks of keys and values [length, kv_heads, hd], as
+    ``reselect_all`` does: the arena's plan, applied with its ids."""
+    plan = arena.plan(selected, keys.shape[0] // arena.chunk_size)
+    arena.apply(plan, torch.tensor(plan.ids, dtype=torch.int64), keys, values)
 
 
 def test_chunk_score_bounds_every_query_key_product():
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(10 * CHUNK, KV_HEADS, HEAD_DIM, generator=gen)
     index = ChunkIndex(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
-    index.update(keys[:35])  # 4 full chunks, then the rest arrives
+    index.pool.encode([index], [keys[:35]], [35])  # 4 full chunks, then the rest arrives
     assert index.num_chunks == 4
-    index.update(keys)
+    index.pool.encode([index], [keys], [keys.shape[0]])
     q = torch.randn(4, HEAD_DIM, generator=gen)  # 4 query heads over 2 kv heads
-    scores = index.scores(q)
+    scores = index.pool.scores([index], q[None])[0]  # -inf past the index's chunks
     per_chunk = keys.view(10, CHUNK, KV_HEADS, HEAD_DIM)
     exact = torch.einsum("hd,cthd->cth", q, per_chunk.repeat_interleave(2, dim=2)).amax(dim=(1, 2))
-    assert scores.shape == (10,) and bool((scores >= exact - 1e-5).all())
+    assert index.num_chunks == 10 and bool((scores[:10] >= exact - 1e-5).all())
+    assert bool((scores[10:] == float("-inf")).all())
 
 
 def test_scores_find_the_chunk_holding_the_matching_key():
@@ -36,14 +45,14 @@ def test_scores_find_the_chunk_holding_the_matching_key():
     q[:, 3] = 1.0
     keys[17 * CHUNK + 5, 0, 3] = 50.0  # one key in chunk 17 matches the query strongly
     index = ChunkIndex(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
-    index.update(keys)
-    assert int(index.scores(q).argmax()) == 17
+    index.pool.encode([index], [keys], [keys.shape[0]])
+    assert int(index.pool.scores([index], q[None])[0].argmax()) == 17
 
 
 def test_selection_keeps_sinks_recent_and_best_within_budget():
     config = WorkingSetConfig(chunk_size=CHUNK, budget_tokens=8 * CHUNK, sink_chunks=1, recent_chunks=2)
-    scores = torch.arange(20, dtype=torch.float32).flip(0)  # chunk 1 best, then 2, 3, ...
-    selected = WorkingSetSelector(config).select(scores)
+    scores = np.arange(20, dtype=np.float32)[::-1]  # chunk 1 best, then 2, 3, ...
+    selected = select_alone(WorkingSetSelector(config), scores)
     # 8 chunks of budget leave room for 6 next to the tail (a partial chunk and an accept): sink, 2 recent,
     # the 3 best
     assert selected == [0, 1, 2, 3, 18, 19] and len(selected) == config.max_chunks
@@ -52,15 +61,15 @@ def test_selection_keeps_sinks_recent_and_best_within_budget():
 def test_selection_is_stable_under_noise_and_follows_a_shift():
     config = WorkingSetConfig(chunk_size=CHUNK, budget_tokens=12 * CHUNK, reselect_every=100, min_overlap=0.75)
     selector = WorkingSetSelector(config)
-    base = torch.zeros(40)
+    base = np.zeros(40, dtype=np.float32)
     base[10:15] = 5.0
-    first = selector.select(base)
-    noisy = base.clone()
+    first = select_alone(selector, base)
+    noisy = base.copy()
     noisy[20] = 4.0  # one new contender: overlap stays high, no churn
-    assert selector.select(noisy) == first
-    shifted = torch.zeros(40)
+    assert select_alone(selector, noisy) == first
+    shifted = np.zeros(40, dtype=np.float32)
     shifted[25:30] = 5.0  # the text moved on
-    assert set(range(25, 30)) <= set(selector.select(shifted))
+    assert set(range(25, 30)) <= set(select_alone(selector, shifted))
 
 
 @settings(max_examples=60, deadline=None)
@@ -72,7 +81,7 @@ def test_arena_holds_exactly_the_selected_chunks(selections):
     for selection in selections:
         selected = sorted(set(selection))
         before, batched, held = arena.copies, arena.batched_copies, list(arena.slot_chunk)
-        arena.update(selected, source_k, source_v)
+        update(arena, selected, source_k, source_v)
         entering = len(set(selected) - set(held))
         assert entering <= arena.copies - before <= entering + len(set(held) - set(selected))
         assert arena.batched_copies - batched <= 2
@@ -107,9 +116,9 @@ def test_arena_update_moves_chunks_in_batched_copies(before, after, slot_chunk, 
     source_k = torch.randn(10 * CHUNK + 3, KV_HEADS, HEAD_DIM, generator=gen)  # a partial chunk at the end
     source_v = torch.randn(10 * CHUNK + 3, KV_HEADS, HEAD_DIM, generator=gen)
     arena = ChunkArena(6, CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
-    arena.update(before, source_k, source_v)
+    update(arena, before, source_k, source_v)
     start_copies, start_batched = arena.copies, arena.batched_copies
-    arena.update(after, source_k, source_v)
+    update(arena, after, source_k, source_v)
     assert arena.slot_chunk == slot_chunk and arena.chunks() == set(after)
     assert (arena.copies - start_copies, arena.batched_copies - start_batched) == (copies, batched_copies)
     spans = [slice(c * CHUNK, (c + 1) * CHUNK) for c in arena.slot_chunk]
@@ -123,7 +132,7 @@ def test_arena_refuses_a_selection_it_cannot_hold(selected):
     source = torch.zeros(10 * CHUNK + 3, KV_HEADS, HEAD_DIM)  # full chunks 0 .. 9
     arena = ChunkArena(6, CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError):
-        arena.update(selected, source, source)
+        update(arena, selected, source, source)
 
 
 def test_memory_is_bounded_at_128k_context():
@@ -135,7 +144,7 @@ def test_memory_is_bounded_at_128k_context():
         ((keys, values),) = context.claim(4096)
         keys.copy_(torch.randn(4096, KV_HEADS, HEAD_DIM, generator=gen))
         values.copy_(torch.randn(4096, KV_HEADS, HEAD_DIM, generator=gen))
-        context.refresh(torch.randn(4, HEAD_DIM, generator=gen))
+        refresh_all([context], torch.randn(1, 4, HEAD_DIM, generator=gen), wait=True)
     keys, _ = context.view(0)
     assert context.length == 131072 and context.arenas[0].num_bytes == arena_bytes
     assert keys.shape[0] == context.attended_tokens <= config.budget_tokens
@@ -149,12 +158,17 @@ def test_working_set_updates_count_the_changes_of_the_set_only():
     for keys, values in context.claim(40):  # 10 full chunks, 4 slots
         keys.copy_(torch.arange(80.0).view(40, 1, 2))
         values.zero_()
-    favour = lambda chunks: torch.tensor([5.0 if c in chunks else 0.0 for c in range(10)])  # noqa: E731
-    context.reselect(favour({3, 4}))
+
+    def reselect_favouring(chunks: set[int]) -> None:
+        """A reselection from scores of the 10 chunks that favour ``chunks``."""
+        scores = np.array([[5.0 if c in chunks else 0.0 for c in range(10)]], dtype=np.float32)
+        reselect_all([context], scores, np.array([10]))
+
+    reselect_favouring({3, 4})
     assert context.working_set_updates == 1 and context.arenas[0].chunks() == {0, 3, 4, 9}
-    context.reselect(favour({3, 4}))  # the same best chunks: nothing moves
+    reselect_favouring({3, 4})  # the same best chunks: nothing moves
     assert context.working_set_updates == 1
-    context.reselect(favour({5, 6}))
+    reselect_favouring({5, 6})
     assert context.working_set_updates == 2 and context.arenas[0].chunks() == {0, 5, 6, 9}
 
 
