@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from diffspec_kernels.dispatch import triton_kernels_on
-from diffspec_kernels.tree_rerank_ref import ancestor_mask, ranked, rerank_reference  # noqa: F401 - ancestor_mask: for its tests
+from diffspec_kernels.tree_rerank_ref import ranked, rerank_reference
 
 
 @dataclass

@@ -7,7 +7,8 @@ import math
 import torch
 
 from diffspec.tree import DraftTree
-from draft_service.tree_search import Candidates, ancestor_mask, best_frontier, expand, rerank, root_frontier
+from diffspec_kernels.tree_rerank_ref import ancestor_mask
+from draft_service.tree_search import Candidates, best_frontier, expand, rerank, root_frontier
 
 NEG = -math.inf
 
