@@ -1,12 +1,24 @@
-"""Record a CUDA graph the one way every graph here is recorded."""
+"""Record a CUDA graph the one way every graph here is recorded, and pick the padded shape a step runs as."""
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 Outputs = TypeVar("Outputs")
+
+
+def graph_bucket(
+    batch: int, tree: int, batch_sizes: Sequence[int], tree_sizes: Sequence[int]
+) -> tuple[int, int] | None:
+    """The smallest (batch, tree) bucket, sizes ascending, that holds ``batch`` trees of at most ``tree`` nodes:
+    the shape a target step graph pads them to, and so what its verify costs; None past the largest."""
+    fitting_batch = next((b for b in batch_sizes if b >= batch), None)
+    fitting_tree = next((t for t in tree_sizes if t >= tree), None)
+    if fitting_batch is None or fitting_tree is None:
+        return None
+    return fitting_batch, fitting_tree
 
 
 def record_graph(

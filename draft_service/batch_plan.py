@@ -79,8 +79,8 @@ class BatchCost:
         return self.cost.verify_curve(self.context_tokens)
 
     def verify_seconds(self, tokens: int) -> float:
-        """A verify of every session's tree padded to ``tokens``."""
-        return self._verify(self.batch * tokens)
+        """A verify of every session's tree padded to ``tokens``, at the rows it computes (``computed_rows``)."""
+        return self._verify(self.cost.computed_rows(self.batch, tokens))
 
     def step_seconds(self, bound: Bound) -> StepSeconds:
         """A whole step within ``bound``: its depths' proposal, the padded verify, and what every step costs

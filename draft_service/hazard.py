@@ -38,6 +38,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable
 
+from diffspec.cuda_graphs import graph_bucket
 from draft_service.tree_budget import DepthPlan
 
 EPS = 0.02
@@ -259,17 +260,33 @@ class StepCostModel:
     step_overhead_seconds: float = 0.0  # a step's time outside its proposal and its verify, a running average
     overhead_measured: bool = False
     batch_context: int = 0  # mean committed tokens per session of the batch last proposed for
+    graph_batch_sizes: tuple[int, ...] = ()  # the target's step graph buckets, from the seed (none: unpadded)
+    graph_tree_sizes: tuple[int, ...] = ()
 
     def note_batch(self, context_tokens: int) -> None:
         """The mean context per session of the batch whose trees the next verify measures."""
         self.batch_context = context_tokens
 
-    def seed_verify(self, costs: dict[int, float]) -> None:
-        """Seconds per padded rows timed before serving (the target's warm-up, at no context): every context
-        bucket's curve takes its shape, so a size the batch has not met is predicted from what it adds in
-        that timing, at the level the bucket's measurements set (``VerifyTable``)."""
+    def seed_verify(self, costs: dict[tuple[int, int], float]) -> None:
+        """Seconds per step graph bucket (batch, tree tokens) timed before serving (the target's warm-up, at no
+        context): every context bucket's curve takes its shape by the bucket's rows (buckets of equal rows
+        averaged), so a size the batch has not met is predicted from what it adds in that timing, at the
+        level the bucket's measurements set (``VerifyTable``); and a verify is priced at the rows of the
+        bucket it runs in (``computed_rows``)."""
+        by_rows: dict[int, list[float]] = {}
+        for (batch, tree), seconds in costs.items():
+            by_rows.setdefault(batch * tree, []).append(seconds)
         for table in self.tables:
-            table.seed = dict(costs)
+            table.seed = {rows: sum(times) / len(times) for rows, times in sorted(by_rows.items())}
+        self.graph_batch_sizes = tuple(sorted({batch for batch, _ in costs}))
+        self.graph_tree_sizes = tuple(sorted({tree for _, tree in costs}))
+
+    def computed_rows(self, batch: int, tokens: int) -> int:
+        """Rows a verify of ``batch`` trees of at most ``tokens`` nodes computes: the whole step graph bucket it
+        runs in, as the target measures it (three 96-node trees run a (4, 128) graph: 512 rows, not 288), else
+        the trees padded to the widest."""
+        bucket = graph_bucket(batch, tokens, self.graph_batch_sizes, self.graph_tree_sizes)
+        return bucket[0] * bucket[1] if bucket is not None else batch * tokens
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         """One verify of ``rows`` padded rows (sessions x the widest tree's tokens)."""

@@ -339,7 +339,8 @@ class EngineCore:
             self.timing.prompt_tokens += sum(work.num_tokens for work in batch.prefills)
         if result.verifies and not batch.prefills:  # a prompt chunk in the same call is no verify cost
             measured = result.verify_seconds if result.verify_seconds is not None else seconds
-            self._verify_cost = VerifyCost(batch.padded_rows, measured)
+            rows = result.verify_rows if result.verify_rows is not None else batch.padded_rows
+            self._verify_cost = VerifyCost(rows, measured)
             self.timing.verify_only_iterations += 1
             self.timing.verify_only_seconds += seconds
         for session_id, failure in result.failures.items():

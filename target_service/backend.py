@@ -102,6 +102,9 @@ class TargetBatchResult:
     # the verify's device span, from its start on the device (behind a pending proposal) to its last kernel;
     # None where it is not measured (over the wire): the caller's wall time of the step stands in
     verify_seconds: float | None = None
+    # rows the verify forward computed: a step graph's whole bucket (batch bucket x tree bucket), else every
+    # tree's nodes; None where it is not known (over the wire): the batch's requested rows stand in
+    verify_rows: int | None = None
 
 
 @dataclass(frozen=True)

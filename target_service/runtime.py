@@ -108,7 +108,7 @@ class TargetRuntime:
             for opening in batch.opens:
                 self._guard(opening.session_id, failures, self._open, opening)
             with record_function("target.verify"):
-                verifies, verify_seconds = self._verify(
+                verifies, verify_seconds, verify_rows = self._verify(
                     [v for v in batch.verifies if v.session_id not in failures], failures
                 )
             # after the verify: reading a first token waits for the device, which by now has run the verify
@@ -124,7 +124,7 @@ class TargetRuntime:
                 self._release(session_id)
                 prefills.pop(session_id, None)  # a prompt whose first token failed reported its progress first
             free = self.pool.num_free_pages
-        return TargetBatchResult(prefills, verifies, failures, free, verify_seconds)
+        return TargetBatchResult(prefills, verifies, failures, free, verify_seconds, verify_rows)
 
     def _guard(self, session_id: str, failures: Failures, work, *args) -> None:  # noqa: ANN001
         try:
@@ -246,9 +246,11 @@ class TargetRuntime:
 
     # -- verify ---------------------------------------------------------------------------------
 
-    def _verify(self, steps: list[VerifyStep], failures: Failures) -> tuple[dict[str, VerifyResult], float | None]:
+    def _verify(
+        self, steps: list[VerifyStep], failures: Failures
+    ) -> tuple[dict[str, VerifyResult], float | None, int | None]:
         """All trees in one forward; each session's accepted path committed, in one launch for all. Returns the
-        results and the forward's device span (None when nothing ran).
+        results, the forward's device span and the rows it computed (None for both when nothing ran).
 
         A drafter's pending tree on this device goes into the forward from its device copy, so the forward
         is queued behind the proposal without the host waiting for it; its nodes are read (and checked)
@@ -262,7 +264,7 @@ class TargetRuntime:
             if step.session_id not in failures:
                 valid.append(step)
         if not valid:
-            return {}, None
+            return {}, None, None
         inputs = [self._step_input(step) for step in valid]
         feature_layers = self._feature_layers([self.sessions[step.session_id] for step in valid])
         graphs_hold_features = set(feature_layers) <= set(self.feature_layers)  # graphs compute the default layers
@@ -276,7 +278,7 @@ class TargetRuntime:
             results, commits, rejected = accept_batch(valid, sessions, ran)
         failures.update(rejected)
         self._commit(ran.forward, commits)
-        return results, timer.seconds()
+        return results, timer.seconds(), ran.logits.shape[0]
 
     def _verifiable(self, tree: ProposedTree) -> DraftTree | PendingTree:
         """A pending tree on this device as it is (the forward reads its device copy); any other as host tensors."""
@@ -430,9 +432,9 @@ class TargetRuntime:
             self.step_graphs.warm_up()
         return self.step_graphs.num_recorded
 
-    def verify_costs(self) -> dict[int, float]:
-        """Seconds per padded verify rows (sessions x tree tokens) as timed at warm-up; empty without graphs."""
-        return self.step_graphs.padded_row_costs() if self.step_graphs is not None else {}
+    def verify_costs(self) -> dict[tuple[int, int], float]:
+        """Seconds per step graph bucket (batch, tree tokens) as timed at warm-up; empty without graphs."""
+        return dict(self.step_graphs.warm_up_seconds) if self.step_graphs is not None else {}
 
     def pending_token(self, session_id: str) -> int:
         """The session's last emitted token, the root of its next tree."""

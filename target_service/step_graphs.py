@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffspec.cuda_graphs import record_graph
+from diffspec.cuda_graphs import graph_bucket, record_graph
 from diffspec.devices import DeviceTimer
 from diffspec.tree import DeviceTree, DraftTree, PendingTree
 from diffspec_kernels.attention_metadata import AttentionMetadata
@@ -174,7 +174,7 @@ class StepGraphs:
         self._pool = torch.cuda.graph_pool_handle() if capture else None  # graphs replay one at a time
 
     def run(self, steps: list[StepInput]) -> StepOutputs | None:
-        key = self._bucket_key(len(steps), max(s.num_rows for s in steps))
+        key = graph_bucket(len(steps), max(s.num_rows for s in steps), self.batch_sizes, self.tree_sizes)
         if key is None:
             return None
         if key not in self._buckets:
@@ -207,24 +207,6 @@ class StepGraphs:
                 bucket.graph.replay()
             timer.stop()
             self.warm_up_seconds[key] = timer.seconds() / WARM_UP_REPLAYS
-
-    def padded_row_costs(self) -> dict[int, float]:
-        """Seconds per padded rows (batch x tree) timed at warm-up; buckets of equal rows averaged."""
-        by_rows: dict[int, list[float]] = {}
-        for (batch, tree), seconds in self.warm_up_seconds.items():
-            by_rows.setdefault(batch * tree, []).append(seconds)
-        return {rows: sum(times) / len(times) for rows, times in sorted(by_rows.items())}
-
-    @property
-    def num_recorded(self) -> int:
-        return sum(b.graph is not None for b in self._buckets.values())
-
-    def _bucket_key(self, batch: int, tree: int) -> tuple[int, int] | None:
-        fitting_batch = next((b for b in self.batch_sizes if b >= batch), None)
-        fitting_tree = next((t for t in self.tree_sizes if t >= tree), None)
-        if fitting_batch is None or fitting_tree is None:
-            return None
-        return fitting_batch, fitting_tree
 
     def _forward(self, bucket: _Bucket) -> tuple[PagedForwardOutput, torch.Tensor]:
         out = self.model.forward_paged(

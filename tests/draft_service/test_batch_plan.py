@@ -146,3 +146,12 @@ def test_what_every_step_costs_besides_weighs_a_larger_tree_fairly():
         assert batch.step_seconds(Bound(64, 8)).total == pytest.approx(overhead + 8 * 0.00025 + 0.0090)
         chosen.append(BatchPlanner().choose(GRID_BOUNDS, outlooks(1), batch))
     assert chosen == [Bound(32, 6), Bound(64, 8)]
+
+
+def test_a_bound_is_priced_at_the_rows_of_the_step_graph_its_verify_runs_in():
+    cost = StepCostModel()
+    cost.seed_verify({(b, t): 0.001 * b * t / 64 for b in (1, 2, 4) for t in (16, 64, 128)})
+    three = BatchCost(cost, 3, 2048)
+    assert three.verify_seconds(96) == pytest.approx(0.001 * 512 / 64)  # the (4, 128) graph, not 288 rows
+    assert three.verify_seconds(16) == pytest.approx(0.001 * 64 / 64)  # the (4, 16) graph
+    assert three.verify_seconds(96) == three.verify_seconds(128)  # one bucket: one price

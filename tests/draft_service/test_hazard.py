@@ -236,7 +236,7 @@ def test_verify_cost_is_fitted_per_context_bucket():
 
 def test_seeded_verify_costs_shape_the_curve_and_measurements_set_its_level():
     cost = StepCostModel(decay=0.5)
-    cost.seed_verify({64: 0.006, 1024: 0.020})
+    cost.seed_verify({(1, 64): 0.006, (16, 64): 0.020})  # step graph buckets (batch, tree): 64 and 1024 rows
     assert cost.verify_seconds(544, 65536) == pytest.approx(0.013)  # the seed, linear between its sizes
     cost.note_batch(65536)
     cost.observe_verify(64, 0.016)  # a long context's verify is dearer by 10 ms at 64 rows...
@@ -247,8 +247,19 @@ def test_seeded_verify_costs_shape_the_curve_and_measurements_set_its_level():
     assert cost.verify_seconds(544, 65536) == pytest.approx(0.013 + (0.010 + 0.040) / 2)  # excess interpolated
     assert cost.verify_seconds(1024, 100) == pytest.approx(0.060)  # no bucket nearer: the 64K bucket's level
     fresh = StepCostModel()
-    fresh.seed_verify({64: 0.006, 1024: 0.020})
+    fresh.seed_verify({(1, 64): 0.006, (16, 64): 0.020})
     assert fresh.verify_seconds(1024, 100) == pytest.approx(0.020)  # nothing measured: the seed alone
+
+
+def test_a_seed_averages_buckets_of_equal_rows_and_prices_a_verify_at_its_buckets_rows():
+    cost = StepCostModel()
+    assert cost.computed_rows(3, 96) == 288  # no graphs known: the trees padded to the widest
+    cost.seed_verify({(1, 128): 0.010, (2, 64): 0.014, (4, 128): 0.030, (4, 64): 0.020, (1, 64): 0.008})
+    assert cost.tables[0].seed == {64: 0.008, 128: 0.012, 256: 0.020, 512: 0.030}  # 128 rows: two buckets
+    assert (cost.graph_batch_sizes, cost.graph_tree_sizes) == ((1, 2, 4), (64, 128))
+    assert cost.computed_rows(3, 96) == 512  # three 96-node trees run the (4, 128) graph
+    assert cost.computed_rows(2, 64) == 128 and cost.computed_rows(1, 1) == 64
+    assert cost.computed_rows(5, 64) == 320  # past the largest batch bucket: no graph, unpadded
 
 
 def test_step_overhead_is_the_rest_of_a_step_averaged_with_long_steps_bounded():

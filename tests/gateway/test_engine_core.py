@@ -371,23 +371,28 @@ def test_every_decoding_stream_is_verified_in_one_target_call(target, draft, tok
 
 
 class FixedVerifyTimeTarget(RecordingTarget):
-    """Reports every verify as taking ``seconds`` on the device (None: unmeasured, as over the wire)."""
+    """Reports every verify as taking ``seconds`` on the device over ``rows`` computed rows (None: unmeasured,
+    as over the wire)."""
 
-    def __init__(self, inner: TargetRuntime, seconds: float | None) -> None:
+    def __init__(self, inner: TargetRuntime, seconds: float | None, rows: int | None) -> None:
         super().__init__(inner)
-        self.seconds = seconds
+        self.seconds, self.rows = seconds, rows
 
     def step(self, batch: TargetBatch) -> TargetBatchResult:
         result = super().step(batch)
-        return replace(result, verify_seconds=self.seconds if result.verifies else None)
+        if not result.verifies:
+            return replace(result, verify_seconds=None, verify_rows=None)
+        return replace(result, verify_seconds=self.seconds, verify_rows=self.rows)
 
 
-@pytest.mark.parametrize("reported", [1234.5, None], ids=["device-span", "wall-time"])
+@pytest.mark.parametrize("reported", [(1234.5, 4096), (None, None)], ids=["device-span", "wall-time"])
 def test_the_draft_learns_the_verify_cost_the_target_measured(target, draft, tokenizer, prompt_ids, reported):
-    """A verify-only iteration's cost reaches the next draft call: the target's device span when it reports
-    one (the verify runs behind a pending proposal, so the call's wall time holds the proposal too), else
-    the call's wall time."""
-    timed = FixedVerifyTimeTarget(target, reported)
+    """A verify-only iteration's cost reaches the next draft call: the target's device span and the rows its
+    forward computed (a step graph's whole bucket) when it reports them (the verify runs behind a pending
+    proposal, so the call's wall time holds the proposal too), else the call's wall time over the batch's
+    requested rows."""
+    seconds, rows = reported
+    timed = FixedVerifyTimeTarget(target, seconds, rows)
     recording = RecordingDraft(draft)
     engine = SpeculativeEngine(timed, recording, tokenizer, LIMITS)
     timed.core = recording.core = engine.core
@@ -397,9 +402,10 @@ def test_the_draft_learns_the_verify_cost_the_target_measured(target, draft, tok
         verified = {it: batch for it, batch in timed.batches if batch.verifies and not batch.prefills}
         assert len(costs) >= 3
         for (it, batch), cost in zip(sorted(verified.items()), costs):
-            assert cost.rows == batch.padded_rows == len(batch.verifies) * max(v.tree.num_nodes for v in batch.verifies)
-        if reported is not None:
-            assert {cost.seconds for cost in costs} == {reported}
+            requested = len(batch.verifies) * max(v.tree.num_nodes for v in batch.verifies)
+            assert batch.padded_rows == requested and cost.rows == (rows if rows is not None else requested)
+        if seconds is not None:
+            assert {cost.seconds for cost in costs} == {seconds}
         else:
             assert all(0.0 < cost.seconds < 60.0 for cost in costs)
         assert_all_released(engine)

@@ -185,6 +185,25 @@ def test_steps_beyond_every_bucket_run_unpadded(tiny_target_dir, truth):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize(
+    "buckets, want_rows",
+    [(None, 3 + 6), (((1, 2, 4), (1, 4, 8, 16)), 2 * 8), (((1,), (1, 4)), 3 + 6)],
+    ids=["eager", "bucket (2, 8)", "past every bucket"],
+)
+def test_a_verify_reports_the_rows_its_forward_computed(tiny_target_dir, buckets, want_rows):
+    """Trees of 3 and 6 nodes: the eager forward computes their 9 rows; a (2, 8) bucket 16, padding included."""
+    runtime = _runtime(tiny_target_dir)
+    if buckets is not None:
+        runtime = _padded(runtime, *buckets)
+    for sid in ("a", "b"):
+        runtime.prefill(sid, PROMPTS[sid], GREEDY, want_features=False)
+    steps = [VerifyStep(sid, DraftTree.chain([runtime.pending_token(sid), *range(10, 9 + n)]))
+             for sid, n in (("a", 3), ("b", 6))]  # fmt: skip
+    result = runtime.step(TargetBatch(verifies=steps))
+    assert len(result.verifies) == 2 and result.verify_rows == want_rows
+    assert runtime.step(TargetBatch()).verify_rows is None  # nothing verified
+
+
 def test_auto_decode_through_buckets_equals_eager(tiny_target_dir, truth):
     runtime = _padded(_runtime(tiny_target_dir), batch_sizes=(1,), tree_sizes=(1,))
     assert _auto_tokens(runtime) == truth
@@ -209,14 +228,14 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_target_dir):
 
 
 @pytest.mark.gpu
-def test_warm_up_times_every_bucket_by_its_padded_rows(tiny_target_dir):
+def test_warm_up_times_every_bucket(tiny_target_dir):
     settings = DiffSpecSettings(base_model=tiny_target_dir, device="cuda", num_pages=256,
                                 graph_batch_sizes="1,2,4", graph_tree_sizes="1,4,8")  # fmt: skip
     runtime = TargetRuntime(settings)
     assert runtime.verify_costs() == {}  # nothing timed before the warm-up
     runtime.warm_up()
     costs = runtime.verify_costs()
-    assert sorted(costs) == sorted({b * t for b in (1, 2, 4) for t in (1, 4, 8)})
+    assert sorted(costs) == [(b, t) for b in (1, 2, 4) for t in (1, 4, 8)]
     assert all(0.0 < seconds < 1.0 for seconds in costs.values())
 
 
