@@ -86,7 +86,8 @@ class BatchCost:
         """A whole step within ``bound``: its depths' proposal, the padded verify, and what every step costs
         besides (``StepCostModel.observe_step``)."""
         return StepSeconds(
-            self.cost.step_overhead_seconds, self.cost.draft_seconds(bound.depth), self.verify_seconds(bound.tokens)
+            self.cost.step_overhead_seconds, self.cost.draft_seconds(bound.depth, self.batch),
+            self.verify_seconds(bound.tokens),
         )
 
 

@@ -253,7 +253,8 @@ class StepCostModel:
     decay: float = 0.9
     tables: list[VerifyTable] = field(default_factory=lambda: [VerifyTable() for _ in range(CONTEXT_BUCKETS)])
     draft_seconds_per_depth: float = 0.05  # replaced by the first measurement, then a running average
-    draft_seconds_by_depth: dict[int, float] = field(default_factory=dict)  # depth -> a proposal's, running average
+    # batch bucket (the batch's bit length) -> depth -> a proposal's seconds, running average
+    draft_seconds_by_batch: dict[int, dict[int, float]] = field(default_factory=dict)
     default_intercept: float = 1.0
     default_slope: float = 0.01
     draft_measured: bool = False
@@ -292,25 +293,32 @@ class StepCostModel:
         """One verify of ``rows`` padded rows (sessions x the widest tree's tokens)."""
         self.tables[_bucket(self.batch_context)].observe(rows, seconds, self.decay)
 
-    def observe_draft(self, depths: int, seconds: float) -> None:
-        """One proposal ``depths`` deep that took ``seconds`` on the device."""
+    def observe_draft(self, depths: int, seconds: float, batch: int = 1) -> None:
+        """One proposal ``depths`` deep for ``batch`` sessions that took ``seconds`` on the device."""
         if depths <= 0:
             return
         if not self.draft_measured:  # the default is in relative units: never average it with seconds
             self.draft_seconds_per_depth, self.draft_measured = seconds / depths, True
         else:
             self.draft_seconds_per_depth = 0.9 * self.draft_seconds_per_depth + 0.1 * seconds / depths
-        last = self.draft_seconds_by_depth.get(depths)
-        self.draft_seconds_by_depth[depths] = seconds if last is None else 0.9 * last + 0.1 * seconds
+        points = self.draft_seconds_by_batch.setdefault(batch.bit_length(), {})
+        last = points.get(depths)
+        points[depths] = seconds if last is None else 0.9 * last + 0.1 * seconds
 
-    def draft_seconds(self, depth: int) -> float:
-        """A proposal ``depth`` deep: on the line through the depths measured so far, least squares.
+    def draft_seconds(self, depth: int, batch: int = 1) -> float:
+        """A proposal ``depth`` deep for ``batch`` sessions: on the line through the depths measured so far at
+        the nearest batch bucket measured (powers of two; the larger on a tie), least squares.
 
         A proposal has a part that does not grow with depth (the final rerank, the tree's mask, staging);
         priced per depth alone, that part makes the depths being proposed look dearer per depth than they
         are at any other depth, and a planner proposing shallow trees would price deep ones too high and
-        stay shallow. With fewer than two depths measured there is no line: per depth, as averaged."""
-        points = self.draft_seconds_by_depth
+        stay shallow. Batches apart: on an H200 an 8B-shaped head's 8-depth proposal takes 1.8 ms for one
+        session and 2.5 ms for 16, and a line through depths measured at different batches would tilt with
+        whichever batch each depth met. With fewer than two depths measured there is no line: per depth, as
+        averaged over every proposal."""
+        tables = self.draft_seconds_by_batch
+        home = batch.bit_length()
+        points = tables[min(tables, key=lambda k: (abs(k - home), -k))] if tables else {}
         if len(points) < 2:
             return depth * self.draft_seconds_per_depth
         depths, seconds = list(points), list(points.values())

@@ -47,6 +47,7 @@ class _TimedProposal:
     """The last batch proposal, read at the next step: it returned before the device ran it."""
 
     depth: int  # draft depths of its deepest plan
+    batch: int  # sessions it proposed for
     timer: DeviceTimer  # its span on the device
     bound: Bound | None  # the online bound every tree kept within; None without one, or with a probe past it
 
@@ -232,14 +233,15 @@ class DraftRuntime:
             chosen = self._plan_batch(sessions)
         requests = [ProposalRequest(s.drafter_state, list(c.plan), c.budget) for s, c in zip(sessions, chosen)]
         if self._timed_proposal is not None:  # the last proposal ran on the device by now: its span is a read
-            self.step_cost.observe_draft(self._timed_proposal.depth, self._timed_proposal.timer.seconds())
+            last = self._timed_proposal
+            self.step_cost.observe_draft(last.depth, last.timer.seconds(), last.batch)
         timer = DeviceTimer(self.head.fc.weight.device)
         timer.start()
         trees = self.drafter.propose_pending(requests)
         timer.stop()
         within = self._within_bound(sessions, chosen)
         step_bound = within[0] if None not in within else None  # every tree within: the step measures the bound
-        self._timed_proposal = _TimedProposal(max(c.depth for c in chosen), timer, step_bound)
+        self._timed_proposal = _TimedProposal(max(c.depth for c in chosen), len(sessions), timer, step_bound)
         for i in self._observed(sessions, chosen):
             sessions[i].proposed = _Proposed(trees[i], chosen[i], sessions[i].hazard.steps)
         for session, tree, bound in zip(sessions, trees, within):

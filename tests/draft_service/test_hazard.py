@@ -296,6 +296,21 @@ def test_a_proposals_cost_is_a_fixed_part_plus_a_part_per_depth(observed, depth,
     assert cost.draft_seconds(depth) == pytest.approx(expected)
 
 
+def test_a_proposals_cost_is_fitted_per_batch_bucket_and_read_at_the_nearest_one_measured():
+    """Depth 4 measured at 16 sessions and depth 8 at one: mixed, their line would say depth 8 costs less
+    than depth 4; kept apart, each batch's line is its own, and an unmeasured batch reads the nearest."""
+    cost = StepCostModel()
+    for depths, seconds, batch in ((4, 0.0011, 1), (8, 0.0019, 1), (4, 0.0020, 16), (8, 0.0026, 16)):
+        cost.observe_draft(depths, seconds, batch)
+    assert sorted(cost.draft_seconds_by_batch) == [1, 5]  # bit lengths of 1 and 16
+    assert cost.draft_seconds(6, 1) == pytest.approx(0.0015)
+    assert cost.draft_seconds(6, 16) == pytest.approx(0.0023)
+    assert cost.draft_seconds(6, 12) == cost.draft_seconds(6, 16)  # bucket 4 is nearer 5 than 1
+    assert cost.draft_seconds(6, 2) == cost.draft_seconds(6, 1)
+    assert cost.draft_seconds(6, 4) == cost.draft_seconds(6, 16)  # bucket 3: as near 1 as 5, the larger taken
+    assert BatchCost(cost, 16, 4096).step_seconds(Bound(64, 8)).draft == pytest.approx(0.0026)
+
+
 def test_shallow_proposals_do_not_price_deep_ones_by_their_own_per_depth_cost():
     """Mostly depth-4 proposals with a few depth-8 probes: depth 8 costs what it was measured at, not twice
     depth 4's cost (the per-depth average, dominated by the shallow proposals, says about that)."""

@@ -33,7 +33,7 @@ def planning_runtime(monkeypatch) -> DraftRuntime:
     measured wall times, the bounds chosen would hang on the machine's load)."""
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
     observe_draft = runtime.step_cost.observe_draft
-    fixed = lambda depths, seconds: observe_draft(depths, DRAFT_SECONDS_PER_DEPTH * depths)  # noqa: E731
+    fixed = lambda depths, seconds, batch: observe_draft(depths, DRAFT_SECONDS_PER_DEPTH * depths, batch)  # noqa: E731
     monkeypatch.setattr(runtime.step_cost, "observe_draft", fixed)
     monkeypatch.setattr(runtime.step_cost, "observe_step", lambda *measured: None)
     return runtime
