@@ -124,7 +124,7 @@ class DraftRuntime:
                     try:
                         extensions.append((accept.session_id, self._accept(accept)))
                     except DiffSpecError as failure:
-                        failures[accept.session_id] = failure
+                        failures[accept.session_id] = failure.with_traceback(None)  # no cycle through its frames
                 self._extend_all(extensions, failures)
             proposes = [sid for sid in batch.proposes if sid not in failures]
             for sid in proposes:
@@ -164,7 +164,9 @@ class DraftRuntime:
         try:
             work(item)
         except DiffSpecError as failure:
-            failures[session_id] = failure
+            # without its traceback: the frames it holds hold the session, and it is held by ``failures``, whose
+            # frame it holds, a cycle that would keep a failed session's KV until the cyclic collector runs
+            failures[session_id] = failure.with_traceback(None)
 
     def _start(self, start: DraftStart) -> None:
         policy, budget = validate_options(start.options)

@@ -130,7 +130,7 @@ class TargetRuntime:
         try:
             work(*args)
         except DiffSpecError as failure:
-            failures[session_id] = failure
+            failures[session_id] = failure.with_traceback(None)  # its frames would keep the session (draft runtime)
 
     # -- open and prefill -----------------------------------------------------------------------
 
