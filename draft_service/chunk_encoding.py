@@ -115,19 +115,9 @@ class ChunkEncodingPool:
 class ChunkIndex:
     """One session's encodings: the pool pages that hold them, in chunk order, and how many chunks they hold."""
 
-    def __init__(
-        self,
-        chunk_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        pool: ChunkEncodingPool | None = None,
-    ) -> None:
-        """``pool``: shared with the other sessions of a batch (None: a pool of its own)."""
-        self.pool = pool or ChunkEncodingPool(chunk_size, num_kv_heads, head_dim, dtype, device)
-        if self.pool.chunk_size != chunk_size or self.pool.key_min.shape[2:] != (num_kv_heads, head_dim):
-            raise ValueError(f"a pool of {self.pool.chunk_size}-token chunks of {tuple(self.pool.key_min.shape[2:])}")
+    def __init__(self, pool: ChunkEncodingPool) -> None:
+        """``pool``: where the encodings live, shared with the other sessions of a batch."""
+        self.pool = pool
         self.pages: list[int] = []  # [ceil(num_chunks / page_chunks)] pool page of each page of chunks
         self.num_chunks = 0
         weakref.finalize(self, self.pool.free, self.pages)  # the pages go back when the session is dropped

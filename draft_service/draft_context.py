@@ -67,7 +67,9 @@ class DraftContext:
         if salience is not None:
             size = salience.chunk_size
             pool = chunk_pool or ChunkEncodingPool(size, num_kv_heads, head_dim, dtype, device, self.staging)
-            self.index = ChunkIndex(size, num_kv_heads, head_dim, dtype, device, pool)
+            if pool.chunk_size != size or pool.key_min.shape[2:] != (num_kv_heads, head_dim):
+                raise ValueError(f"a pool of {pool.chunk_size}-token chunks of {tuple(pool.key_min.shape[2:])}")
+            self.index = ChunkIndex(pool)
             self.selector = WorkingSetSelector(salience)
             shape = (salience.max_chunks, salience.chunk_size, num_kv_heads, head_dim)
             self.arenas = [ChunkArena(*shape, dtype, device) for _ in range(num_layers)]  # per layer

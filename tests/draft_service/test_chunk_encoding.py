@@ -31,7 +31,7 @@ def test_sessions_take_pages_in_turn_and_the_pool_grows_without_moving_them():
     """Two indexes grow in turn over pages of 2 chunks, each taking free pages as it needs them; the pool
     doubles when they run out, and every score stays that of the keys encoded alone."""
     pool = ChunkEncodingPool(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, CPU, page_chunks=2)
-    indexes = [ChunkIndex(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, CPU, pool) for _ in range(2)]
+    indexes = [ChunkIndex(pool) for _ in range(2)]
     generator = torch.Generator().manual_seed(0)
     keys = [torch.randn(13 * CHUNK, KV_HEADS, HEAD_DIM, generator=generator) for _ in indexes]
     q = torch.randn(2, 4, HEAD_DIM, generator=generator)
@@ -49,12 +49,12 @@ def test_sessions_take_pages_in_turn_and_the_pool_grows_without_moving_them():
 def test_a_dropped_index_gives_its_pages_back_for_the_next():
     pool = ChunkEncodingPool(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, CPU, page_chunks=2)
     keys = torch.randn(9 * CHUNK, KV_HEADS, HEAD_DIM)
-    first = ChunkIndex(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, CPU, pool)
+    first = ChunkIndex(pool)
     pool.encode([first], [keys], [keys.shape[0]])  # 9 chunks: 5 pages
     assert (pool.num_pages, pool.live_pages) == (5, 5)
     del first
     assert pool.live_pages == 0
-    second = ChunkIndex(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, CPU, pool)
+    second = ChunkIndex(pool)
     pool.encode([second], [keys], [4 * CHUNK])
     assert (pool.num_pages, pool.live_pages) == (5, 2)  # no growth: the freed pages serve it
     q = torch.randn(4, HEAD_DIM)

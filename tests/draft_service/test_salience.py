@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draft_service.chunk_arena import ChunkArena
-from draft_service.chunk_encoding import ChunkIndex
+from draft_service.chunk_encoding import ChunkEncodingPool, ChunkIndex
 from draft_service.draft_context import DraftContext, refresh_all, reselect_all
 from draft_service.working_set import WorkingSetConfig, WorkingSetSelector
 from tests.draft_service.reference_selection import select_alone
@@ -27,7 +27,7 @@ def update(arena: ChunkArena, selected: list[int], keys: torch.Tensor, values: t
 def test_chunk_score_bounds_every_query_key_product():
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(10 * CHUNK, KV_HEADS, HEAD_DIM, generator=gen)
-    index = ChunkIndex(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    index = ChunkIndex(ChunkEncodingPool(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")))
     index.pool.encode([index], [keys[:35]], [35])  # 4 full chunks, then the rest arrives
     assert index.num_chunks == 4
     index.pool.encode([index], [keys], [keys.shape[0]])
@@ -44,7 +44,7 @@ def test_scores_find_the_chunk_holding_the_matching_key():
     q = torch.zeros(4, HEAD_DIM)
     q[:, 3] = 1.0
     keys[17 * CHUNK + 5, 0, 3] = 50.0  # one key in chunk 17 matches the query strongly
-    index = ChunkIndex(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    index = ChunkIndex(ChunkEncodingPool(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")))
     index.pool.encode([index], [keys], [keys.shape[0]])
     assert int(index.pool.scores([index], q[None])[0].argmax()) == 17
 
