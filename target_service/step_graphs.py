@@ -208,6 +208,11 @@ class StepGraphs:
             timer.stop()
             self.warm_up_seconds[key] = timer.seconds() / WARM_UP_REPLAYS
 
+    @property
+    def num_recorded(self) -> int:
+        """How many buckets hold a captured graph."""
+        return sum(b.graph is not None for b in self._buckets.values())
+
     def _forward(self, bucket: _Bucket) -> tuple[PagedForwardOutput, torch.Tensor]:
         out = self.model.forward_paged(
             bucket.input_ids, bucket.positions, self.cache.k_pages, self.cache.v_pages, bucket.meta,
