@@ -52,8 +52,8 @@ NVTX_COLUMN_MARK = "Push/Pop_Range"  # the raw page's NVTX column: "thread Domai
 UNIT_SCALE = {
     "": 1.0, "%": 1.0, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
     "sector": 1.0, "Ksector": 1e3, "Msector": 1e6, "Gsector": 1e9,
-    "nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
-}  # to bytes, sectors or nanoseconds
+    "nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9, "ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9,
+}  # to bytes, sectors or nanoseconds (ncu writes durations as "us" in raw CSV, "usecond" in its details page)
 
 
 @dataclass(frozen=True)
@@ -80,14 +80,20 @@ class KernelSummary:
     dram_write_bytes: float = 0.0
     l1tex_bytes: float = 0.0
     l2_sectors: float = 0.0
-    l2_hit_sectors: float = 0.0  # sectors x hit rate, summed (the hit rate below is their ratio)
+    l2_rated_sectors: float = 0.0  # sectors of the launches whose hit rate is a rate (0-100%)
+    l2_hit_sectors: float = 0.0  # those sectors x hit rate, summed (the hit rate below is their ratio)
+    l2_out_of_range: int = 0  # launches whose hit rate fell outside 0-100%, left out of it
     occupancy_ns: float = 0.0  # achieved occupancy x duration, summed
     unmeasured: list[str] = field(default_factory=list)  # metrics some launch lacked
 
     @property
     def l2_hit_rate(self) -> float | None:
-        """% of L2 sectors that hit, over every launch."""
-        return 100 * self.l2_hit_sectors / self.l2_sectors if self.l2_sectors else None
+        """% of L2 sectors that hit, over the launches with an in-range rate.
+
+        ncu counts hits and lookups in different replays; on a kernel too small to reach a steady state the
+        two disagree and the "rate" leaves 0-100% (Nsight Compute's own guidance: such a value was not
+        collected accurately), so it is not averaged in."""
+        return 100 * self.l2_hit_sectors / self.l2_rated_sectors if self.l2_rated_sectors else None
 
     @property
     def achieved_occupancy(self) -> float | None:
@@ -106,7 +112,12 @@ class KernelSummary:
         self.dram_write_bytes += m.get(DRAM_WRITE) or 0.0
         self.l1tex_bytes += m.get(L1TEX_BYTES) or 0.0
         self.l2_sectors += sectors
-        self.l2_hit_sectors += sectors * (m.get(L2_HIT_RATE) or 0.0) / 100
+        hit_rate = m.get(L2_HIT_RATE)
+        if hit_rate is not None and 0.0 <= hit_rate <= 100.0:
+            self.l2_rated_sectors += sectors
+            self.l2_hit_sectors += sectors * hit_rate / 100
+        elif hit_rate is not None:
+            self.l2_out_of_range += 1
         self.occupancy_ns += duration * (m.get(OCCUPANCY) or 0.0)
 
     def to_dict(self) -> dict:
@@ -182,8 +193,9 @@ def summarise(launches: list[KernelLaunch]) -> list[KernelSummary]:
 
 
 def short_name(name: str, width: int = 60) -> str:
-    """``void at::native::(anonymous namespace)::f<4, ...>(...)`` -> ``at::native::f``, cut to ``width``."""
-    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    """``void at::native::(anonymous namespace)::f<4, ...>(...)`` -> ``at::native::f`` (ncu may write the
+    anonymous namespace as ``<unnamed>``), cut to ``width``."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
     name = name[: min((i for i in (name.find("<"), name.find("(")) if i > 0), default=len(name))]
     return name if len(name) <= width else name[: width - 1] + "…"
 
@@ -232,10 +244,16 @@ def driver_argv(args: argparse.Namespace) -> list[str]:
     """The flags the profiled driver process gets: the same run, without --ncu."""
     return ["--base-model", str(args.base_model), "--draft-model", str(args.draft_model), "--data", str(args.data),
             "--context", str(args.context), "--policy", args.policy, "--tree-config", args.tree_config,
-            "--warm-steps", str(args.warm_steps), "--out-dir", str(args.out_dir)]
+            "--warm-steps", str(args.warm_steps), "--out-dir", str(args.out_dir), "--steps", *args.steps]
 
 
 def collect(args: argparse.Namespace) -> int:
+    """Profile the driver under ncu, export the raw page, and write the tables (``--report-only``: only the
+    tables, from an earlier run's ``ncu_raw.csv`` and ``ncu_driver.json`` in ``--out-dir``)."""
+    if args.report_only:
+        earlier = args.out_dir / "ncu_kernels.json"
+        command = json.loads(earlier.read_text())["command"] if earlier.exists() else []
+        return write_report(args, command)
     ncu = args.ncu or shutil.which("ncu")
     if ncu is None:
         print("collect_ncu: no `ncu` on PATH (Nsight Compute ships with the CUDA toolkit); pass --ncu", file=sys.stderr)
@@ -248,19 +266,27 @@ def collect(args: argparse.Namespace) -> int:
         return 1
     raw = subprocess.run(export, check=True, capture_output=True, text=True).stdout
     (args.out_dir / "ncu_raw.csv").write_text(raw)
-    summaries = summarise(parse_raw_csv(raw))
+    return write_report(args, profile)
+
+
+def write_report(args: argparse.Namespace, profile: list[str]) -> int:
+    """``ncu_kernels.json`` and ``ncu_kernels.md`` from ``ncu_raw.csv`` and the driver's ``ncu_driver.json``."""
+    summaries = summarise(parse_raw_csv((args.out_dir / "ncu_raw.csv").read_text()))
     if not summaries:
         print(f"collect_ncu: no profiled kernel ran inside the ranges {list(STEP_RANGES)} (see "
               f"{args.out_dir / 'ncu_raw.csv'}: its NVTX column)", file=sys.stderr)
         return 1
     driver = json.loads((args.out_dir / "ncu_driver.json").read_text())
-    missed = [name for name in STEP_RANGES if name not in driver["profiled"]]
+    missed = [name for name in args.steps if name not in driver["profiled"]]
     if missed:
         print(f"collect_ncu: the generation ended before {missed}; lower --warm-steps", file=sys.stderr)
+    out_of_range = sum(s.l2_out_of_range for s in summaries)
     header = (f"# Nsight Compute: one Auto step and one DiffSpec step\n\n`{' '.join(profile)}`\n\n"
               f"target `{args.base_model}`, head `{args.draft_model}`, {driver['prompt_tokens']} prompt tokens, "
               f"DiffSpec {args.policy} {args.tree_config} over the salience working set; {driver['device']}. "
-              "L2 hit %: sector hits over lookups; HBM: DRAM bytes; L1TEX: bytes through L1/texture; "
+              "L2 hit %: sector hits over lookups, weighted by lookups, leaving out the "
+              f"{out_of_range} launches whose rate fell outside 0-100% (kernels too small for ncu's replays to "
+              "agree); HBM: DRAM bytes; L1TEX: bytes through L1/texture; "
               "achieved occupancy: active warps over the peak, weighted by kernel time. "
               "The chunk arena's gather: `diffspec start` fills the arena (copies under the draft's start), "
               "`diffspec step` stages it for attention (`aten::cat` under the proposal and accept).")
@@ -340,6 +366,9 @@ def drive(args: argparse.Namespace) -> int:
     diffspec = DraftOptions(args.policy, args.tree_config, salience=True)
     for options, profiled in ((None, {args.warm_steps: "auto step"}),
                               (diffspec, {0: "diffspec start", args.warm_steps: "diffspec step"})):
+        profiled = {iteration: name for iteration, name in profiled.items() if name in args.steps}
+        if not profiled:
+            continue
         run(options, {})  # compiles and graph captures, unprofiled
         run(options, profiled)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -381,8 +410,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="online", help="DiffSpec tree policy")
     p.add_argument("--tree-config", default="64:0.0:8", help="DiffSpec tree budget, total:threshold:depth")
     p.add_argument("--warm-steps", type=int, default=4, help="decode iterations before the profiled steady one")
+    p.add_argument("--steps", nargs="+", choices=STEP_RANGES, default=list(STEP_RANGES),
+                   help="which iterations to profile (each costs ncu about 0.3 s per kernel launch; "
+                        "a step of the 8B-shaped pair launches 600-900)")
     p.add_argument("--out-dir", type=Path, default=Path("results/ncu"))
     p.add_argument("--ncu", help="the ncu executable (default: ncu on PATH)")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite the tables from an earlier run's ncu_raw.csv and ncu_driver.json in --out-dir")
     p.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
     return p
 

@@ -31,7 +31,7 @@ FIXTURE = "\n".join([
     '"Grid Size","Device","CC","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum",'
     '"l1tex__t_bytes.sum","lts__t_sector_hit_rate.pct","lts__t_sectors.sum",'
     '"sm__warps_active.avg.pct_of_peak_sustained_active"',
-    '"","","","","","","","","","","","","Mbyte","Kbyte","usecond","Mbyte","%","sector","%"',
+    '"","","","","","","","","","","","","Mbyte","Kbyte","us","Mbyte","%","sector","%"',
     f'"0","4242","python3.12","h200","{_ranges("auto step")}","void fused_layer_kernel<128>(float*, int)","1","7",'
     '"(128, 1, 1)","(132, 1, 1)","0","9.0","12.50","4.00","10.00","20.00","40.00","1,000","50.00"',
     f'"1","4242","python3.12","h200","{_ranges("auto step")}","void fused_layer_kernel<128>(float*, int)","1","7",'
@@ -77,6 +77,7 @@ def test_kernels_are_summed_per_step_and_op_with_weighted_rates():
 
 def test_short_names_drop_templates_and_arguments():
     assert short_name("void f<4, float>(int*)") == "f"
+    assert short_name("void at::<unnamed>::indexSelectSmallIndex<float, long>(...)") == "at::indexSelectSmallIndex"
     assert short_name("ampere_bf16_s16816gemm_bf16_128x64") == "ampere_bf16_s16816gemm_bf16_128x64"
 
 
@@ -100,6 +101,7 @@ def test_ncu_runs_the_driver_with_clock_control_none_then_exports_the_raw_page(t
     inner = profile[profile.index("bench.collect_ncu") + 1:]
     assert inner[0] == "--driver" and "--ncu" not in inner
     assert collect_ncu.parser().parse_args(inner).warm_steps == 2
+    assert collect_ncu.parser().parse_args(inner).steps == list(collect_ncu.STEP_RANGES)
     assert export == ["/opt/ncu", "--import", f"{tmp_path / 'ncu' / 'ncu_steps'}.ncu-rep", "--csv", "--page", "raw"]
 
 
@@ -116,6 +118,15 @@ def test_the_driver_reaches_every_profiled_iteration(code_prompts, tmp_path):
     driver = json.loads((tmp_path / "ncu" / "ncu_driver.json").read_text())
     assert driver["profiled"] == ["auto step", "diffspec start", "diffspec step"]
     assert driver["prompt_tokens"] == 256 and driver["device"] == "cpu"
+
+
+def test_the_driver_profiles_only_the_steps_asked_for(code_prompts, tmp_path):
+    (tmp_path / "d.jsonl").write_text(code_prompts.read_text())
+    args = _args(tmp_path, "--steps", "auto step", "diffspec step")
+    assert collect_ncu.driver_argv(args)[-3:] == ["--steps", "auto step", "diffspec step"]
+    assert collect_ncu.drive(_args(tmp_path, "--driver", "--steps", "diffspec step")) == 0
+    driver = json.loads((tmp_path / "ncu" / "ncu_driver.json").read_text())
+    assert driver["profiled"] == ["diffspec step"]
 
 
 FAKE_NCU = '''#!{python}
@@ -146,3 +157,25 @@ def test_collect_writes_the_tables_from_what_ncu_exports(tmp_path, capsys):
     assert "| `fused_layer_kernel` | - | 2 |" in (out / "ncu_kernels.md").read_text()
     assert (out / "ncu_raw.csv").read_text().strip() == FIXTURE.strip()
     assert "generation ended before ['diffspec start', 'diffspec step']" in capsys.readouterr().err
+
+
+def test_hit_rates_outside_0_to_100_percent_are_left_out_of_the_average():
+    summary = collect_ncu.KernelSummary("auto step", "", "k")
+    for rate, sectors in ((40.0, 1000.0), (184.2, 2500.0), (80.0, 3000.0)):
+        summary.add(collect_ncu.KernelLaunch(0, "k", "auto step", "", {
+            DURATION: 1.0, L2_HIT_RATE: rate, "lts__t_sectors.sum": sectors}))
+    assert summary.l2_hit_rate == pytest.approx(70.0)  # the 184% launch's 2,500 lookups do not count
+    assert summary.l2_out_of_range == 1 and summary.l2_sectors == 6500.0
+
+
+def test_report_only_rewrites_the_tables_from_an_earlier_run(tmp_path):
+    args = _args(tmp_path, "--report-only", "--steps", "auto step")
+    args.out_dir.mkdir(parents=True)
+    (args.out_dir / "ncu_raw.csv").write_text(FIXTURE)
+    (args.out_dir / "ncu_driver.json").write_text(json.dumps(
+        {"prompt_tokens": 256, "device": "H200", "profiled": ["auto step"]}))
+    (args.out_dir / "ncu_kernels.json").write_text(json.dumps({"command": ["ncu", "--earlier"]}))
+    assert collect_ncu.collect(args) == 0  # no ncu needed
+    table = (args.out_dir / "ncu_kernels.md").read_text()
+    assert "`ncu --earlier`" in table and "| `fused_layer_kernel` | - | 2 | 40.0 | 70.0 |" in table
+    assert json.loads((args.out_dir / "ncu_kernels.json").read_text())["command"] == ["ncu", "--earlier"]
