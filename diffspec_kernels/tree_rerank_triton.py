@@ -4,16 +4,19 @@ Same function as ``diffspec_kernels.tree_rerank_ref`` (the PyTorch reference, wh
 that is some sixty small kernels (a sort, scatters, a cumsum, a gather and a scatter per depth for
 the mask), and in a proposal's CUDA graph each is a node the GPU waits on.
 
-One program per session, in four passes over its slots and nodes:
+Two launches. The ranking is the O(slots^2) part, so it runs wide: ``_kept_kernel`` gives each block of
+RANK_BLOCK slots of a session its own program, and each counts a slot's place in the ranking rather than
+sorting, as in ``diffspec_kernels.tree_frontier_triton``: the slots whose key is larger, plus the equal ones
+before it (keys: the cumulative log-prob, at least the lowest float64, for a valid slot; -inf otherwise),
+which is the order of a stable descending sort. A valid slot ranked below ``total_tokens - 1`` is kept, and
+its flag stored to a scratch row. A step compares RANK_BLOCK slots with OTHERS others and the counts are
+summed across threads once per program. (In one program per session, as a first version ran it, the count
+took about 200 us at the 710 slots of a depth-8 tree on an H200.)
 
-1. Each slot's place in the ranking is counted rather than sorted, as in ``diffspec_kernels.tree_frontier_triton``:
-   the slots whose key is larger, plus the equal ones before it (keys: the cumulative log-prob, at least
-   the lowest float64, for a valid slot; -inf otherwise), which is the order of a stable descending sort.
-   A valid slot ranked below ``total_tokens - 1`` is kept; a running count of the kept slots (a cumsum)
-   is stored per slot to a scratch row: a kept slot's node index, the root being node 0. Counting is
-   O(slots^2): a proposal has at most a few hundred slots. A step compares a block of slots with OTHERS
-   others and the counts are summed across threads once per block: a [128, 128] step (what
-   ``tree_frontier_triton`` does) spills registers on sm_90.
+Then ``_rerank_kernel``, one program per session, in four passes over its slots and nodes:
+
+1. A running count of the kept flags (a cumsum), stored in place over the scratch row: a kept slot's node
+   index, the root being node 0.
 2. The root (node 0) and the padding past the kept nodes are written.
 3. Each kept slot is written at its node: its token, depth, draft probability (exp of its float32
    log-prob in float64, rounded to float32, as the reference computes it) and its parent's node, read
@@ -33,13 +36,13 @@ import triton.language as tl
 from diffspec_kernels.tree_rerank_ref import LOWEST, rerank_reference
 
 # More candidates take the reference (a sort): the count is O(slots^2) per session. On an H200, in a CUDA graph,
-# the reference takes 110-175 us whatever the size; a first version of the kernel (its count spilling
-# registers) took 45-125 us at 310-528 slots and 324 us at 1056.
+# the reference takes 110-175 us whatever the size.
 MAX_SLOTS = 1024
 MAX_NODES = 512  # a mask row is one block of registers; larger trees take the reference
-SLOT_BLOCK = 128  # slots ranked per step of the count
+RANK_BLOCK = 32  # slots ranked per program of ``_kept_kernel``
+OTHERS = 64  # a step of the count compares RANK_BLOCK slots with this many others: 2,048 counts, as [128, 16] held
+SLOT_BLOCK = 128  # slots per step of the running count and of pass 3
 MASK_BLOCK = 4096  # mask entries per step of pass 4
-OTHERS = 16  # a step of the count compares a block of slots with this many others: more would spill registers
 
 
 @triton.jit
@@ -69,17 +72,43 @@ def _store_nodes(
 
 # The sizes are runtime values, not specialised: a compile per slot count would stall a proposal's first
 # run of each shape for seconds.
-@triton.jit(do_not_specialize=["root_tokens_stride", "total_tokens_stride", "S", "N", "max_depth"])
+@triton.jit(do_not_specialize=["total_tokens_stride", "S"])
+def _kept_kernel(
+    log_probs_ptr,  # [B, S] float64 cumulative
+    valid_ptr,  # [B, S] uint8 (bool)
+    total_tokens_ptr,  # [B] int64, every total_tokens_stride-th element
+    kept_ptr,  # [B, S] int32 out: 1 where the slot is kept
+    total_tokens_stride,
+    S,  # candidate slots
+    RANK_BLOCK: tl.constexpr,  # slots of this program
+    OTHERS: tl.constexpr,  # slots compared against per step of the count
+    LOWEST: tl.constexpr,  # the lowest float64: a valid slot's key is at least this
+):
+    b = tl.program_id(0)
+    row = b * S
+    limit = tl.load(total_tokens_ptr + b * total_tokens_stride) - 1  # the root is one of total_tokens
+    slots = tl.program_id(1) * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
+    valid, key = _rank_keys(log_probs_ptr, valid_ptr, row, slots, S, LOWEST)
+    ahead_count = tl.zeros([RANK_BLOCK, OTHERS], dtype=tl.int32)  # summed once, after the loop
+    for other_start in range(0, S, OTHERS):
+        others = other_start + tl.arange(0, OTHERS)
+        _, other_key = _rank_keys(log_probs_ptr, valid_ptr, row, others, S, LOWEST)
+        ahead = (other_key[None, :] > key[:, None]) | (
+            (other_key[None, :] == key[:, None]) & (others[None, :] < slots[:, None])
+        )  # a slot past S has key -inf and a larger index: never ahead
+        ahead_count += ahead.to(tl.int32)
+    rank = tl.sum(ahead_count, axis=1)
+    tl.store(kept_ptr + row + slots, (valid & (rank < limit)).to(tl.int32), mask=slots < S)
+
+
+@triton.jit(do_not_specialize=["root_tokens_stride", "S", "N", "max_depth"])
 def _rerank_kernel(
     tokens_ptr,  # [B, S] int64 candidates' target ids
-    log_probs_ptr,  # [B, S] float64 cumulative
     own_log_probs_ptr,  # [B, S] float32
-    valid_ptr,  # [B, S] uint8 (bool)
     parent_slots_ptr,  # [B, S] int64 (-1: the root)
     depths_ptr,  # [B, S] int64
     root_tokens_ptr,  # [B] int64, every root_tokens_stride-th element
-    total_tokens_ptr,  # [B] int64, every total_tokens_stride-th element
-    node_of_slot_ptr,  # [B, S] int32 scratch: kept slots up to and including each slot
+    node_of_slot_ptr,  # [B, S] int32: in, 1 at a kept slot (``_kept_kernel``); out, kept slots up to and including it
     out_tokens_ptr,  # [B, N] int64 out
     out_parents_ptr,  # [B, N] int64 out
     out_draft_probs_ptr,  # [B, N] float32 out
@@ -88,35 +117,21 @@ def _rerank_kernel(
     num_nodes_ptr,  # [B] int64 out
     host_rows_ptr,  # [B, 3 * N + 1] float64 out: tokens | parents | draft_probs | num_nodes
     root_tokens_stride,
-    total_tokens_stride,
     S,  # candidate slots
     N,  # nodes per tree
     max_depth,  # parent steps of the mask's walk
     BLOCK: tl.constexpr,  # slots per step
-    OTHERS: tl.constexpr,  # slots compared against per step of the count
     NODE_BLOCK: tl.constexpr,  # nodes per step, at least N: a mask row
     ROW_BLOCK: tl.constexpr,  # mask rows per step
-    LOWEST: tl.constexpr,  # the lowest float64: a valid slot's key is at least this
 ):
     b = tl.program_id(0)
     row = b * S
-    limit = tl.load(total_tokens_ptr + b * total_tokens_stride) - 1  # the root is one of total_tokens
 
-    # 1. rank, keep, count
+    # 1. the running count of kept slots
     kept_count = tl.zeros([], dtype=tl.int32)
     for start in range(0, S, BLOCK):
         slots = start + tl.arange(0, BLOCK)
-        valid, key = _rank_keys(log_probs_ptr, valid_ptr, row, slots, S, LOWEST)
-        ahead_count = tl.zeros([BLOCK, OTHERS], dtype=tl.int32)  # summed once, after the loop
-        for other_start in range(0, S, OTHERS):
-            others = other_start + tl.arange(0, OTHERS)
-            _, other_key = _rank_keys(log_probs_ptr, valid_ptr, row, others, S, LOWEST)
-            ahead = (other_key[None, :] > key[:, None]) | (
-                (other_key[None, :] == key[:, None]) & (others[None, :] < slots[:, None])
-            )  # a slot past S has key -inf and a larger index: never ahead
-            ahead_count += ahead.to(tl.int32)
-        rank = tl.sum(ahead_count, axis=1)
-        kept = (valid & (rank < limit)).to(tl.int32)
+        kept = tl.load(node_of_slot_ptr + row + slots, mask=slots < S, other=0)
         tl.store(node_of_slot_ptr + row + slots, kept_count + tl.cumsum(kept, 0), mask=slots < S)
         kept_count += tl.sum(kept, 0)
     num_nodes = kept_count + 1
@@ -189,7 +204,7 @@ def rerank_triton(
     nodes: int,  # tree nodes out per session, root included
     max_depth: int,  # the deepest candidate's depth
 ) -> tuple[torch.Tensor, ...]:
-    """``diffspec_kernels.tree_rerank_ref.rerank_reference`` in one launch: the same seven tensors, bit for bit. More
+    """``diffspec_kernels.tree_rerank_ref.rerank_reference`` in two launches: the same seven tensors, bit for bit. More
     than MAX_SLOTS slots or MAX_NODES nodes take the reference."""
     batch, slots = tokens.shape
     if slots > MAX_SLOTS or nodes > MAX_NODES:
@@ -218,12 +233,16 @@ def rerank_triton(
     host_rows = torch.empty(batch, 3 * nodes + 1, dtype=torch.float64, device=device)
     if batch:
         block, node_block, row_block = launch_blocks(slots, nodes)
+        log_probs, valid = log_probs.contiguous(), valid.contiguous().view(torch.uint8)
+        node_of_slot = torch.empty(batch, slots, dtype=torch.int32, device=device)
+        if slots:
+            _kept_kernel[(batch, triton.cdiv(slots, RANK_BLOCK))](
+                log_probs, valid, total_tokens, node_of_slot, total_tokens.stride(0), slots,
+                RANK_BLOCK=RANK_BLOCK, OTHERS=OTHERS, LOWEST=LOWEST,
+            )  # fmt: skip
         _rerank_kernel[(batch,)](
-            tokens.contiguous(), log_probs.contiguous(), own_log_probs.contiguous(),
-            valid.contiguous().view(torch.uint8), parent_slots.contiguous(), depths.contiguous(),
-            root_tokens, total_tokens, torch.empty(batch, slots, dtype=torch.int32, device=device),
-            out_tokens, parents, draft_probs, out_depths, mask, num_nodes, host_rows,
-            root_tokens.stride(0), total_tokens.stride(0), slots, nodes, max_depth,
-            BLOCK=block, OTHERS=OTHERS, NODE_BLOCK=node_block, ROW_BLOCK=row_block, LOWEST=LOWEST,
+            tokens.contiguous(), own_log_probs.contiguous(), parent_slots.contiguous(), depths.contiguous(),
+            root_tokens, node_of_slot, out_tokens, parents, draft_probs, out_depths, mask, num_nodes, host_rows,
+            root_tokens.stride(0), slots, nodes, max_depth, BLOCK=block, NODE_BLOCK=node_block, ROW_BLOCK=row_block,
         )  # fmt: skip
     return out_tokens, parents, draft_probs, out_depths, mask.view(torch.bool), num_nodes, host_rows

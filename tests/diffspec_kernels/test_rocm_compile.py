@@ -174,26 +174,31 @@ def tree_frontier_cases() -> list[Case]:
 
 
 def tree_rerank_cases() -> list[Case]:
-    """The launch blocks of a depth-1 tree, of the full trees an online session proposes (10 + 100 * (depth - 1)
-    slots on the full tree's widths, at depths 4 to 10 and their budgets), and of the largest the kernel takes."""
-    from diffspec_kernels.tree_rerank_triton import MAX_NODES, MAX_SLOTS, OTHERS, launch_blocks
+    """The ranking launch, and the rerank's launch blocks of a depth-1 tree, of the full trees an online session
+    proposes (10 + 100 * (depth - 1) slots on the full tree's widths, at depths 4 to 10 and their budgets), and of
+    the largest the kernel takes."""
+    from diffspec_kernels.tree_rerank_triton import MAX_NODES, MAX_SLOTS, OTHERS, RANK_BLOCK, launch_blocks
 
+    lowest = -1.7976931348623157e308
+    kept = Case(
+        "tree_rerank_kept", "diffspec_kernels.tree_rerank_triton", "_kept_kernel",
+        {"log_probs_ptr": "*fp64", "valid_ptr": "*u8", "total_tokens_ptr": "*i64", "kept_ptr": "*i32",
+         **scalars("total_tokens_stride S", "i32"), **scalars("RANK_BLOCK OTHERS LOWEST", "constexpr")},
+        {"RANK_BLOCK": RANK_BLOCK, "OTHERS": OTHERS, "LOWEST": lowest},
+    )  # fmt: skip
     signature = {
-        "tokens_ptr": "*i64", "log_probs_ptr": "*fp64", "own_log_probs_ptr": "*fp32", "valid_ptr": "*u8",
-        **pointers("parent_slots_ptr depths_ptr root_tokens_ptr total_tokens_ptr", "i64"),
+        "tokens_ptr": "*i64", "own_log_probs_ptr": "*fp32", **pointers("parent_slots_ptr depths_ptr root_tokens_ptr", "i64"),
         "node_of_slot_ptr": "*i32", **pointers("out_tokens_ptr out_parents_ptr", "i64"),
         "out_draft_probs_ptr": "*fp32", "out_depths_ptr": "*i64", "mask_ptr": "*u8", "num_nodes_ptr": "*i64",
-        "host_rows_ptr": "*fp64", **scalars("root_tokens_stride total_tokens_stride S N max_depth", "i32"),
-        **scalars("BLOCK OTHERS NODE_BLOCK ROW_BLOCK LOWEST", "constexpr"),
+        "host_rows_ptr": "*fp64", **scalars("root_tokens_stride S N max_depth", "i32"),
+        **scalars("BLOCK NODE_BLOCK ROW_BLOCK", "constexpr"),
     }
     sizes = [(10, 8), (310, 16), (510, 32), (710, 64), (910, 96), (MAX_SLOTS, MAX_NODES)]  # (slots, nodes)
     blocks = sorted({launch_blocks(slots, nodes) for slots, nodes in sizes})
-    return [
+    return [kept] + [
         Case(
             f"tree_rerank[block={block},nodes={node_block},rows={row_block}]", "diffspec_kernels.tree_rerank_triton",
-            "_rerank_kernel", signature,
-            {"BLOCK": block, "OTHERS": OTHERS, "NODE_BLOCK": node_block, "ROW_BLOCK": row_block,
-             "LOWEST": -1.7976931348623157e308},
+            "_rerank_kernel", signature, {"BLOCK": block, "NODE_BLOCK": node_block, "ROW_BLOCK": row_block},
         )
         for block, node_block, row_block in blocks
     ]  # fmt: skip
