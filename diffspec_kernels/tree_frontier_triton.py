@@ -4,7 +4,8 @@ Same function as ``draft_service.tree_search.expand`` followed by ``best_frontie
 reference, which the CPU runs), bit for bit: those are some twenty small kernels per depth, and in
 a proposal's CUDA graph each is a node the GPU waits on and the launch walks.
 
-One program per session. A slab slot i (frontier row i // K, child rank i % K) gets its
+One program per BLOCK slots of a session (a [128, 128] count in one program per session spilled registers and
+took about 18 us a depth on an H200). A slab slot i (frontier row i // K, child rank i % K) gets its
 cumulative log-prob (float64: the frontier's plus the child's float32 one, as the reference adds
 them) and its validity. Its place in the ranking is counted rather than sorted: the slots whose
 key is larger, plus the equal ones before it (keys: the cumulative log-prob, at least the lowest
@@ -21,6 +22,8 @@ import triton.language as tl
 
 _LOWEST = torch.finfo(torch.float64).min
 MAX_SLOTS = 4096  # a slab wider than this is left to the reference (a sort), which no bucket reaches today
+BLOCK = 32  # slots of one program
+OTHERS = 64  # a step of the count compares BLOCK slots with this many others
 
 
 @triton.jit
@@ -74,45 +77,46 @@ def _frontier_kernel(
     K,  # children per row
     next_rows,  # rows of the next frontier
     HAS_NEXT: tl.constexpr,  # False at the last depth: no next frontier
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # slots of this program
+    OTHERS: tl.constexpr,  # slots compared against per step of the count
     LOWEST: tl.constexpr,  # the lowest float64: a valid slot's key is at least this
 ):
     b = tl.program_id(0)
     S = R * K
     children = tl.load(children_ptr + b * children_stride)
     min_log_prob = tl.load(min_log_prob_ptr + b)
-    for start in range(0, S, BLOCK):
-        slots = start + tl.arange(0, BLOCK)
-        in_slab = slots < S
-        cumulative, valid, key = _slot_keys(
-            slots, b, S, K, frontier_log_probs_ptr, frontier_valid_ptr, top_log_probs_ptr, children, min_log_prob, R,
-            LOWEST,
-        )  # fmt: skip
-        tl.store(cumulative_ptr + b * S + slots, cumulative, mask=in_slab)
-        tl.store(valid_ptr + b * S + slots, valid.to(tl.uint8), mask=in_slab)
-        parent_slot = tl.load(frontier_slots_ptr + b * R + slots // K, mask=in_slab, other=0)
-        tl.store(parent_slots_ptr + b * S + slots, parent_slot, mask=in_slab)
-        if HAS_NEXT:
-            rank = tl.zeros([BLOCK], dtype=tl.int32)
-            for other_start in range(0, S, BLOCK):
-                others = other_start + tl.arange(0, BLOCK)
-                _, _, other_key = _slot_keys(
-                    others, b, S, K, frontier_log_probs_ptr, frontier_valid_ptr, top_log_probs_ptr,
-                    children, min_log_prob, R, LOWEST,
-                )  # fmt: skip
-                ahead = (other_key[None, :] > key[:, None]) | (
-                    (other_key[None, :] == key[:, None]) & (others[None, :] < slots[:, None])
-                )
-                rank += tl.sum((ahead & (others[None, :] < S)).to(tl.int32), axis=1)
-            chosen = in_slab & (rank < next_rows)
-            expand_rows = tl.load(expand_rows_ptr + b * expand_rows_stride)
-            out = b * next_rows + rank
-            token = tl.load(top_tokens_ptr + b * S + slots, mask=in_slab, other=0)
-            tl.store(next_tokens_ptr + out, token, mask=chosen)
-            tl.store(next_parent_rows_ptr + out, (slots // K).to(tl.int64), mask=chosen)
-            tl.store(next_log_probs_ptr + out, cumulative, mask=chosen)
-            tl.store(next_valid_ptr + out, (valid & (rank < expand_rows)).to(tl.uint8), mask=chosen)
-            tl.store(next_slots_ptr + out, (slots + first_slot).to(tl.int64), mask=chosen)
+    slots = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_slab = slots < S
+    cumulative, valid, key = _slot_keys(
+        slots, b, S, K, frontier_log_probs_ptr, frontier_valid_ptr, top_log_probs_ptr, children, min_log_prob, R,
+        LOWEST,
+    )  # fmt: skip
+    tl.store(cumulative_ptr + b * S + slots, cumulative, mask=in_slab)
+    tl.store(valid_ptr + b * S + slots, valid.to(tl.uint8), mask=in_slab)
+    parent_slot = tl.load(frontier_slots_ptr + b * R + slots // K, mask=in_slab, other=0)
+    tl.store(parent_slots_ptr + b * S + slots, parent_slot, mask=in_slab)
+    if HAS_NEXT:
+        ahead_count = tl.zeros([BLOCK, OTHERS], dtype=tl.int32)  # summed once, after the loop
+        for other_start in range(0, S, OTHERS):
+            others = other_start + tl.arange(0, OTHERS)
+            _, _, other_key = _slot_keys(
+                others, b, S, K, frontier_log_probs_ptr, frontier_valid_ptr, top_log_probs_ptr,
+                children, min_log_prob, R, LOWEST,
+            )  # fmt: skip
+            ahead = (other_key[None, :] > key[:, None]) | (
+                (other_key[None, :] == key[:, None]) & (others[None, :] < slots[:, None])
+            )
+            ahead_count += (ahead & (others[None, :] < S)).to(tl.int32)
+        rank = tl.sum(ahead_count, axis=1)
+        chosen = in_slab & (rank < next_rows)
+        expand_rows = tl.load(expand_rows_ptr + b * expand_rows_stride)
+        out = b * next_rows + rank
+        token = tl.load(top_tokens_ptr + b * S + slots, mask=in_slab, other=0)
+        tl.store(next_tokens_ptr + out, token, mask=chosen)
+        tl.store(next_parent_rows_ptr + out, (slots // K).to(tl.int64), mask=chosen)
+        tl.store(next_log_probs_ptr + out, cumulative, mask=chosen)
+        tl.store(next_valid_ptr + out, (valid & (rank < expand_rows)).to(tl.uint8), mask=chosen)
+        tl.store(next_slots_ptr + out, (slots + first_slot).to(tl.int64), mask=chosen)
 
 
 def frontier_step_triton(
@@ -146,13 +150,14 @@ def frontier_step_triton(
     next_valid = torch.empty(batch, next_rows, dtype=torch.uint8, device=device)
     next_slots = torch.empty_like(next_tokens)
     if batch and slots:
-        _frontier_kernel[(batch,)](
+        block = min(BLOCK, triton.next_power_of_2(slots))
+        _frontier_kernel[(batch, triton.cdiv(slots, block))](
             frontier_log_probs.contiguous(), frontier_valid.contiguous().view(torch.uint8), frontier_slots.contiguous(),
             top_log_probs.contiguous(), top_tokens.contiguous(), children, min_log_prob.contiguous(),
             expand_rows, cumulative, valid, parent_slots,
             next_tokens, next_parent_rows, next_log_probs, next_valid, next_slots,
             first_slot, children.stride(0), expand_rows.stride(0),
-            rows, k, next_rows, HAS_NEXT=next_rows > 0, BLOCK=min(128, triton.next_power_of_2(slots)), LOWEST=_LOWEST,
+            rows, k, next_rows, HAS_NEXT=next_rows > 0, BLOCK=block, OTHERS=OTHERS, LOWEST=_LOWEST,
         )  # fmt: skip
     return (
         cumulative, valid.view(torch.bool), parent_slots,

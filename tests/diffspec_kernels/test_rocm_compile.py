@@ -154,6 +154,8 @@ def draft_attention_cases() -> list[Case]:
 
 def tree_frontier_cases() -> list[Case]:
     """A small and a full slot block (a slab of up to 16 slots, and wider), with and without a next frontier."""
+    from diffspec_kernels.tree_frontier_triton import BLOCK, OTHERS
+
     signature = {
         "frontier_log_probs_ptr": "*fp64", "frontier_valid_ptr": "*u8", "frontier_slots_ptr": "*i64",
         "top_log_probs_ptr": "*fp32", **pointers("top_tokens_ptr children_ptr", "i64"), "min_log_prob_ptr": "*fp64",
@@ -161,14 +163,14 @@ def tree_frontier_cases() -> list[Case]:
         **pointers("next_tokens_ptr next_parent_rows_ptr", "i64"), "next_log_probs_ptr": "*fp64",
         "next_valid_ptr": "*u8", "next_slots_ptr": "*i64",
         **scalars("first_slot children_stride expand_rows_stride R K next_rows", "i32"),
-        **scalars("HAS_NEXT BLOCK LOWEST", "constexpr"),
+        **scalars("HAS_NEXT BLOCK OTHERS LOWEST", "constexpr"),
     }
     return [
         Case(
             f"tree_frontier[block={block},next={has_next}]", "diffspec_kernels.tree_frontier_triton", "_frontier_kernel",
-            signature, {"HAS_NEXT": has_next, "BLOCK": block, "LOWEST": -1.7976931348623157e308},
+            signature, {"HAS_NEXT": has_next, "BLOCK": block, "OTHERS": OTHERS, "LOWEST": -1.7976931348623157e308},
         )
-        for block in (16, 128)
+        for block in (16, BLOCK)
         for has_next in (True, False)
     ]  # fmt: skip
 
