@@ -34,8 +34,7 @@ def _top_children_kernel(
     top = tl.max(x, 0)
     log_sum = tl.log(tl.sum(tl.exp(x - top), 0))  # log_softmax(x) = x - max - log(sum(exp(x - max)))
     for i in range(k):
-        best = tl.argmax(x, 0, tie_break_left=True)
-        value = tl.max(x, 0)
+        value, best = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)  # one reduction, not two
         tl.store(log_probs_ptr + row * k + i, (value - top) - log_sum)
         tl.store(ids_ptr + row * k + i, tl.load(target_ids_ptr + best))
         x = tl.where(cols == best, float("-inf"), x)
