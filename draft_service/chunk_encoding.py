@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import weakref
 
-import numpy as np
 import torch
 
 from diffspec.devices import PinnedStaging
@@ -82,10 +81,36 @@ class ChunkEncodingPool:
     def free(self, pages: list[int]) -> None:
         self.free_pages += pages
 
-    def encode(self, indexes: list[ChunkIndex], keys: list[torch.Tensor], lengths: list[int]) -> None:
-        """Encode every index's chunks that filled since it last grew, from its session's first lengths[i]
-        keys, which keys[i] [at least lengths[i], kv_heads, hd] begins with: one upload of their rows, one min
-        and one max for the batch, and nothing for a session with no new full chunk."""
+    def encode_and_score(
+        self,
+        indexes: list[ChunkIndex],
+        keys: list[torch.Tensor],
+        lengths: list[int],
+        queries: torch.Tensor,
+        query_rows: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Encode every index's chunks that filled since it last grew, from its session's first lengths[i] keys,
+        which keys[i] [at least lengths[i], kv_heads, hd] begins with (one min and one max for the batch; nothing
+        for a session with no new full chunk); then score them: [len(indexes), widest page table * page_chunks]
+        float32 upper bounds of q . k per chunk, -inf past each index's chunks, for queries[query_rows[i]]
+        (``queries`` [any, heads, hd]; None: the first len(indexes) rows in order). The new chunks' pool rows,
+        the page table and the query rows go up in one upload, and the scoring is one launch."""
+        chunks, rows = self._filled(indexes, keys, lengths)
+        table = _page_table(indexes)  # after ``_filled``: it holds the pages the new chunks took
+        picks = query_rows or []
+        ids = self.staging.upload([*rows, *table, *picks])
+        at, page_table, num_chunks, picked = ids.split([len(rows), len(table) - len(indexes), len(indexes), len(picks)])
+        if rows:
+            self._write(chunks, at)
+        if query_rows is not None:
+            queries = queries.index_select(0, picked)
+        return self._scored(queries, page_table, num_chunks)
+
+    def _filled(
+        self, indexes: list[ChunkIndex], keys: list[torch.Tensor], lengths: list[int]
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """The chunks [new chunks, chunk_size, kv_heads, hd] that filled since each index last grew (None: none),
+        and the pool rows [new chunks] they go to; the indexes grow to hold them."""
         fresh, rows = [], []
         for index, session_keys, length in zip(indexes, keys, lengths):
             full = length // self.chunk_size
@@ -93,23 +118,27 @@ class ChunkEncodingPool:
                 continue
             new = session_keys[index.num_chunks * self.chunk_size : full * self.chunk_size]
             fresh.append(new.view(full - index.num_chunks, self.chunk_size, *new.shape[1:]))
-            rows.append(index.grow(full))
+            rows += index.grow(full)
         if not fresh:
-            return
-        chunks = fresh[0] if len(fresh) == 1 else torch.cat(fresh)  # [new chunks, chunk_size, kv_heads, hd]
-        at = self.staging.upload(np.concatenate(rows).tolist())
+            return None, rows
+        return (fresh[0] if len(fresh) == 1 else torch.cat(fresh)), rows
+
+    def _write(self, chunks: torch.Tensor, at: torch.Tensor) -> None:
+        """Encode ``chunks`` [new chunks, chunk_size, kv_heads, hd] into pool rows ``at`` [new chunks] (device)."""
         self.key_min.view(-1, *self.key_min.shape[2:]).index_copy_(0, at, chunks.amin(1))
         self.key_max.view(-1, *self.key_max.shape[2:]).index_copy_(0, at, chunks.amax(1))
 
-    def scores(self, indexes: list[ChunkIndex], queries: torch.Tensor) -> torch.Tensor:
-        """[len(indexes), widest page table * page_chunks] float32 upper bounds of q . k per chunk, -inf past
-        each index's chunks, for each index's query (``queries`` [len(indexes), heads, hd]); one launch."""
-        table = np.zeros((len(indexes), max(len(index.pages) for index in indexes)), dtype=np.int64)
-        for row, index in zip(table, indexes):
-            row[: len(index.pages)] = index.pages
-        ids = self.staging.upload([*table.ravel().tolist(), *(index.num_chunks for index in indexes)])
-        page_table, num_chunks = ids.split([table.size, len(indexes)])
-        return self._score(queries, self.key_min, self.key_max, page_table.view(table.shape), num_chunks)
+    def _scored(self, queries: torch.Tensor, page_table: torch.Tensor, num_chunks: torch.Tensor) -> torch.Tensor:
+        """One scoring launch over the uploaded ``_page_table``: page_table [batch * widest], num_chunks [batch]."""
+        return self._score(queries, self.key_min, self.key_max, page_table.view(num_chunks.shape[0], -1), num_chunks)
+
+
+def _page_table(indexes: list[ChunkIndex]) -> list[int]:
+    """What a scoring launch uploads: each index's pages, padded with page 0 to the widest [batch, widest], then
+    each index's chunks [batch]; host ints (a few dozen of them: a list beats numpy at this size)."""
+    widest = max(len(index.pages) for index in indexes)
+    table = [page for index in indexes for page in (*index.pages, *[0] * (widest - len(index.pages)))]
+    return [*table, *(index.num_chunks for index in indexes)]
 
 
 class ChunkIndex:
@@ -122,13 +151,13 @@ class ChunkIndex:
         self.num_chunks = 0
         weakref.finalize(self, self.pool.free, self.pages)  # the pages go back when the session is dropped
 
-    def grow(self, num_chunks: int) -> np.ndarray:
+    def grow(self, num_chunks: int) -> list[int]:
         """Hold ``num_chunks`` chunks; the pool rows [new chunks] of the ones added, for the caller to fill."""
         page_chunks = self.pool.page_chunks
         self.pages += self.pool.allocate(-(-num_chunks // page_chunks) - len(self.pages))
-        added = np.arange(self.num_chunks, num_chunks)
+        added = range(self.num_chunks, num_chunks)
         self.num_chunks = num_chunks
-        return np.asarray(self.pages, dtype=np.int64)[added // page_chunks] * page_chunks + added % page_chunks
+        return [self.pages[chunk // page_chunks] * page_chunks + chunk % page_chunks for chunk in added]
 
 
 def _grown(pages: torch.Tensor, num_pages: int) -> torch.Tensor:

@@ -152,11 +152,9 @@ def refresh_all(contexts: list[DraftContext], queries: torch.Tensor, wait: bool)
         group = [contexts[i] for i in rows]
         indexes = [context.index for context in group]
         pool = indexes[0].pool
-        pool.encode(indexes, [context.kvs[-1].keys for context in group], [context.length for context in group])
-        if len(rows) < queries.shape[0]:  # some contexts attend to everything: their rows are left out
-            scores = pool.scores(indexes, queries.index_select(0, pool.staging.upload(rows)))
-        else:
-            scores = pool.scores(indexes, queries)
+        keys, lengths = [context.kvs[-1].keys for context in group], [context.length for context in group]
+        some = rows if len(rows) < queries.shape[0] else None  # some contexts attend to everything: rows left out
+        scores = pool.encode_and_score(indexes, keys, lengths, queries, some)
         queued = QueuedScores(HostCopy(scores), np.array([index.num_chunks for index in indexes]))
         for row, context in enumerate(group):
             context._queued = (queued, row)

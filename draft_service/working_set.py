@@ -48,9 +48,9 @@ def select_working_sets(
     num_chunks: np.ndarray,  # [len(selectors)] chunks of each row
 ) -> list[list[int]]:
     """Each selector's working set (all its chunk ids, ascending) for its row of ``scores``; its state moves
-    on. The rule runs on the host's arrays for every row at once, each row with its own config, in passes over
-    the whole array and a few small ops a row: a pass over a row's chunks, or a sort of them, would cost more
-    per accept than the choice itself."""
+    on. The rule runs on the host's arrays for every row at once, each row with its own config: a few passes
+    over the whole array, the rest on the rows' chosen chunks (a few dozen each). Every numpy call costs
+    microseconds whatever its size, and the accept waits for all of them."""
     rows, width = scores.shape
     configs = [s.config for s in selectors]
     sink, recent, max_chunks, every = np.array(
@@ -60,46 +60,54 @@ def select_working_sets(
     # the forced chunks: the sinks [0, sinks_end) and the recent ones [recent_start, n), which may overlap
     sinks_end, recent_start = np.minimum(sink, n), np.maximum(0, n - recent)
     room = np.maximum(0, max_chunks - sinks_end - (n - recent_start) + np.maximum(0, sinks_end - recent_start))
-
-    def forced(chunks: np.ndarray) -> np.ndarray:
-        """Whether chunks [rows, k] are sinks or recent chunks of their row."""
-        return (chunks < n[:, None]) & ((chunks < sink[:, None]) | (chunks >= recent_start[:, None]))
-
-    chunks = np.arange(width)[None]  # [1, width]
-    candidates = np.where(np.isfinite(scores) & (chunks < n[:, None]) & ~forced(chunks), scores, -np.inf)
-    is_fresh = _largest(candidates, np.minimum(room, np.isfinite(candidates).sum(1)))  # [rows, width]
-    num_fresh = is_fresh.sum(1)
+    # the candidates: finite scores of chunks past the sinks and before the recent ones (so within the row)
+    chunks = np.arange(width)
+    eligible = (chunks >= sinks_end[:, None]) & (chunks < recent_start[:, None]) & np.isfinite(scores)
+    num_fresh = np.minimum(room, eligible.sum(1))
+    is_fresh = _largest(np.where(eligible, scores, -np.inf), num_fresh)  # [rows, width]
     held = np.full((rows, max((s.scored.size for s in selectors), default=0)), -1, dtype=np.int64)  # [rows, held]
     for row, selector in zip(held, selectors):
         row[: selector.scored.size] = selector.scored
-    kept = (held >= 0) & ~forced(held)
+    forced_held = (held < n[:, None]) & ((held < sink[:, None]) | (held >= recent_start[:, None]))
+    kept = (held >= 0) & ~forced_held
     kept &= np.cumsum(kept, axis=1) <= room[:, None]  # the first ``room`` chunks still scored-only
-    kept_fresh = np.zeros_like(kept)
     looked_up = kept & (held < width)
+    kept_fresh = np.zeros_like(kept)
     kept_fresh[looked_up] = is_fresh[np.nonzero(looked_up)[0], held[looked_up]]
     steps = np.array([s.steps_since for s in selectors], dtype=np.int64) + 1
     min_overlap = np.array([c.min_overlap for c in configs], dtype=np.float64)
     overlap = kept_fresh.sum(1) / np.maximum(1, num_fresh)
     again = (steps >= every) | (overlap < min_overlap) | (kept.sum(1) < num_fresh)
-    scored = np.zeros((rows, max(width, int(held.max(initial=-1)) + 1)), dtype=bool)  # [rows, chunks] chosen by score
-    scored[:, :width] = is_fresh & again[:, None]
-    stays = kept & ~again[:, None]
-    scored[np.nonzero(stays)[0], held[stays]] = True
-    selected = scored.copy()
-    selected[:, :width] |= forced(chunks)
+    fresh = (np.flatnonzero(is_fresh[again]) % max(width, 1)).tolist()  # the again rows' fresh chunks, row by row
+    taken, selections = 0, []
     for i, selector in enumerate(selectors):  # ascending ids: a set kept in part stays in order
-        selector.scored = np.flatnonzero(scored[i])
-        selector.steps_since = 0 if again[i] else int(steps[i])
-    return [np.flatnonzero(row).tolist() for row in selected]
+        if again[i]:
+            scored = fresh[taken : taken + int(num_fresh[i])]  # num_fresh[i] of them: ``_largest`` chose that many
+            taken += len(scored)
+            selector.steps_since = 0
+        else:
+            scored = held[i, kept[i]].tolist()
+            selector.steps_since = int(steps[i])
+        selector.scored = np.array(scored, dtype=np.int64)
+        first, last, stop = int(sinks_end[i]), max(int(sinks_end[i]), int(recent_start[i])), int(n[i])
+        selections.append(sorted([*range(first), *scored, *range(last, stop)]))  # disjoint: scored are not forced
+    return selections
 
 
 def _largest(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """[rows, width] whether each of ``values`` [rows, width] is among the counts[i] [rows] largest of its row,
-    ties to the earlier entry (as a stable sort takes them): one partition of the array, not a sort of each row."""
+    ties to the earlier entry (as a stable sort takes them): one partition of the array, not a sort of each row.
+    A tie at a row's last place is rare, so only the rows that have one count their ties."""
     most = int(counts.max(initial=0))
     if most == 0:
         return np.zeros(values.shape, dtype=bool)
-    largest = -np.sort(np.partition(-values, most - 1, axis=1)[:, :most], axis=1)  # [rows, most] descending
-    last = np.where(counts > 0, largest[np.arange(len(values)), np.maximum(counts - 1, 0)], np.inf)[:, None]
-    above, tied = values > last, values == last
-    return above | (tied & (np.cumsum(tied, axis=1) <= (counts - above.sum(1))[:, None]))
+    places = np.maximum(counts - 1, 0)
+    nth = -np.partition(-values, sorted(set(places.tolist())), axis=1)[np.arange(len(values)), places]
+    last = np.where(counts > 0, nth, np.inf)[:, None]  # [rows, 1] the counts[i]-th largest
+    chosen = values >= last
+    tied_past = np.flatnonzero(chosen.sum(1) > counts)  # rows whose ties at the last place run past counts[i]
+    if tied_past.size:
+        values, last, counts = values[tied_past], last[tied_past], counts[tied_past]
+        above, tied = values > last, values == last
+        chosen[tied_past] = above | (tied & (np.cumsum(tied, axis=1) <= (counts - above.sum(1))[:, None]))
+    return chosen

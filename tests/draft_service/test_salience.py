@@ -28,11 +28,10 @@ def test_chunk_score_bounds_every_query_key_product():
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(10 * CHUNK, KV_HEADS, HEAD_DIM, generator=gen)
     index = ChunkIndex(ChunkEncodingPool(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")))
-    index.pool.encode([index], [keys[:35]], [35])  # 4 full chunks, then the rest arrives
-    assert index.num_chunks == 4
-    index.pool.encode([index], [keys], [keys.shape[0]])
     q = torch.randn(4, HEAD_DIM, generator=gen)  # 4 query heads over 2 kv heads
-    scores = index.pool.scores([index], q[None])[0]  # -inf past the index's chunks
+    index.pool.encode_and_score([index], [keys[:35]], [35], q[None])  # 4 full chunks, then the rest arrives
+    assert index.num_chunks == 4
+    scores = index.pool.encode_and_score([index], [keys], [keys.shape[0]], q[None])[0]  # -inf past its chunks
     per_chunk = keys.view(10, CHUNK, KV_HEADS, HEAD_DIM)
     exact = torch.einsum("hd,cthd->cth", q, per_chunk.repeat_interleave(2, dim=2)).amax(dim=(1, 2))
     assert index.num_chunks == 10 and bool((scores[:10] >= exact - 1e-5).all())
@@ -45,8 +44,7 @@ def test_scores_find_the_chunk_holding_the_matching_key():
     q[:, 3] = 1.0
     keys[17 * CHUNK + 5, 0, 3] = 50.0  # one key in chunk 17 matches the query strongly
     index = ChunkIndex(ChunkEncodingPool(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")))
-    index.pool.encode([index], [keys], [keys.shape[0]])
-    assert int(index.pool.scores([index], q[None])[0].argmax()) == 17
+    assert int(index.pool.encode_and_score([index], [keys], [keys.shape[0]], q[None])[0].argmax()) == 17
 
 
 def test_selection_keeps_sinks_recent_and_best_within_budget():

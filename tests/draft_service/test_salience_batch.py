@@ -117,3 +117,23 @@ def test_an_accept_s_salience_ops_grow_by_a_small_constant_a_session():
     extra = {n: accept_ops(drafter, n, TEST_SALIENCE) - accept_ops(drafter, n, None) for n in (4, 16)}
     assert extra[16] - extra[4] <= 12 * 12, extra
     assert extra[4] <= 100, extra  # 92 measured, of which about 40 are the 4 sessions' arena updates
+
+
+@pytest.mark.parametrize("sessions", [1, 6])
+def test_an_accept_uploads_at_most_three_times(sessions, monkeypatch):
+    """Host-to-device uploads of one accept over the working set: the entries' tokens and positions, then the
+    filled chunks' rows with the page tables (one for the batch's scoring), then the ids of the arenas whose set
+    changed. A whole-context accept uploads once. Here chunks fill and sets change at nearly every accept."""
+    drafter = Drafter(load_head(CPU, torch.float32), cuda_graphs=False)
+    uploads = []
+    upload = drafter.staging.upload
+    monkeypatch.setattr(drafter.staging, "upload", lambda values: uploads.append(len(values)) or upload(values))
+    width = 3 * drafter.head.config.target_hidden_size
+    generator = torch.Generator().manual_seed(2)
+    for salience, most in ((None, 1), (TEST_SALIENCE, 3)):
+        batch = start_sessions(drafter, tuple(300 + 40 * i for i in range(sessions)), salience, seed=sessions)
+        for _ in range(8):
+            uploads.clear()
+            drafter.extend_many([Extension(s, torch.randn(ACCEPTED, width, generator=generator), [1] * ACCEPTED)
+                                 for s in batch])  # fmt: skip
+            assert len(uploads) <= most, (salience, uploads)
