@@ -1,4 +1,4 @@
-"""A proposal's last step in one launch: its candidates reranked into the final padded trees, with their ancestor masks.
+"""A proposal's last step in two launches: its candidates reranked into the final padded trees, with their ancestor masks.
 
 Same function as ``diffspec_kernels.tree_rerank_ref`` (the PyTorch reference, which the CPU runs), bit for bit:
 that is some sixty small kernels (a sort, scatters, a cumsum, a gather and a scatter per depth for

@@ -162,7 +162,7 @@ def rerank(
     candidates: Candidates, root_tokens: torch.Tensor, total_tokens: torch.Tensor, nodes: int, max_depth: int
 ) -> TreeTensors:
     """Each session's root plus its best ``total_tokens - 1`` ([B] int64) valid candidates, in slot order, with
-    the trees' ancestor masks: one Triton kernel on a GPU (``diffspec_kernels.tree_rerank_triton``), its PyTorch
+    the trees' ancestor masks: two Triton launches on a GPU (``diffspec_kernels.tree_rerank_triton``), its PyTorch
     reference elsewhere (``diffspec_kernels.tree_rerank_ref``), bit for bit the same."""
     fields = (
         candidates.tokens, candidates.log_probs, candidates.own_log_probs, candidates.valid,
