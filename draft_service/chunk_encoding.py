@@ -13,6 +13,7 @@ the cost per step is O(new tokens), and the encodings take 2/chunk_size of the k
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,15 @@ from diffspec_kernels.chunk_scoring_ref import chunk_scores_reference
 from diffspec_kernels.dispatch import triton_kernels_on
 
 PAGE_CHUNKS = 64  # chunks a page: at 64-token chunks, 4K tokens of context
+
+
+@dataclass(frozen=True)
+class ChunkScores:
+    """A scoring launch's scores, with the ints that went up for it, for what the caller computes from them."""
+
+    scores: torch.Tensor  # [rows, width] float32 upper bounds of q . k per chunk, -inf past each row's chunks
+    num_chunks: torch.Tensor  # [rows] int64 chunks each row scored
+    along: torch.Tensor  # [len(along)] int64 the caller's ints, in the scoring's upload
 
 
 def _scorer(device: torch.device):  # noqa: ANN202 - one of two functions of the same signature
@@ -88,23 +98,26 @@ class ChunkEncodingPool:
         lengths: list[int],
         queries: torch.Tensor,
         query_rows: list[int] | None = None,
-    ) -> torch.Tensor:
+        along: list[int] | None = None,
+    ) -> ChunkScores:
         """Encode every index's chunks that filled since it last grew, from its session's first lengths[i] keys,
         which keys[i] [at least lengths[i], kv_heads, hd] begins with (one min and one max for the batch; nothing
-        for a session with no new full chunk); then score them: [len(indexes), widest page table * page_chunks]
-        float32 upper bounds of q . k per chunk, -inf past each index's chunks, for queries[query_rows[i]]
-        (``queries`` [any, heads, hd]; None: the first len(indexes) rows in order). The new chunks' pool rows,
-        the page table and the query rows go up in one upload, and the scoring is one launch."""
+        for a session with no new full chunk); then score them (``ChunkScores``): [len(indexes), widest page
+        table * page_chunks] float32 upper bounds of q . k per chunk, -inf past each index's chunks, for
+        queries[query_rows[i]] (``queries`` [any, heads, hd]; None: the first len(indexes) rows in order). The new
+        chunks' pool rows, the page table, the query rows and the caller's ``along`` ints go up in one upload,
+        and the scoring is one launch."""
         chunks, rows = self._filled(indexes, keys, lengths)
         table = _page_table(indexes)  # after ``_filled``: it holds the pages the new chunks took
-        picks = query_rows or []
-        ids = self.staging.upload([*rows, *table, *picks])
-        at, page_table, num_chunks, picked = ids.split([len(rows), len(table) - len(indexes), len(indexes), len(picks)])
+        picks, extra = query_rows or [], along or []
+        ids = self.staging.upload([*rows, *table, *picks, *extra])
+        sizes = [len(rows), len(table) - len(indexes), len(indexes), len(picks), len(extra)]
+        at, page_table, num_chunks, picked, extra_up = ids.split(sizes)
         if rows:
             self._write(chunks, at)
         if query_rows is not None:
             queries = queries.index_select(0, picked)
-        return self._scored(queries, page_table, num_chunks)
+        return ChunkScores(self._scored(queries, page_table, num_chunks), num_chunks, extra_up)
 
     def _filled(
         self, indexes: list[ChunkIndex], keys: list[torch.Tensor], lengths: list[int]

@@ -11,17 +11,19 @@ Layers. Chunks are scored on the last decoder layer's keys against its query of 
 (the root's query, which an accept keeps anyway); every layer attends to the chosen chunks, each
 from an arena of its own that takes the same selections.
 
-When. A prompt's working set is chosen at once (``refresh_all(..., wait=True)``). An accept's scores
-are only queued: their host copy runs behind the accept, and the context takes the new working set
-at its next accept, when the copy is long done. The proposal in between attends to the set chosen a
-step earlier, and the tail past the chunks that set chose among grows to hold the newer tokens, so
-nothing committed is left out. So no step waits for the device to choose chunks.
+When. A prompt's working set is chosen at once (``refresh_all(..., wait=True)``). An accept's choice
+is only queued: the device ranks the chunks and copies the best to the host behind the accept, and the
+context takes the new working set at its next accept, when the copy is long done. The proposal in
+between attends to the set chosen a step earlier, and the tail past the chunks that set chose among
+grows to hold the newer tokens, so nothing committed is left out. So no step waits for the device to
+choose chunks.
 
 Batches. An accept's salience work is a constant number of launches and host passes for the whole
 batch: the chunks that filled are encoded together, every context's chunks are scored in one launch
-from a pool of encodings shared by the drafter's sessions (``chunk_encoding``), the scores come to the
-host in one copy, one pass over the host arrays chooses every set (``working_set``), and the arenas
-whose set changed take one upload between them. A single context is a batch of one.
+from a pool of encodings shared by the drafter's sessions (``chunk_encoding``), a few launches rank every
+context's chunks and only the best few dozen ids of each come to the host in one copy, the host keeps or
+replaces each set on those ints (``working_set``), and the arenas whose set changed take one upload between
+them. A single context is a batch of one.
 """
 
 from __future__ import annotations
@@ -35,14 +37,20 @@ from diffspec.devices import HostCopy, PinnedStaging
 from draft_service.chunk_arena import ChunkArena
 from draft_service.chunk_encoding import ChunkEncodingPool, ChunkIndex
 from draft_service.draft_kv import DraftKV
-from draft_service.working_set import WorkingSetConfig, WorkingSetSelector, select_working_sets
+from draft_service.working_set import (
+    WorkingSetConfig,
+    WorkingSetSelector,
+    choose_candidates,
+    forced_counts,
+    select_working_sets,
+)
 
 
 @dataclass(frozen=True)
-class QueuedScores:
-    """A batch's chunk scores on their way to the host: the next working sets of its contexts."""
+class QueuedCandidates:
+    """A batch's ranked chunks on their way to the host: the next working sets of its contexts."""
 
-    copy: HostCopy  # of [contexts, width] float32 scores, -inf past each context's chunks
+    copy: HostCopy  # of [contexts, RANKED_AT + ranked] int64 ``choose_candidates``
     num_chunks: np.ndarray  # [contexts] full chunks each context's row scored
 
 
@@ -75,7 +83,7 @@ class DraftContext:
             self.arenas = [ChunkArena(*shape, dtype, device) for _ in range(num_layers)]  # per layer
         self.covered_chunks = 0  # full chunks the applied working set was chosen among: the tail starts after them
         self.working_set_updates = 0  # times the working set changed (every layer's arena updated)
-        self._queued: tuple[QueuedScores, int] | None = None  # a batch's scores on their way to the host; the row
+        self._queued: tuple[QueuedCandidates, int] | None = None  # a batch's choice on its way to the host; the row
 
     @property
     def length(self) -> int:
@@ -141,9 +149,9 @@ def copy_contexts(contexts: list[DraftContext], keys_out: torch.Tensor, values_o
 def refresh_all(contexts: list[DraftContext], queries: torch.Tensor, wait: bool) -> None:
     """Re-score every salience context against its last layer's latest query (``queries`` [B, heads, hd]): the
     chunks that filled encoded, then all contexts sharing an encoding pool (all of a drafter's, normally) scored
-    in one launch and copied to the host in one copy. The selection runs on the host: with ``wait`` now (a
-    prompt's first working set), else at each context's next accept (``take_queued_selections``), so an accept
-    never waits."""
+    in one launch, their chunks ranked on the device and the best copied to the host in one copy. The selection
+    ends on the host: with ``wait`` now (a prompt's first working set), else at each context's next accept
+    (``take_queued_selections``), so an accept never waits."""
     selecting = [i for i, context in enumerate(contexts) if context.selects]
     by_pool: dict[int, list[int]] = {}
     for i in selecting:
@@ -154,8 +162,11 @@ def refresh_all(contexts: list[DraftContext], queries: torch.Tensor, wait: bool)
         pool = indexes[0].pool
         keys, lengths = [context.kvs[-1].keys for context in group], [context.length for context in group]
         some = rows if len(rows) < queries.shape[0] else None  # some contexts attend to everything: rows left out
-        scores = pool.encode_and_score(indexes, keys, lengths, queries, some)
-        queued = QueuedScores(HostCopy(scores), np.array([index.num_chunks for index in indexes]))
+        configs = [context.salience for context in group]
+        scored = pool.encode_and_score(indexes, keys, lengths, queries, some, along=forced_counts(configs))
+        most = max(c.max_chunks for c in configs)  # chunks any row may choose by score
+        ranked = choose_candidates(scored.scores, scored.num_chunks, scored.along, most)
+        queued = QueuedCandidates(HostCopy(ranked), np.array([index.num_chunks for index in indexes]))
         for row, context in enumerate(group):
             context._queued = (queued, row)
     if wait:
@@ -163,7 +174,7 @@ def refresh_all(contexts: list[DraftContext], queries: torch.Tensor, wait: bool)
 
 
 def take_queued_selections(contexts: list[DraftContext]) -> None:
-    """Choose each context's working set from the scores the last accept queued (their copy is done by now):
+    """Choose each context's working set from the candidates the last accept queued (their copy is done by now):
     one selection for the contexts of each queued batch."""
     batches: dict[int, list[DraftContext]] = {}
     for context in contexts:
@@ -177,11 +188,11 @@ def take_queued_selections(contexts: list[DraftContext]) -> None:
         reselect_all(group, queued.copy.get().numpy()[rows], queued.num_chunks[rows])
 
 
-def reselect_all(contexts: list[DraftContext], scores: np.ndarray, num_chunks: np.ndarray) -> None:
-    """Each context's working set for its row of host ``scores`` [contexts, width] (its first num_chunks[i]
-    [contexts] entries score its full chunks); the arenas of every context whose set changed follow, from one
-    upload of their ids."""
-    selections = select_working_sets([context.selector for context in contexts], scores, num_chunks)
+def reselect_all(contexts: list[DraftContext], candidates: np.ndarray, num_chunks: np.ndarray) -> None:
+    """Each context's working set for its row of host ``candidates`` [contexts, RANKED_AT + ranked]
+    (``choose_candidates`` of its num_chunks[i] [contexts] full chunks); the arenas of every context whose set
+    changed follow, from one upload of their ids."""
+    selections = select_working_sets([context.selector for context in contexts], candidates, num_chunks)
     changed = [(c, selected) for c, selected in zip(contexts, selections) if set(selected) != c.arenas[0].chunks()]
     plans = [c.arenas[0].plan(selected, c.length // c.salience.chunk_size) for c, selected in changed]
     flat_ids = [i for plan in plans for i in plan.ids]

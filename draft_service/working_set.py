@@ -5,8 +5,12 @@ The working set is the first ``sink_chunks`` chunks (attention sinks), the last
 remaining chunks as the token budget allows, best chunk score first. Scores are cheap
 (one bound per chunk), so they are computed every step; the selection changes only every
 ``reselect_every`` steps or when the fresh top set overlaps the current one by less than
-``min_overlap`` (the text has moved on), so the arena is not churned by noise. A batch's
-sessions are selected together (``select_working_sets``), one session as a batch of one.
+``min_overlap`` (the text has moved on), so the arena is not churned by noise.
+
+A batch's sessions are selected together, one session as a batch of one, in two parts. The
+device ranks every row's candidates where the scores are (``choose_candidates``), and only the
+best few dozen of a row's thousand chunk ids come to the host; the host keeps or replaces each
+set on those ints (``select_working_sets``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -38,76 +43,62 @@ class WorkingSetSelector:
 
     def __init__(self, config: WorkingSetConfig) -> None:
         self.config = config
-        self.scored = np.empty(0, dtype=np.int64)  # [chosen] chunks chosen by score (not sinks or recent)
+        self.scored: list[int] = []  # [chosen] chunks chosen by score (not sinks or recent), ascending
         self.steps_since = 0
+
+
+RANKED_AT = 3  # column of ``choose_candidates``' first ranked chunk: sinks_end, recent_start, eligible before it
+
+
+def forced_counts(configs: list[WorkingSetConfig]) -> list[int]:
+    """What ``choose_candidates`` needs of the rows' configs: each row's sink_chunks, then each row's
+    recent_chunks (host ints, for the upload the scoring makes anyway)."""
+    return [*(c.sink_chunks for c in configs), *(c.recent_chunks for c in configs)]
+
+
+def choose_candidates(
+    scores: torch.Tensor,  # [rows, width] float32; row i's first num_chunks[i] score its chunks
+    num_chunks: torch.Tensor,  # [rows] int64
+    forced: torch.Tensor,  # [2 * rows] int64 ``forced_counts`` of the rows' configs
+    max_ranked: int,  # chunks a row may choose by score at most: the rows' largest max_chunks
+) -> torch.Tensor:
+    """[rows, RANKED_AT + min(max_ranked, width)] int64, per row: where its sinks end (sinks_end =
+    min(sink_chunks, n)) and its recent chunks start (recent_start = max(0, n - recent_chunks)), how many chunks
+    are eligible (a finite score, sinks_end <= chunk < recent_start), then its chunks best first, the eligible
+    ones ahead and ties to the lower id (a stable sort), so its first k eligible are the rule's k best. Torch
+    ops only, a constant number of launches for the batch and no sync: the host copies this, not the scores."""
+    sink, recent = forced.view(2, scores.shape[0], 1)  # each [rows, 1]
+    n = num_chunks.view(-1, 1)
+    sinks_end, recent_start = torch.minimum(sink, n), (n - recent).clamp(min=0)
+    chunks = torch.arange(scores.shape[1], device=scores.device)
+    finite = scores.abs() < float("inf")  # NaN compares false; two launches where isfinite takes four
+    eligible = (chunks >= sinks_end) & (chunks < recent_start) & finite  # [rows, width]
+    # x + 0.0 turns -0.0 into +0.0 and leaves the rest: the rule ties them, and a radix sort need not
+    ranked = torch.where(eligible, scores + 0.0, float("-inf")).sort(dim=1, descending=True, stable=True).indices
+    return torch.cat([sinks_end, recent_start, eligible.sum(1, keepdim=True), ranked[:, :max_ranked]], dim=1)
 
 
 def select_working_sets(
     selectors: list[WorkingSetSelector],
-    scores: np.ndarray,  # [len(selectors), width] host scores; row i's first num_chunks[i] are its chunks'
+    candidates: np.ndarray,  # [len(selectors), RANKED_AT + ranked] host ``choose_candidates`` of their rows
     num_chunks: np.ndarray,  # [len(selectors)] chunks of each row
 ) -> list[list[int]]:
-    """Each selector's working set (all its chunk ids, ascending) for its row of ``scores``; its state moves
-    on. The rule runs on the host's arrays for every row at once, each row with its own config: a few passes
-    over the whole array, the rest on the rows' chosen chunks (a few dozen each). Every numpy call costs
-    microseconds whatever its size, and the accept waits for all of them."""
-    rows, width = scores.shape
-    configs = [s.config for s in selectors]
-    sink, recent, max_chunks, every = np.array(
-        [(c.sink_chunks, c.recent_chunks, c.max_chunks, c.reselect_every) for c in configs], dtype=np.int64
-    ).reshape(rows, 4).T  # each [rows]
-    n = np.asarray(num_chunks, dtype=np.int64)
-    # the forced chunks: the sinks [0, sinks_end) and the recent ones [recent_start, n), which may overlap
-    sinks_end, recent_start = np.minimum(sink, n), np.maximum(0, n - recent)
-    room = np.maximum(0, max_chunks - sinks_end - (n - recent_start) + np.maximum(0, sinks_end - recent_start))
-    # the candidates: finite scores of chunks past the sinks and before the recent ones (so within the row)
-    chunks = np.arange(width)
-    eligible = (chunks >= sinks_end[:, None]) & (chunks < recent_start[:, None]) & np.isfinite(scores)
-    num_fresh = np.minimum(room, eligible.sum(1))
-    is_fresh = _largest(np.where(eligible, scores, -np.inf), num_fresh)  # [rows, width]
-    held = np.full((rows, max((s.scored.size for s in selectors), default=0)), -1, dtype=np.int64)  # [rows, held]
-    for row, selector in zip(held, selectors):
-        row[: selector.scored.size] = selector.scored
-    forced_held = (held < n[:, None]) & ((held < sink[:, None]) | (held >= recent_start[:, None]))
-    kept = (held >= 0) & ~forced_held
-    kept &= np.cumsum(kept, axis=1) <= room[:, None]  # the first ``room`` chunks still scored-only
-    looked_up = kept & (held < width)
-    kept_fresh = np.zeros_like(kept)
-    kept_fresh[looked_up] = is_fresh[np.nonzero(looked_up)[0], held[looked_up]]
-    steps = np.array([s.steps_since for s in selectors], dtype=np.int64) + 1
-    min_overlap = np.array([c.min_overlap for c in configs], dtype=np.float64)
-    overlap = kept_fresh.sum(1) / np.maximum(1, num_fresh)
-    again = (steps >= every) | (overlap < min_overlap) | (kept.sum(1) < num_fresh)
-    fresh = (np.flatnonzero(is_fresh[again]) % max(width, 1)).tolist()  # the again rows' fresh chunks, row by row
-    taken, selections = 0, []
-    for i, selector in enumerate(selectors):  # ascending ids: a set kept in part stays in order
-        if again[i]:
-            scored = fresh[taken : taken + int(num_fresh[i])]  # num_fresh[i] of them: ``_largest`` chose that many
-            taken += len(scored)
-            selector.steps_since = 0
-        else:
-            scored = held[i, kept[i]].tolist()
-            selector.steps_since = int(steps[i])
-        selector.scored = np.array(scored, dtype=np.int64)
-        first, last, stop = int(sinks_end[i]), max(int(sinks_end[i]), int(recent_start[i])), int(n[i])
-        selections.append(sorted([*range(first), *scored, *range(last, stop)]))  # disjoint: scored are not forced
+    """Each selector's working set (all its chunk ids, ascending) for its row of ``candidates``; its state moves
+    on. The fresh set is the row's first ``room`` eligible candidates; it replaces the chunks kept when a
+    re-selection is due, when fewer than it are kept, or when too few of the kept are in it. A few dozen ints a
+    row, so plain Python: a numpy call costs microseconds whatever its size."""
+    selections = []
+    for selector, row, n in zip(selectors, candidates.tolist(), num_chunks.tolist()):
+        config = selector.config
+        sinks_end, recent_start, eligible, ranked = *row[:RANKED_AT], row[RANKED_AT:]
+        past_sinks = max(sinks_end, recent_start)  # the forced chunks: [0, sinks_end) and [past_sinks, n)
+        room = max(0, config.max_chunks - sinks_end - (n - past_sinks))
+        fresh = ranked[: min(room, eligible)]
+        kept = [c for c in selector.scored if c >= n or sinks_end <= c < recent_start][:room]  # not forced now
+        steps = selector.steps_since + 1
+        overlap = len(set(fresh).intersection(kept)) / max(1, len(fresh))
+        if steps >= config.reselect_every or overlap < config.min_overlap or len(kept) < len(fresh):
+            kept, steps = sorted(fresh), 0
+        selector.scored, selector.steps_since = kept, steps
+        selections.append(sorted([*range(sinks_end), *kept, *range(past_sinks, n)]))  # disjoint: kept not forced
     return selections
-
-
-def _largest(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """[rows, width] whether each of ``values`` [rows, width] is among the counts[i] [rows] largest of its row,
-    ties to the earlier entry (as a stable sort takes them): one partition of the array, not a sort of each row.
-    A tie at a row's last place is rare, so only the rows that have one count their ties."""
-    most = int(counts.max(initial=0))
-    if most == 0:
-        return np.zeros(values.shape, dtype=bool)
-    places = np.maximum(counts - 1, 0)
-    nth = -np.partition(-values, sorted(set(places.tolist())), axis=1)[np.arange(len(values)), places]
-    last = np.where(counts > 0, nth, np.inf)[:, None]  # [rows, 1] the counts[i]-th largest
-    chosen = values >= last
-    tied_past = np.flatnonzero(chosen.sum(1) > counts)  # rows whose ties at the last place run past counts[i]
-    if tied_past.size:
-        values, last, counts = values[tied_past], last[tied_past], counts[tied_past]
-        above, tied = values > last, values == last
-        chosen[tied_past] = above | (tied & (np.cumsum(tied, axis=1) <= (counts - above.sum(1))[:, None]))
-    return chosen

@@ -36,7 +36,7 @@ def test_sessions_take_pages_in_turn_and_the_pool_grows_without_moving_them():
     keys = [torch.randn(13 * CHUNK, KV_HEADS, HEAD_DIM, generator=generator) for _ in indexes]
     q = torch.randn(2, 4, HEAD_DIM, generator=generator)
     for lengths in [(3, 9), (9, 10), (21, 10), (30, 31), (52, 31)]:  # tokens each session holds
-        scores = pool.encode_and_score(indexes, keys, list(lengths), q)
+        scores = pool.encode_and_score(indexes, keys, list(lengths), q).scores
         for i, (index, length) in enumerate(zip(indexes, lengths)):
             assert index.num_chunks == length // CHUNK and len(index.pages) == -(-index.num_chunks // 2)
             torch.testing.assert_close(scores[i, : index.num_chunks], alone_scores(keys[i][:length], q[i]))
@@ -55,7 +55,7 @@ def test_a_dropped_index_gives_its_pages_back_for_the_next():
     del first
     assert pool.live_pages == 0
     second = ChunkIndex(pool)
-    scores = pool.encode_and_score([second], [keys], [4 * CHUNK], q[None])[0, : second.num_chunks]
+    scores = pool.encode_and_score([second], [keys], [4 * CHUNK], q[None]).scores[0, : second.num_chunks]
     assert (pool.num_pages, pool.live_pages) == (5, 2)  # no growth: the freed pages serve it
     torch.testing.assert_close(scores, alone_scores(keys[: 4 * CHUNK], q))
 

@@ -12,7 +12,7 @@ from draft_service.chunk_arena import ChunkArena
 from draft_service.chunk_encoding import ChunkEncodingPool, ChunkIndex
 from draft_service.draft_context import DraftContext, refresh_all, reselect_all
 from draft_service.working_set import WorkingSetConfig, WorkingSetSelector
-from tests.draft_service.reference_selection import select_alone
+from tests.draft_service.reference_selection import candidates_on_cpu, select_alone
 
 KV_HEADS, HEAD_DIM, CHUNK = 2, 16, 8
 
@@ -31,7 +31,7 @@ def test_chunk_score_bounds_every_query_key_product():
     q = torch.randn(4, HEAD_DIM, generator=gen)  # 4 query heads over 2 kv heads
     index.pool.encode_and_score([index], [keys[:35]], [35], q[None])  # 4 full chunks, then the rest arrives
     assert index.num_chunks == 4
-    scores = index.pool.encode_and_score([index], [keys], [keys.shape[0]], q[None])[0]  # -inf past its chunks
+    scores = index.pool.encode_and_score([index], [keys], [keys.shape[0]], q[None]).scores[0]  # -inf past its chunks
     per_chunk = keys.view(10, CHUNK, KV_HEADS, HEAD_DIM)
     exact = torch.einsum("hd,cthd->cth", q, per_chunk.repeat_interleave(2, dim=2)).amax(dim=(1, 2))
     assert index.num_chunks == 10 and bool((scores[:10] >= exact - 1e-5).all())
@@ -44,7 +44,7 @@ def test_scores_find_the_chunk_holding_the_matching_key():
     q[:, 3] = 1.0
     keys[17 * CHUNK + 5, 0, 3] = 50.0  # one key in chunk 17 matches the query strongly
     index = ChunkIndex(ChunkEncodingPool(CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu")))
-    assert int(index.pool.encode_and_score([index], [keys], [keys.shape[0]], q[None])[0].argmax()) == 17
+    assert int(index.pool.encode_and_score([index], [keys], [keys.shape[0]], q[None]).scores[0].argmax()) == 17
 
 
 def test_selection_keeps_sinks_recent_and_best_within_budget():
@@ -160,7 +160,7 @@ def test_working_set_updates_count_the_changes_of_the_set_only():
     def reselect_favouring(chunks: set[int]) -> None:
         """A reselection from scores of the 10 chunks that favour ``chunks``."""
         scores = np.array([[5.0 if c in chunks else 0.0 for c in range(10)]], dtype=np.float32)
-        reselect_all([context], scores, np.array([10]))
+        reselect_all([context], candidates_on_cpu([config], scores, np.array([10])), np.array([10]))
 
     reselect_favouring({3, 4})
     assert context.working_set_updates == 1 and context.arenas[0].chunks() == {0, 3, 4, 9}

@@ -108,15 +108,17 @@ def accept_ops(drafter: Drafter, sessions: int, salience: WorkingSetConfig | Non
 
 def test_an_accept_s_salience_ops_grow_by_a_small_constant_a_session():
     """Over the working set, an accept's torch ops beyond the whole-context accept's are a part for the batch
-    (the filled chunks encoded, one scoring launch, one host copy, one upload for the arenas) plus, per session,
-    the views of a chunk that filled and the indexed copies of an arena whose set changed. Here one chunk is
-    chosen by score beside the sink and the recent chunks, so nearly every set changes at every accept: 12
-    sessions more cost at most 12 ops each (about 10 measured; the per-session path cost about 31 each: 137
-    ops at 4 sessions, 509 at 16)."""
+    (the filled chunks encoded, one scoring launch, the chunks ranked, one host copy, one upload for the arenas)
+    plus, per session, the views of a chunk that filled and the indexed copies of an arena whose set changed.
+    Here one chunk is chosen by score beside the sink and the recent chunks, so nearly every set changes at
+    every accept: 12 sessions more cost at most 12 ops each (about 10 measured; the per-session path cost about
+    31 each: 137 ops at 4 sessions, 509 at 16)."""
     drafter = Drafter(load_head(CPU, torch.float32), cuda_graphs=False)
     extra = {n: accept_ops(drafter, n, TEST_SALIENCE) - accept_ops(drafter, n, None) for n in (4, 16)}
     assert extra[16] - extra[4] <= 12 * 12, extra
-    assert extra[4] <= 100, extra  # 92 measured, of which about 40 are the 4 sessions' arena updates
+    # 111 measured, of which about 40 are the 4 sessions' arena updates and 20 the ranking (``choose_candidates``:
+    # 15 launches and 5 views for the batch, in place of the host's passes over every session's scores)
+    assert extra[4] <= 115, extra
 
 
 @pytest.mark.parametrize("sessions", [1, 6])
