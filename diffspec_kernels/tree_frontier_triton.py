@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from diffspec_kernels.stable_order_triton import ahead_of
+
 _LOWEST = torch.finfo(torch.float64).min
 MAX_SLOTS = 4096  # a slab wider than this is left to the reference (a sort), which no bucket reaches today
 BLOCK = 32  # slots of one program
@@ -103,10 +105,7 @@ def _frontier_kernel(
                 others, b, S, K, frontier_log_probs_ptr, frontier_valid_ptr, top_log_probs_ptr,
                 children, min_log_prob, R, LOWEST,
             )  # fmt: skip
-            ahead = (other_key[None, :] > key[:, None]) | (
-                (other_key[None, :] == key[:, None]) & (others[None, :] < slots[:, None])
-            )
-            ahead_count += (ahead & (others[None, :] < S)).to(tl.int32)
+            ahead_count += ahead_of(key, slots, other_key, others)  # a slot past S: key -inf, a larger index
         rank = tl.sum(ahead_count, axis=1)
         chosen = in_slab & (rank < next_rows)
         expand_rows = tl.load(expand_rows_ptr + b * expand_rows_stride)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from diffspec_kernels.stable_order_triton import ahead_of
 from diffspec_kernels.tree_rerank_ref import LOWEST, rerank_reference
 
 # More candidates take the reference (a sort): the count is O(slots^2) per session. On an H200, in a CUDA graph,
@@ -93,10 +94,7 @@ def _kept_kernel(
     for other_start in range(0, S, OTHERS):
         others = other_start + tl.arange(0, OTHERS)
         _, other_key = _rank_keys(log_probs_ptr, valid_ptr, row, others, S, LOWEST)
-        ahead = (other_key[None, :] > key[:, None]) | (
-            (other_key[None, :] == key[:, None]) & (others[None, :] < slots[:, None])
-        )  # a slot past S has key -inf and a larger index: never ahead
-        ahead_count += ahead.to(tl.int32)
+        ahead_count += ahead_of(key, slots, other_key, others)  # a slot past S: key -inf, a larger index
     rank = tl.sum(ahead_count, axis=1)
     tl.store(kept_ptr + row + slots, (valid & (rank < limit)).to(tl.int32), mask=slots < S)
 
