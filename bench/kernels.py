@@ -6,7 +6,9 @@ For each attention shape, context length L and tree size T (batch 1, page 16, bf
 time of one layer's tree attention, the KV bytes it must read over that time as a fraction of the
 device-to-device copy bandwidth measured in the same run (bytes read + written / time), its speedup
 over ``tree_attention_reference`` and over SDPA on a contiguous copy of the same keys/values with a
-dense bool mask, and time(T) / time(T=1). The Triton kernel is timed as it is served, in CUDA-graph
+dense bool mask, time(T) / time(T=1), its TFLOP/s against a dense bf16 matmul's measured in the same run,
+and its time against the roofline: the longer of reading the KV at the copy bandwidth and doing its FLOPs
+at that matmul rate. The Triton kernel is timed as it is served, in CUDA-graph
 replays of back-to-back calls that rotate among KV copies larger than L2 together (cold L2 for every
 call, no launch gaps); also with ``triton.testing.do_bench``, which zeroes 256 MB before every call
 and so makes each call pay the write-back of that buffer's dirty L2 lines. ``--sweep`` also times
@@ -47,7 +49,7 @@ from diffspec_kernels.tree_attention_triton import TreeAttentionPlan, default_pl
 
 PAGE_SIZE = 16
 CONTEXT_LENS = (4096, 16384, 65536, 131072)
-TREE_SIZES = (1, 16, 64)
+TREE_SIZES = (1, 16, 32, 64)
 SWEEP_CONTEXT_LEN = 65536
 DRAFT_BATCHES, DRAFT_CONTEXT_LENS, DRAFT_QUERIES, DRAFT_NEW_ENTRIES = (1, 16), (2048, 16384, 65536), 10, 64
 
@@ -125,6 +127,14 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
+def matmul_peak() -> float:
+    """Dense bf16 matmul, 8192 x 8192 x 8192 (cuBLAS): FLOP/s, the compute ceiling a row is held against."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ b)
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
 def sdpa_inputs(problem: Problem) -> tuple[torch.Tensor, ...]:
     """q [1, H, T, D] and contiguous K/V [1, H, L + T, D] (kv heads repeated for the group), mask [T, L + T]."""
     ctx, tree = int(problem.meta.context_lens_t[0]), problem.q.shape[0]
@@ -172,7 +182,9 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_case(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s: float) -> dict:
+def bench_case(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s: float, matmul_flops: float) -> dict:
+    """One row; its roofline is the longer of reading the KV at copy bandwidth and its FLOPs at the matmul peak,
+    both measured in this run."""
     problem = make_problem(shape, context_len, tree_size)
     plan = default_plan(problem.q, problem.k_new, problem.meta)
     triton_ms = time_triton(problem, plan)
@@ -185,6 +197,8 @@ def bench_case(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s:
     sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=problem.scale), 50)
     sdpa_out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=problem.scale)[0].transpose(0, 1)
     bytes_per_s = problem.kv_bytes / (triton_ms * 1e-3)
+    flops = 4 * tree_size * shape.num_heads * shape.head_dim * context_len  # q.k and p.v over the context
+    roofline_ms = 1e3 * max(problem.kv_bytes / copy_bytes_per_s, flops / matmul_flops)
     return {
         "shape": shape.name,
         "num_heads": shape.num_heads,
@@ -204,7 +218,10 @@ def bench_case(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s:
         "speedup_vs_sdpa": sdpa_ms / triton_ms,
         "rel_err_vs_fp32_reference": relative_error(out, ref),
         "rel_err_sdpa_vs_fp32_reference": relative_error(sdpa_out, ref),
-        "tflop_per_s": 4 * tree_size * shape.num_heads * shape.head_dim * context_len / (triton_ms * 1e-3) / 1e12,
+        "tflop_per_s": flops / (triton_ms * 1e-3) / 1e12,
+        "fraction_of_matmul_peak": flops / (triton_ms * 1e-3) / matmul_flops,
+        "roofline_us": roofline_ms * 1e3,
+        "fraction_of_roofline": roofline_ms / triton_ms,
     }
 
 
@@ -285,7 +302,7 @@ def sweep_plans(shape: Shape, tree_size: int, copy_bytes_per_s: float) -> list[d
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'shape':<13}{'L':>7}{'T':>4}{'splits':>7}{'triton_us':>10}{'GB/s':>7}{'%copy':>7}{'flush_us':>9}"
-        f"{'ref_us':>10}{'x_ref':>7}{'sdpa_us':>10}{'x_sdpa':>7}{'T/T1':>6}{'TF/s':>6}{'err':>9}"
+        f"{'ref_us':>10}{'x_ref':>7}{'sdpa_us':>10}{'x_sdpa':>7}{'T/T1':>6}{'TF/s':>6}{'%peak':>7}{'%roof':>7}{'err':>9}"
     )
     print(header)
     for r in rows:
@@ -295,6 +312,7 @@ def print_table(rows: list[dict]) -> None:
             f"{r['triton_us_l2_flushed']:>9.1f}"
             f"{r['reference_us']:>10.0f}{r['speedup_vs_reference']:>7.1f}{r['sdpa_us']:>10.0f}"
             f"{r['speedup_vs_sdpa']:>7.1f}{r['time_vs_tree_size_1']:>6.2f}{r['tflop_per_s']:>6.0f}"
+            f"{100 * r['fraction_of_matmul_peak']:>6.1f}%{100 * r['fraction_of_roofline']:>6.1f}%"
             f"{r['rel_err_vs_fp32_reference']:>9.1e}"
         )
 
@@ -318,12 +336,12 @@ def main() -> None:
     parser.add_argument("--draft-only", action="store_true", help="time only the draft head's attention")
     args = parser.parse_args()
 
-    copy_bytes_per_s = copy_bandwidth()
+    copy_bytes_per_s, matmul_flops = copy_bandwidth(), matmul_peak()
     rows = []
     for shape in () if args.draft_only else SHAPES:
         for context_len in args.context_lens:
             for tree_size in args.tree_sizes:
-                rows.append(bench_case(shape, context_len, tree_size, copy_bytes_per_s))
+                rows.append(bench_case(shape, context_len, tree_size, copy_bytes_per_s, matmul_flops))
                 base = next(r for r in rows if r["shape"] == shape.name and r["context_len"] == context_len)
                 rows[-1]["time_vs_tree_size_1"] = rows[-1]["triton_us"] / base["triton_us"]
                 torch.cuda.empty_cache()
@@ -346,7 +364,10 @@ def main() -> None:
                 f"best {best['triton_us']:.1f} us {best['plan']}"
             )
 
-    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bytes_per_s / 1e12:.2f} TB/s (read + write)")
+    print(
+        f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bytes_per_s / 1e12:.2f} TB/s (read + write), "
+        f"bf16 matmul {matmul_flops / 1e12:.0f} TFLOP/s"
+    )
     if rows:
         print_table(rows)
     print_draft_table(draft_rows)
@@ -358,6 +379,7 @@ def main() -> None:
         "page_size": PAGE_SIZE,
         "dtype": "bfloat16",
         "copy_bandwidth_tb_per_s": copy_bytes_per_s / 1e12,
+        "matmul_tflop_per_s": matmul_flops / 1e12,
         "timing": (
             "triton_us: median of do_bench_cudagraph replays, KV rotated among copies > 3x L2; triton_us_l2_flushed, "
             "reference_us, sdpa_us: do_bench median, L2 flushed before each call; SDPA on KV heads repeated to the "
