@@ -4,7 +4,10 @@ become a tuned profile (``tuned_profile.json``) that ``diffspec serve`` loads as
 
 With a final round (``tune_finalists``), the first pass only shortlists: its few dozen verification steps
 per candidate rank close candidates by noise. The finalists run again on the same prompts with the
-evaluation's tokens, and the fastest there wins."""
+evaluation's tokens, and the fastest there wins, unless others come within ``FINAL_TIE`` of it: a final round
+of two prompts cannot order those (on the 8B-shaped pair at 16K, two finalists 1.5% apart in the final round
+decoded the evaluation prompts 13% apart, in the other order). Among those tied, the cheapest draft step wins:
+at the same speed it leaves the most of the GPU and the host to other streams."""
 
 from __future__ import annotations
 
@@ -12,13 +15,13 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 from bench.reproduce.arms import Arm
 from bench.reproduce.runs import RunRecord
 from draft_service.tuned_profile import PROFILE_FORMAT
 
 PROFILE_NAME = "tuned_profile.json"
+FINAL_TIE = 0.03  # finalists whose final decode speed is within this fraction of the fastest's are tied
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class CandidateScore:
     decode_tokens_per_s: float  # first pass: tokens after the first over decode seconds, summed over prompts
     final_tau: float | None = None  # final round (finalists only)
     final_decode_tokens_per_s: float | None = None  # final round (finalists only): it chooses among them
+    final_draft_ms_per_step: float | None = None  # final round (finalists only): breaks a tie (``FINAL_TIE``)
     chosen: bool = False  # evaluated as the tuned arm
 
 
@@ -62,7 +66,7 @@ def score_candidates(candidates: list[Arm], runs: list[RunRecord]) -> list[Candi
             len(mine),
             round(tau(mine), 4), round(decode_tokens_per_second(mine), 3),
         ))
-    return _choose(scores, lambda score: score.decode_tokens_per_s)
+    return _choose(scores, [score.decode_tokens_per_s for score in scores])
 
 
 def finalists(candidates: list[Arm], scores: list[CandidateScore], k: int) -> list[Arm]:
@@ -73,19 +77,29 @@ def finalists(candidates: list[Arm], scores: list[CandidateScore], k: int) -> li
 
 def score_finalists(scores: list[CandidateScore], runs: list[RunRecord]) -> list[CandidateScore]:
     """``scores`` with each finalist's figures over its final-round ``runs`` (every finalist on the same
-    prompts), and the fastest finalist chosen (the first listed wins a tie)."""
+    prompts), and a finalist chosen: of those within ``FINAL_TIE`` of the fastest, the one with the cheapest
+    draft step (the first listed wins a tie of that too)."""
     final = []
     for score in scores:
         mine = [r for r in runs if r.label == score.label]
-        final.append(replace(score, final_tau=round(tau(mine), 4),
-                             final_decode_tokens_per_s=round(decode_tokens_per_second(mine), 3)) if mine else score)
-    return _choose(final, lambda score: -math.inf if score.final_decode_tokens_per_s is None
-                   else score.final_decode_tokens_per_s)
+        final.append(replace(
+            score, final_tau=round(tau(mine), 4), final_decode_tokens_per_s=round(decode_tokens_per_second(mine), 3),
+            final_draft_ms_per_step=round(draft_ms_per_step(mine), 3),
+        ) if mine else score)  # fmt: skip
+    fastest = max(s.final_decode_tokens_per_s or 0.0 for s in final)
+    tied = [s.final_decode_tokens_per_s is not None and s.final_decode_tokens_per_s >= (1 - FINAL_TIE) * fastest
+            for s in final]  # fmt: skip
+    return _choose(final, [-s.final_draft_ms_per_step if tie else -math.inf for s, tie in zip(final, tied)])
 
 
-def _choose(scores: list[CandidateScore], speed: Callable[[CandidateScore], float]) -> list[CandidateScore]:
-    """``scores`` with the one of the highest ``speed`` chosen, and only it (the first listed wins a tie)."""
-    best = max(range(len(scores)), key=lambda i: speed(scores[i]))
+def draft_ms_per_step(runs: list[RunRecord]) -> float:
+    steps = sum(r.stats.steps for r in runs)
+    return 1000 * sum(r.stats.draft_seconds for r in runs) / steps if steps else 0.0
+
+
+def _choose(scores: list[CandidateScore], merit: list[float]) -> list[CandidateScore]:
+    """``scores`` with the one of the highest ``merit`` chosen, and only it (the first listed wins a tie)."""
+    best = max(range(len(scores)), key=lambda i: merit[i])
     return [replace(score, chosen=i == best) for i, score in enumerate(scores)]
 
 

@@ -17,7 +17,7 @@ from bench.reproduce.prompts import Dataset, cut_to_context, load_datasets, prom
 from bench.reproduce.protocol import fingerprint_defaults, model_settings
 from bench.reproduce.runs import RunRecord
 from bench.reproduce.tuning import (
-    CandidateScore, finalists, score_candidates, score_finalists, tuned_profile, write_tuned_profile,
+    FINAL_TIE, CandidateScore, finalists, score_candidates, score_finalists, tuned_profile, write_tuned_profile,
 )
 from draft_service.options import DraftOptions
 from draft_service.tuned_profile import load_tuned_profile
@@ -103,8 +103,13 @@ def test_prompts_keep_bos_and_their_end_and_skip_short_ones():
     assert prompts_at(dataset, 9, 0, 2) == []
 
 
-def _run(label: str, new_tokens: int, decode_seconds: float, steps: int, accepted: int) -> RunRecord:
-    stats = GenerationStats(new_tokens=new_tokens, decode_seconds=decode_seconds, steps=steps, accepted_drafts=accepted)
+def _run(
+    label: str, new_tokens: int, decode_seconds: float, steps: int, accepted: int, draft_seconds: float = 0.0
+) -> RunRecord:
+    stats = GenerationStats(
+        new_tokens=new_tokens, decode_seconds=decode_seconds, steps=steps, accepted_drafts=accepted,
+        draft_seconds=draft_seconds,
+    )  # fmt: skip
     return RunRecord("tune", "d", 64, 0, "diffspec", label, [], stats, 1.0, 0.1, None)
 
 
@@ -132,6 +137,25 @@ def test_the_final_round_scores_only_finalists_and_chooses_among_them():
     assert [(s.final_tau, s.final_decode_tokens_per_s, s.chosen) for s in final] == [
         (3.2, 32.0, False), (None, None, False), (6.4, 64.0, True)]
     assert [(s.tau, s.decode_tokens_per_s) for s in final] == [(s.tau, s.decode_tokens_per_s) for s in first]
+
+
+@pytest.mark.parametrize(
+    ("decode_seconds", "draft_seconds", "chosen"),
+    [
+        ((2.0, 2.05), (0.10, 0.05), [False, True]),  # 64 and 62.4 tok/s: tied, the cheaper draft step wins
+        ((2.0, 2.10), (0.10, 0.05), [True, False]),  # 64 and 61.0 tok/s: 4.8% apart, the faster wins
+        ((2.05, 2.0), (0.10, 0.05), [False, True]),  # the faster is also the cheaper
+        ((2.0, 2.0), (0.05, 0.05), [True, False]),  # tied in both: the first listed
+    ],
+)
+def test_finalists_within_the_tie_margin_go_to_the_cheapest_draft_step(decode_seconds, draft_seconds, chosen):
+    grid = tuning_grid(["full"], ["32:0.0:6", "64:0.0:8"])
+    first = score_candidates(grid, [_run(arm.label, 33, 1.0, 4, 8) for arm in grid])
+    finals = [_run(arm.label, 129, seconds, 20, 60, draft) for arm, seconds, draft in zip(grid, decode_seconds, draft_seconds)]
+    final = score_finalists(first, finals)
+    assert [s.chosen for s in final] == chosen
+    assert [s.final_draft_ms_per_step for s in final] == [1000 * d / 20 for d in draft_seconds]
+    assert FINAL_TIE == 0.03
 
 
 def _score(dataset: str, context: int, policy: str, config: str, tokens_per_s: float, chosen: bool,
