@@ -8,7 +8,7 @@ remaining chunks as the token budget allows, best chunk score first. Scores are 
 ``min_overlap`` (the text has moved on), so the arena is not churned by noise.
 
 A batch's sessions are selected together, one session as a batch of one, in two parts. The
-device ranks every row's candidates where the scores are (``choose_candidates``), and only the
+device ranks every row's candidates where the scores are (``choose_candidates``, one launch), and only the
 best few dozen of a row's thousand chunk ids come to the host; the host keeps or replaces each
 set on those ints (``select_working_sets``).
 """
@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from diffspec_kernels.candidate_rank_ref import RANKED_AT, rank_candidates_reference
+from diffspec_kernels.dispatch import triton_kernels_on
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,6 @@ class WorkingSetSelector:
         self.steps_since = 0
 
 
-RANKED_AT = 3  # column of ``choose_candidates``' first ranked chunk: sinks_end, recent_start, eligible before it
-
-
 def forced_counts(configs: list[WorkingSetConfig]) -> list[int]:
     """What ``choose_candidates`` needs of the rows' configs: each row's sink_chunks, then each row's
     recent_chunks (host ints, for the upload the scoring makes anyway)."""
@@ -62,20 +62,15 @@ def choose_candidates(
     forced: torch.Tensor,  # [2 * rows] int64 ``forced_counts`` of the rows' configs
     max_ranked: int,  # chunks a row may choose by score at most: the rows' largest max_chunks
 ) -> torch.Tensor:
-    """[rows, RANKED_AT + min(max_ranked, width)] int64, per row: where its sinks end (sinks_end =
-    min(sink_chunks, n)) and its recent chunks start (recent_start = max(0, n - recent_chunks)), how many chunks
-    are eligible (a finite score, sinks_end <= chunk < recent_start), then its chunks best first, the eligible
-    ones ahead and ties to the lower id (a stable sort), so its first k eligible are the rule's k best. Torch
-    ops only, a constant number of launches for the batch and no sync: the host copies this, not the scores."""
-    sink, recent = forced.view(2, scores.shape[0], 1)  # each [rows, 1]
-    n = num_chunks.view(-1, 1)
-    sinks_end, recent_start = torch.minimum(sink, n), (n - recent).clamp(min=0)
-    chunks = torch.arange(scores.shape[1], device=scores.device)
-    finite = scores.abs() < float("inf")  # NaN compares false; two launches where isfinite takes four
-    eligible = (chunks >= sinks_end) & (chunks < recent_start) & finite  # [rows, width]
-    # x + 0.0 turns -0.0 into +0.0 and leaves the rest: the rule ties them, and a radix sort need not
-    ranked = torch.where(eligible, scores + 0.0, float("-inf")).sort(dim=1, descending=True, stable=True).indices
-    return torch.cat([sinks_end, recent_start, eligible.sum(1, keepdim=True), ranked[:, :max_ranked]], dim=1)
+    """[rows, RANKED_AT + min(max_ranked, width)] int64, per row: where its sinks end and its recent chunks
+    start, how many chunks are eligible, then its chunks best first, so that its first k eligible are the
+    rule's k best (``diffspec_kernels/candidate_rank_ref.py``). One launch on a GPU, no sync: the host copies
+    this, not the scores."""
+    if not triton_kernels_on(scores.device):
+        return rank_candidates_reference(scores, num_chunks, forced, max_ranked)
+    from diffspec_kernels.candidate_rank_triton import rank_candidates_triton
+
+    return rank_candidates_triton(scores, num_chunks, forced, max_ranked)
 
 
 def select_working_sets(

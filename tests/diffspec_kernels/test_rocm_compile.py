@@ -223,6 +223,12 @@ def kernel_cases() -> list[Case]:
              "PAGE_CHUNKS": 64, "BLOCK_C": 64, "BLOCK_D": HEAD_DIM},
         ),
         Case(
+            "rank_candidates", "diffspec_kernels.candidate_rank_triton", "_rank_candidates_kernel",
+            {"scores_ptr": "*fp32", **pointers("num_chunks_ptr forced_ptr out_ptr", "i64"),
+             **scalars("width ranked", "i32"), **scalars("RANKED_AT BLOCK OTHERS", "constexpr")},
+            {"RANKED_AT": 3, "BLOCK": 32, "OTHERS": 64},
+        ),
+        Case(
             "kv_commit", "diffspec_kernels.kv_commit_triton", "_kv_commit_kernel",
             {**pointers("k_pages_ptr v_pages_ptr new_k_ptr new_v_ptr", DTYPE), **pointers("rows_ptr slots_ptr", "i64"),
              **scalars("num_slots num_new_tokens", "i32"), **scalars("TOKEN_SIZE BLOCK", "constexpr")},
