@@ -3,15 +3,15 @@
 Slots [0, num_used) always hold the selected chunks, so attention reads one contiguous span.
 Memory is fixed at construction, whatever the context length.
 
-An update is planned on the host, then done in a constant number of launches whatever the number
-of chunks moved: the working set changes every few draft steps, for up to ~30 chunks, per decoder
-layer and per session, and a copy per chunk would be dozens of tiny launches on the host's critical
-path. The plan: a chunk that stays keeps its slot unless that slot is past the new end (the set
-shrank); the free slots below the new end (leavers' slots, or unused ones) take those stragglers
-first, then the entering chunks in ``selected`` order. So only entering chunks and stragglers are
-copied, as one indexed copy each (keys and values), from one host-to-device upload of the slot and
-chunk ids. A session's arenas of every decoder layer take one plan, and a batch's sessions whose sets
-changed share one upload (``plan``, then ``apply``: ``draft_context.reselect_all``).
+An update is planned on the host, then copied with every other update of the batch in one multi-tensor
+copy: the working set changes at most draft steps at long context, for up to ~30 chunks, per decoder
+layer and per session, and a launch per chunk, or even per session and layer, would be dozens of tiny
+launches on the host's critical path. The plan: a chunk that stays keeps its slot unless that slot is
+past the new end (the set shrank); the free slots below the new end (leavers' slots, or unused ones)
+take those stragglers first, then the entering chunks in ``selected`` order. So only entering chunks
+and stragglers are copied. A session's arenas of every decoder layer take one plan, and the copies of a
+batch's arenas whose sets changed go in one ``torch._foreach_copy_`` (``plan``, then ``copy_views``:
+``draft_context.reselect_all``).
 
 Order. Slots are in no particular chunk order, and nothing needs one: the committed keys are roped
 when they are written (``Eagle3Head.attention_inputs``), and the draft attends to every context key
@@ -51,11 +51,6 @@ class ArenaPlan:
             slot_chunk[slot] = chunk
         return ArenaPlan(slot_chunk, move_from, move_to, enter_slots, enter_chunks)
 
-    @property
-    def ids(self) -> list[int]:
-        """What an update uploads: the slot and chunk ids of its copies, in field order."""
-        return [*self.move_from, *self.move_to, *self.enter_slots, *self.enter_chunks]
-
 
 class ChunkArena:
     def __init__(
@@ -73,7 +68,6 @@ class ChunkArena:
         self.chunk_size = chunk_size
         self.slot_chunk: list[int] = []  # [num_used] chunk id held by each used slot
         self.copies = 0  # chunks copied in so far (entering chunks and stragglers moved below the end)
-        self.batched_copies = 0  # indexed copies issued so far, each of keys and values: at most 2 an update
 
     @property
     def num_slots(self) -> int:
@@ -94,30 +88,24 @@ class ChunkArena:
             raise ValueError(f"selected chunks {selected} are not distinct full chunks of {num_full}")
         return ArenaPlan.of(self.slot_chunk, selected)
 
-    def apply(
-        self, plan: ArenaPlan, ids: torch.Tensor | None, source_keys: torch.Tensor, source_values: torch.Tensor
-    ) -> None:
-        """Carry out ``plan``, made by this arena or another holding the same chunks (a session's arenas of the
-        other decoder layers); ``ids`` [len(plan.ids)]: its ids on the device (None when it copies nothing),
-        uploaded by the caller, so the arenas of a batch share one upload."""
+    def copy_views(
+        self, plan: ArenaPlan, source_keys: torch.Tensor, source_values: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Take ``plan``, made by this arena or another holding the same chunks (a session's arenas of the other
+        decoder layers), from the sources' keys and values [length, kv_heads, hd]; the copies it needs, as
+        (targets, sources) [chunk, kv_heads, hd] views for the caller to make in one multi-tensor copy with the
+        batch's others. No copy reads what another writes: stragglers move from at or past the new end to free
+        slots below it, and entering chunks go to the other free slots."""
         self.slot_chunk = plan.slot_chunk
-        if ids is None or ids.numel() == 0:
-            return
-        move_from, move_to, enter_slots, enter_chunks = ids.split(
-            [len(plan.move_from), len(plan.move_to), len(plan.enter_slots), len(plan.enter_chunks)]
-        )
-        if plan.move_from:  # sources at or past the new end, targets below it: they never overlap
-            for arena in (self.keys, self.values):
-                arena.index_copy_(0, move_to, arena.index_select(0, move_from))
-            self.copies += len(plan.move_from)
-            self.batched_copies += 1
-        if plan.enter_chunks:
-            num_full = source_keys.shape[0] // self.chunk_size
-            for arena, source in ((self.keys, source_keys), (self.values, source_values)):
-                chunked = source[: num_full * self.chunk_size].unflatten(0, (num_full, self.chunk_size))
-                arena.index_copy_(0, enter_slots, chunked.index_select(0, enter_chunks))
-            self.copies += len(plan.enter_chunks)
-            self.batched_copies += 1
+        num_full = source_keys.shape[0] // self.chunk_size
+        chunked = [source[: num_full * self.chunk_size].unflatten(0, (num_full, self.chunk_size))
+                   for source in (source_keys, source_values)]  # fmt: skip
+        targets, sources = [], []
+        for arena, source in zip((self.keys, self.values), chunked):
+            targets += [arena[slot] for slot in (*plan.move_to, *plan.enter_slots)]
+            sources += [arena[slot] for slot in plan.move_from] + [source[chunk] for chunk in plan.enter_chunks]
+        self.copies += len(plan.move_from) + len(plan.enter_chunks)
+        return targets, sources
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_used * chunk, kv_heads, hd] keys and values of the working set's chunks, in slot order."""

@@ -20,10 +20,10 @@ choose chunks.
 
 Batches. An accept's salience work is a constant number of launches and host passes for the whole
 batch: the chunks that filled are encoded together, every context's chunks are scored in one launch
-from a pool of encodings shared by the drafter's sessions (``chunk_encoding``), a few launches rank every
+from a pool of encodings shared by the drafter's sessions (``chunk_encoding``), one launch ranks every
 context's chunks and only the best few dozen ids of each come to the host in one copy, the host keeps or
-replaces each set on those ints (``working_set``), and the arenas whose set changed take one upload between
-them. A single context is a batch of one.
+replaces each set on those ints (``working_set``), and the arenas whose set changed are copied in one
+multi-tensor copy between them. A single context is a batch of one.
 """
 
 from __future__ import annotations
@@ -191,16 +191,20 @@ def take_queued_selections(contexts: list[DraftContext]) -> None:
 def reselect_all(contexts: list[DraftContext], candidates: np.ndarray, num_chunks: np.ndarray) -> None:
     """Each context's working set for its row of host ``candidates`` [contexts, RANKED_AT + ranked]
     (``choose_candidates`` of its num_chunks[i] [contexts] full chunks); the arenas of every context whose set
-    changed follow, from one upload of their ids."""
+    changed follow, in one multi-tensor copy."""
     selections = select_working_sets([context.selector for context in contexts], candidates, num_chunks)
-    changed = [(c, selected) for c, selected in zip(contexts, selections) if set(selected) != c.arenas[0].chunks()]
-    plans = [c.arenas[0].plan(selected, c.length // c.salience.chunk_size) for c, selected in changed]
-    flat_ids = [i for plan in plans for i in plan.ids]
-    sizes = [len(plan.ids) for plan in plans]
-    uploaded = contexts[0].staging.upload(flat_ids).split(sizes) if flat_ids else [None] * len(plans)
-    for (context, _), plan, ids in zip(changed, plans, uploaded):
+    targets: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    for context, selected in zip(contexts, selections):
+        if set(selected) == context.arenas[0].chunks():
+            continue
+        plan = context.arenas[0].plan(selected, context.length // context.salience.chunk_size)
         for arena, kv in zip(context.arenas, context.kvs):
-            arena.apply(plan, ids, *kv.view())
+            to, of = arena.copy_views(plan, *kv.view())
+            targets += to
+            sources += of
         context.working_set_updates += 1
+    if targets:
+        torch._foreach_copy_(targets, sources)  # every changed arena of the batch, every layer: a few launches
     for context, n in zip(contexts, num_chunks):
         context.covered_chunks = int(n)

@@ -17,11 +17,14 @@ from tests.draft_service.reference_selection import candidates_on_cpu, select_al
 KV_HEADS, HEAD_DIM, CHUNK = 2, 16, 8
 
 
-def update(arena: ChunkArena, selected: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+def update(arena: ChunkArena, selected: list[int], keys: torch.Tensor, values: torch.Tensor) -> int:
     """Make ``arena`` hold ``selected``, full chunks of keys and values [length, kv_heads, hd], as
-    ``reselect_all`` does: the arena's plan, applied with its ids."""
+    ``reselect_all`` does: the arena's plan, its copies in one multi-tensor copy. Returns the views copied."""
     plan = arena.plan(selected, keys.shape[0] // arena.chunk_size)
-    arena.apply(plan, torch.tensor(plan.ids, dtype=torch.int64), keys, values)
+    targets, sources = arena.copy_views(plan, keys, values)
+    if targets:
+        torch._foreach_copy_(targets, sources)
+    return len(targets)
 
 
 def test_chunk_score_bounds_every_query_key_product():
@@ -78,11 +81,11 @@ def test_arena_holds_exactly_the_selected_chunks(selections):
     arena = ChunkArena(6, CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
     for selection in selections:
         selected = sorted(set(selection))
-        before, batched, held = arena.copies, arena.batched_copies, list(arena.slot_chunk)
-        update(arena, selected, source_k, source_v)
+        before, held = arena.copies, list(arena.slot_chunk)
+        views = update(arena, selected, source_k, source_v)
         entering = len(set(selected) - set(held))
         assert entering <= arena.copies - before <= entering + len(set(held) - set(selected))
-        assert arena.batched_copies - batched <= 2
+        assert views == 2 * (arena.copies - before)  # a key and a value view per chunk copied
         keys, values = arena.view()
         for slot, chunk in enumerate(arena.slot_chunk):
             span = slice(chunk * CHUNK, (chunk + 1) * CHUNK)
@@ -94,31 +97,31 @@ def test_arena_holds_exactly_the_selected_chunks(selections):
 
 
 @pytest.mark.parametrize(
-    ("before", "after", "slot_chunk", "copies", "batched_copies"),
+    ("before", "after", "slot_chunk", "copies"),
     [
-        ([1, 3, 5, 7], [1, 3, 5, 7], [1, 3, 5, 7], 0, 0),  # no change
-        ([1, 3, 5, 7], [0, 2, 4, 6], [0, 2, 4, 6], 4, 1),  # all new: they take the leavers' slots
-        ([1, 3, 5, 7], [3, 4, 7, 9], [4, 3, 9, 7], 2, 1),  # partial overlap: the stayers keep their slots
-        ([1, 3, 5, 7], [5, 7], [5, 7], 2, 1),  # shrink: the stayers past the end move down
-        ([1, 3, 5, 7], [1, 7, 8], [1, 7, 8], 2, 2),  # shrink with one new: a straggler moves, one enters
-        ([1, 3, 5, 7], [1, 3], [1, 3], 0, 0),  # shrink from the end: nothing copied
-        ([1, 3], [0, 1, 2, 3, 4, 5], [1, 3, 0, 2, 4, 5], 4, 1),  # grow
-        ([1, 3, 5, 7], [], [], 0, 0),  # empty
-        ([], [2, 6], [2, 6], 2, 1),  # from empty
+        ([1, 3, 5, 7], [1, 3, 5, 7], [1, 3, 5, 7], 0),  # no change
+        ([1, 3, 5, 7], [0, 2, 4, 6], [0, 2, 4, 6], 4),  # all new: they take the leavers' slots
+        ([1, 3, 5, 7], [3, 4, 7, 9], [4, 3, 9, 7], 2),  # partial overlap: the stayers keep their slots
+        ([1, 3, 5, 7], [5, 7], [5, 7], 2),  # shrink: the stayers past the end move down
+        ([1, 3, 5, 7], [1, 7, 8], [1, 7, 8], 2),  # shrink with one new: a straggler moves, one enters
+        ([1, 3, 5, 7], [1, 3], [1, 3], 0),  # shrink from the end: nothing copied
+        ([1, 3], [0, 1, 2, 3, 4, 5], [1, 3, 0, 2, 4, 5], 4),  # grow
+        ([1, 3, 5, 7], [], [], 0),  # empty
+        ([], [2, 6], [2, 6], 2),  # from empty
     ],
 )
-def test_arena_update_moves_chunks_in_batched_copies(before, after, slot_chunk, copies, batched_copies):
+def test_arena_update_copies_only_entering_chunks_and_stragglers(before, after, slot_chunk, copies):
     """The arena holds ``after`` in the planned slots, its view is those chunks' keys and values in slot order,
-    and the update moved the chunks in at most two indexed copies whatever their number."""
+    and the update copied only the chunks that enter and those that move down."""
     gen = torch.Generator().manual_seed(4)
     source_k = torch.randn(10 * CHUNK + 3, KV_HEADS, HEAD_DIM, generator=gen)  # a partial chunk at the end
     source_v = torch.randn(10 * CHUNK + 3, KV_HEADS, HEAD_DIM, generator=gen)
     arena = ChunkArena(6, CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
     update(arena, before, source_k, source_v)
-    start_copies, start_batched = arena.copies, arena.batched_copies
-    update(arena, after, source_k, source_v)
+    start_copies = arena.copies
+    views = update(arena, after, source_k, source_v)
     assert arena.slot_chunk == slot_chunk and arena.chunks() == set(after)
-    assert (arena.copies - start_copies, arena.batched_copies - start_batched) == (copies, batched_copies)
+    assert (arena.copies - start_copies, views) == (copies, 2 * copies)
     spans = [slice(c * CHUNK, (c + 1) * CHUNK) for c in arena.slot_chunk]
     keys, values = arena.view()
     assert torch.equal(keys, torch.cat([source_k[s] for s in spans]) if spans else source_k[:0])
