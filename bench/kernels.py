@@ -270,21 +270,34 @@ def bench_draft_attention(batch: int, context_len: int, copy_bytes_per_s: float)
     }
 
 
-def sweep_plans(shape: Shape, tree_size: int, copy_bytes_per_s: float) -> list[dict]:
-    """Time launch-plan variants around the default one at SWEEP_CONTEXT_LEN."""
-    problem = make_problem(shape, SWEEP_CONTEXT_LEN, tree_size)
-    base = default_plan(problem.q, problem.k_new, problem.meta)
+def plan_variants(base: TreeAttentionPlan, rows: int) -> list[TreeAttentionPlan]:
+    """The launch plans a sweep times around ``base`` for ``rows`` query rows per KV head, ``base`` first and
+    none twice: its key tiles, stages and split counts; from 128 rows, row tiles of 64 and 128 over 4 and 8
+    warps (a program per SM or two); past ``base``'s row tile, one 256-row tile instead of several."""
     block_ns = (32, 64, 128) if base.block_m >= 128 else (64, 128)
     split_counts = sorted({max(1, base.num_splits // 2), base.num_splits, 2 * base.num_splits})
-    plans = [
+    plans = [base] + [
         dataclasses.replace(base, block_n=block_n, num_stages=num_stages, num_splits=num_splits)
         for block_n, num_stages, num_splits in itertools.product(block_ns, (2, 3, 4), split_counts)
     ]
-    if tree_size * shape.num_heads // shape.num_kv_heads > base.block_m:  # several row tiles re-read the KV
+    if rows >= 128:
+        plans += [
+            dataclasses.replace(base, block_m=block_m, num_warps=num_warps, block_n=block_n, num_splits=num_splits)
+            for block_m, num_warps, block_n, num_splits in itertools.product((64, 128), (4, 8), (64, 128), split_counts)
+        ]
+    if rows > base.block_m:  # several row tiles re-read the KV
         plans += [
             dataclasses.replace(base, block_m=256, num_warps=num_warps, block_n=block_n, num_stages=num_stages)
             for num_warps, block_n, num_stages in itertools.product((8, 16), (32, 64), (2, 3))
         ]
+    return list(dict.fromkeys(plans))
+
+
+def sweep_plans(shape: Shape, tree_size: int, copy_bytes_per_s: float) -> list[dict]:
+    """Time ``plan_variants`` of the default plan at SWEEP_CONTEXT_LEN."""
+    problem = make_problem(shape, SWEEP_CONTEXT_LEN, tree_size)
+    base = default_plan(problem.q, problem.k_new, problem.meta)
+    plans = plan_variants(base, tree_size * shape.num_heads // shape.num_kv_heads)
     results = []
     for plan in plans:
         result = {"shape": shape.name, "tree_size": tree_size, "plan": dataclasses.asdict(plan)}
@@ -334,11 +347,14 @@ def main() -> None:
     parser.add_argument("--context-lens", type=int, nargs="+", default=CONTEXT_LENS)
     parser.add_argument("--tree-sizes", type=int, nargs="+", default=TREE_SIZES, help="include 1: rows report T/T1")
     parser.add_argument("--draft-only", action="store_true", help="time only the draft head's attention")
+    parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], default=[s.name for s in SHAPES],
+                        help="attention shapes of the table and the sweep")
     args = parser.parse_args()
+    shapes = [s for s in SHAPES if s.name in args.shapes]
 
     copy_bytes_per_s, matmul_flops = copy_bandwidth(), matmul_peak()
     rows = []
-    for shape in () if args.draft_only else SHAPES:
+    for shape in () if args.draft_only else shapes:
         for context_len in args.context_lens:
             for tree_size in args.tree_sizes:
                 rows.append(bench_case(shape, context_len, tree_size, copy_bytes_per_s, matmul_flops))
@@ -352,7 +368,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     sweep = []
     if args.sweep:
-        for shape in SHAPES:
+        for shape in shapes:
             for tree_size in args.tree_sizes:
                 sweep += sweep_plans(shape, tree_size, copy_bytes_per_s)
         for shape_name, tree_size in {(s["shape"], s["tree_size"]) for s in sweep}:
