@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffspec.devices import HostCopy, PinnedStaging
+from diffspec.devices import HostCopy
 from draft_service.chunk_arena import ChunkArena
 from draft_service.chunk_encoding import ChunkEncodingPool, ChunkIndex
 from draft_service.draft_kv import DraftKV
@@ -63,18 +63,15 @@ class DraftContext:
         device: torch.device,
         salience: WorkingSetConfig | None = None,
         num_layers: int = 1,
-        staging: PinnedStaging | None = None,
         chunk_pool: ChunkEncodingPool | None = None,
     ) -> None:
-        """``staging``: the drafter's ring of pinned upload buffers, which carries the arenas' slot and chunk
-        ids (None: a ring of the context's own). ``chunk_pool``: where the chunk encodings live, shared by the drafter's
-        sessions of the same chunk size so that a batch is scored in one launch (None: a pool of its own)."""
+        """``chunk_pool``: where the chunk encodings live, shared by the drafter's sessions of the same chunk size
+        so that a batch is scored in one launch (None: a pool of its own)."""
         self.kvs = [DraftKV(num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]  # per decoder layer
         self.salience = salience
-        self.staging = staging or PinnedStaging(device)
         if salience is not None:
             size = salience.chunk_size
-            pool = chunk_pool or ChunkEncodingPool(size, num_kv_heads, head_dim, dtype, device, self.staging)
+            pool = chunk_pool or ChunkEncodingPool(size, num_kv_heads, head_dim, dtype, device)
             if pool.chunk_size != size or pool.key_min.shape[2:] != (num_kv_heads, head_dim):
                 raise ValueError(f"a pool of {pool.chunk_size}-token chunks of {tuple(pool.key_min.shape[2:])}")
             self.index = ChunkIndex(pool)

@@ -60,7 +60,7 @@ class Drafter:
         self.fused = head.fused_projections()  # per decoder layer; a serving head's weights are final
         graphed = cuda_graphs and head.fc.weight.device.type == "cuda"
         self.proposer = TreeProposer(head, self.fused, capture=graphed)
-        self.staging = PinnedStaging(head.fc.weight.device)  # an accept's tokens, positions and last rows; arena updates' ids
+        self.staging = PinnedStaging(head.fc.weight.device)  # an accept's tokens, positions and last rows; scoring ids
         self.chunk_pools: dict[int, ChunkEncodingPool] = {}  # per chunk size: the salience sessions' chunk encodings
 
     @torch.no_grad()
@@ -74,9 +74,7 @@ class Drafter:
         """Build the draft KV over the prompt: entries pair f[t] with token t + 1."""
         c, weight = self.head.config, self.head.fc.weight
         pool = self._chunk_pool(salience.chunk_size) if salience is not None else None
-        context = DraftContext(
-            c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers, self.staging, pool
-        )
+        context = DraftContext(c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers, pool)
         nothing = torch.empty(0)
         session = DraftSession(context, root_query=nothing, root_hidden=nothing, num_entries=0, root_token=first_token)
         self.extend_many([Extension(session, features, [*prompt_ids[1:], first_token])], select_now=True)
