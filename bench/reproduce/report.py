@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from bench.reproduce.arms import AUTO
 from bench.reproduce.runs import RunRecord
-from bench.reproduce.tuning import FINAL_TIE, CandidateScore, decode_tokens_per_second, tau
+from bench.reproduce.tuning import FINAL_TIE, CandidateScore, decode_tokens_per_second, draft_ms_per_step, tau
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def summarise_arm(runs: list[RunRecord], auto: list[RunRecord]) -> ArmSummary:
         end_to_end_speedup=_ratio(e2e_tps, end_to_end_tokens_per_second(auto)) if auto else None,
         prefill_seconds=round(sum(r.stats.prefill_seconds for r in runs) / len(runs), 6),
         first_token_seconds=round(sum(r.first_token_seconds for r in runs) / len(runs), 6),
-        draft_ms_per_step=round(1000 * draft_s / steps, 3) if steps else 0.0,
+        draft_ms_per_step=round(draft_ms_per_step(runs), 3),
         verify_ms_per_step=round(1000 * verify_s / steps, 3) if steps else 0.0,
         host_ms_per_step=round(1000 * (decode_s - draft_s - verify_s) / steps, 3) if steps else 0.0,
         stop_depth_histogram=_histogram(runs),
