@@ -34,6 +34,7 @@ from draft_service.batch_plan import StepSeconds
 from draft_service.bound_audit import BoundAudit, BoundReport
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
+from draft_service.tree_plan import CANDIDATE_GRID
 from gateway.assembly import build_engine
 from gateway.engine import SpeculativeEngine
 from gateway.request import GenerationRequest
@@ -84,6 +85,8 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
         "online_bounds": {key: report.proposals for key, report in bounds.items()},
         # per bound: what the batch planner predicted against what its steps delivered
         "online_bound_audit": {key: _audit_json(report) for key, report in bounds.items()},
+        # what the planners price a proposal of each depth at for this many sessions, and the points it is fitted to
+        "draft_cost_ms": _draft_cost_ms(engine, len(streams)),
         "mode": mode,
         "streams": len(streams),
         "requests_per_stream": len(streams[0]),
@@ -113,6 +116,20 @@ def _settle(engine: SpeculativeEngine) -> None:
 def _bound_audit(engine: SpeculativeEngine) -> BoundAudit:
     """The in-process draft's audit of its online batch bounds (an empty one without an in-process draft)."""
     return engine.draft.bound_audit if isinstance(engine.draft, DraftRuntime) else BoundAudit()
+
+
+def _draft_cost_ms(engine: SpeculativeEngine, batch: int) -> dict[str, dict[int, float]]:
+    """The in-process draft's proposal cost model at ``batch`` sessions: its prices by depth, and the running
+    averages by depth measured at each batch bucket (bucket = the batch's bit length); empty without one."""
+    if not isinstance(engine.draft, DraftRuntime):
+        return {}
+    cost, deepest = engine.draft.step_cost, max(budget.depth for budget in CANDIDATE_GRID)
+    priced = {depth: round(1000 * cost.draft_seconds(depth, batch), 3) for depth in range(1, deepest + 1)}
+    measured = {
+        f"bucket {bucket}": {depth: round(1000 * seconds, 3) for depth, seconds in sorted(points.items())}
+        for bucket, points in sorted(cost.draft_seconds_by_batch.items())
+    }
+    return {"priced": priced, **measured}
 
 
 def _audit_json(report: BoundReport) -> dict:

@@ -50,6 +50,7 @@ class _TimedProposal:
     batch: int  # sessions it proposed for
     timer: DeviceTimer  # its span on the device
     bound: Bound | None  # the online bound every tree kept within; None without one, or with a probe past it
+    first_of_shape: bool  # its shape was new: its span holds a graph's recording (or kernels' compiles) too
 
 
 @dataclass(frozen=True)
@@ -217,9 +218,10 @@ class DraftRuntime:
     def _observe_step_cost(self, started: float, verify_seconds: float) -> None:
         """The step that ended now, when the last one proposed and this batch carries its verify's cost: from
         the start of that draft call to the start of this one is one whole step of the engine (its draft
-        call, its target call and the loop around them)."""
+        call, its target call and the loop around them). A step whose proposal was its shape's first measures
+        nothing: the recording is in it (``_TimedProposal.first_of_shape``)."""
         last = self._timed_proposal
-        if self._proposing_step_started is not None and last is not None:
+        if self._proposing_step_started is not None and last is not None and not last.first_of_shape:
             step_seconds, proposal_seconds = started - self._proposing_step_started, last.timer.seconds()
             self.step_cost.observe_step(step_seconds, proposal_seconds, verify_seconds)
             if last.bound is not None:
@@ -234,16 +236,20 @@ class DraftRuntime:
         with record_function("draft.plan"):
             chosen = self._plan_batch(sessions)
         requests = [ProposalRequest(s.drafter_state, list(c.plan), c.budget) for s, c in zip(sessions, chosen)]
-        if self._timed_proposal is not None:  # the last proposal ran on the device by now: its span is a read
-            last = self._timed_proposal
+        last = self._timed_proposal
+        if last is not None and not last.first_of_shape:  # it ran on the device by now: its span is a read
             self.step_cost.observe_draft(last.depth, last.timer.seconds(), last.batch)
+        shapes_met = len(self.drafter.proposer.shapes_met)
         timer = DeviceTimer(self.head.fc.weight.device)
         timer.start()
         trees = self.drafter.propose_pending(requests)
         timer.stop()
+        first_of_shape = len(self.drafter.proposer.shapes_met) > shapes_met
         within = self._within_bound(sessions, chosen)
         step_bound = within[0] if None not in within else None  # every tree within: the step measures the bound
-        self._timed_proposal = _TimedProposal(max(c.depth for c in chosen), len(sessions), timer, step_bound)
+        self._timed_proposal = _TimedProposal(
+            max(c.depth for c in chosen), len(sessions), timer, step_bound, first_of_shape
+        )
         for i in self._observed(sessions, chosen):
             sessions[i].proposed = _Proposed(trees[i], chosen[i], sessions[i].hazard.steps)
         for session, tree, bound in zip(sessions, trees, within):

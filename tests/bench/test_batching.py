@@ -45,6 +45,11 @@ def test_an_online_row_audits_each_bound_it_proposed_within(engine):
     lines = _audit_lines(row)
     assert len(lines) == len(audit)
     assert all(line.startswith(f"  diffspec x2 bound {key}: ") for line, key in zip(lines, audit))
+    cost = row["draft_cost_ms"]  # two streams: bucket 2 (the bit length of 2) was measured
+    assert cost["bucket 2"] and all(ms > 0 for ms in cost["bucket 2"].values())
+    priced = list(cost["priced"].values())
+    assert len(priced) == 10 and priced == sorted(priced)  # a deeper proposal never priced lower
+
 
 def test_an_auto_row_has_no_bounds(engine):
     row = measure(engine, "auto", streams(engine, 1), NEW_TOKENS)

@@ -14,6 +14,7 @@ from diffspec_kernels.tree_attention_triton import plan_tree_attention
 TREE_PLANS = [
     ((1, 8, 4, 1, 65536, 128, 132, 2), (16, 128, 32, 4)),  # a decode step at 64K: 8 programs a split, 32 splits
     ((1, 8, 4, 16, 65536, 128, 132, 2), (64, 64, 32, 4)),  # 64 rows at head_dim 128: 64-key tiles
+    ((1, 8, 4, 32, 65536, 128, 132, 2), (128, 64, 32, 4)),  # 128 rows: 64-key tiles over 4 warps
     ((1, 8, 4, 64, 65536, 128, 132, 2), (256, 64, 15, 16)),  # 256 rows: one wide tile, one program per SM
     ((1, 8, 4, 64, 65536, 128, 132, 4), (128, 32, 15, 8)),  # fp32: no wide tile, 32-key tiles
     ((1, 8, 4, 64, 65536, 64, 132, 4), (128, 32, 15, 8)),  # fp32 keeps head_dim 128's tiles below it
@@ -23,7 +24,7 @@ TREE_PLANS = [
     ((1, 8, 8, 8, 4096, 64, 132, 2), (64, 128, 16, 4)),  # 64 rows at head_dim 64: 128-key tiles; 16 x 256 keys
     ((1, 8, 4, 16, 300, 128, 132, 2), (64, 64, 2, 4)),  # a short block table: splits of >= 256 keys
     ((16, 8, 4, 8, 4096, 128, 132, 2), (32, 128, 1, 4)),  # a batch fills the chip with one split
-    ((64, 8, 4, 32, 4096, 128, 132, 2), (128, 128, 1, 8)),  # more programs than the chip holds: still one split
+    ((64, 8, 4, 32, 4096, 128, 132, 2), (128, 64, 1, 4)),  # more programs than the chip holds: still one split
     ((2, 8, 4, 2048, 4096, 128, 132, 4), (128, 32, 1, 8)),  # the fp32 replay's prefill chunk
     ((1, 2, 1, 1, 4, 16, 132, 4), (16, 32, 1, 4)),  # the interpreted cases
     ((2, 2, 2, 4, 40, 32, 132, 2), (16, 128, 1, 4)),

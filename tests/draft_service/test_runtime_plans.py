@@ -135,15 +135,45 @@ def test_the_runtime_measures_a_steps_overhead_between_proposing_calls():
     assert runtime.step_cost.step_overhead_seconds == measured
 
 
+def test_a_proposal_of_a_shape_met_for_the_first_time_is_not_measured():
+    """A shape's first proposal records its graph (on a GPU) inside its span, and its step holds the recording's
+    host time: measured, one recording would outweigh a hundred replays in the running averages, and a depth
+    first met late (a probe's) would stay priced many times what it costs. Its next proposal measures both."""
+    runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
+    c = runtime.head.config
+    prompt = list(range(1, 30))
+    features = lambda rows: torch.zeros(rows, 3 * c.target_hidden_size)  # noqa: E731
+    start = DraftStart("s", prompt, features(len(prompt)), 1, DraftOptions("full", "8:0.0:3"))
+    tree = runtime.step(DraftBatch(starts=[start], proposes=["s"])).trees["s"]
+    accept = lambda tree: DraftAccept("s", [int(DraftTree.of(tree).tokens[1]), 2], features(2))  # noqa: E731
+    verify = VerifyCost(rows=8, seconds=0.005)
+    shapes = len(runtime.drafter.proposer.shapes_met)
+    tree = runtime.step(DraftBatch(accepts=[accept(tree)], proposes=["s"], verify_cost=verify)).trees["s"]
+    assert len(runtime.drafter.proposer.shapes_met) == shapes  # the second proposal met the first's shape
+    assert not runtime.step_cost.draft_measured and not runtime.step_cost.overhead_measured
+    runtime.step(DraftBatch(accepts=[accept(tree)], proposes=["s"], verify_cost=verify))
+    assert runtime.step_cost.draft_measured and runtime.step_cost.overhead_measured
+    assert list(runtime.step_cost.draft_seconds_by_batch[1]) == [3]  # the second proposal, 3 depths deep
+
+
 def test_the_bound_audit_counts_every_proposal_within_its_bound_and_what_the_steps_delivered(
     planning_runtime, monkeypatch
 ):
     """Per bound: as many proposals as were made within it; each verified tree's tokens (drafts through first
-    children, 0 to 3 deep, then the bonus) and each verified step's seconds, but a probe's past the bound."""
+    children, 0 to 3 deep, then the bonus) and each verified step's seconds, but a probe's past the bound and
+    those of a shape's first proposal."""
     runtime = planning_runtime
-    requests = []
+    requests, first_of_shape = [], []
     propose = runtime.drafter.propose_pending
-    monkeypatch.setattr(runtime.drafter, "propose_pending", lambda batch: requests.append(batch) or propose(batch))
+
+    def proposing(batch: list) -> list:
+        shapes = len(runtime.drafter.proposer.shapes_met)
+        trees = propose(batch)
+        requests.append(batch)
+        first_of_shape.append(len(runtime.drafter.proposer.shapes_met) > shapes)
+        return trees
+
+    monkeypatch.setattr(runtime.drafter, "propose_pending", proposing)
     bounds, accepted = [], []
     for accepts in stepped_online_batch(runtime, STEPS, lambda step, i: (step + i) % 4):
         bounds.append(runtime.batch_plan.bound)
@@ -154,12 +184,13 @@ def test_the_bound_audit_counts_every_proposal_within_its_bound_and_what_the_ste
     assert sum(r.choices for r in reports.values()) == 1 + len(range(START_STEPS, STEPS + 1, REPLAN_EVERY))
     # each step verifies the trees proposed at the step before, within its bound but a probe
     session_steps, emitted, measured_steps = collections.Counter(), collections.Counter(), collections.Counter()
-    for batch, bound, accepts in zip(requests, bounds, accepted[1:]):
+    for batch, first, bound, accepts in zip(requests, first_of_shape, bounds, accepted[1:]):
         within = [bound.fits(Candidate(DYNAMIC, tuple(r.plan), r.budget)) for r in batch]
         session_steps[bound] += sum(within)
         emitted[bound] += sum(len(a.emitted_tokens) for a, w in zip(accepts, within) if w)
-        measured_steps[bound] += all(within)
+        measured_steps[bound] += all(within) and not first
     assert sum(measured_steps.values()) < STEPS  # a probe went past its bound
+    assert 0 < sum(first_of_shape) < STEPS
     for bound, report in reports.items():
         tally = runtime.bound_audit.tallies[bound]
         assert (tally.session_steps, tally.emitted_tokens) == (session_steps[bound], emitted[bound])
