@@ -12,7 +12,7 @@ at that matmul rate. The Triton kernel is timed as it is served, in CUDA-graph
 replays of back-to-back calls that rotate among KV copies larger than L2 together (cold L2 for every
 call, no launch gaps); also with ``triton.testing.do_bench``, which zeroes 256 MB before every call
 and so makes each call pay the write-back of that buffer's dirty L2 lines. ``--sweep`` also times
-alternative launch plans at L = 64K, to tune ``plan_tree_attention``.
+alternative launch plans at each context length of the table, to tune ``plan_tree_attention``.
 
 The draft head's attention (``diffspec_kernels/draft_attention_triton.py``) at the same 8B shape, B sessions of
 n = 10 frontier rows over a full context of L keys plus m = 64 tree entries: its time (as served, the
@@ -50,7 +50,6 @@ from diffspec_kernels.tree_attention_triton import TreeAttentionPlan, default_pl
 PAGE_SIZE = 16
 CONTEXT_LENS = (4096, 16384, 65536, 131072)
 TREE_SIZES = (1, 16, 32, 64)
-SWEEP_CONTEXT_LEN = 65536
 DRAFT_BATCHES, DRAFT_CONTEXT_LENS, DRAFT_QUERIES, DRAFT_NEW_ENTRIES = (1, 16), (2048, 16384, 65536), 10, 64
 
 
@@ -293,15 +292,15 @@ def plan_variants(base: TreeAttentionPlan, rows: int) -> list[TreeAttentionPlan]
     return list(dict.fromkeys(plans))
 
 
-def sweep_plans(shape: Shape, tree_size: int, copy_bytes_per_s: float) -> list[dict]:
-    """Time ``plan_variants`` of the default plan at SWEEP_CONTEXT_LEN."""
-    problem = make_problem(shape, SWEEP_CONTEXT_LEN, tree_size)
+def sweep_plans(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s: float) -> list[dict]:
+    """Time ``plan_variants`` of the default plan at ``context_len`` keys."""
+    problem = make_problem(shape, context_len, tree_size)
     base = default_plan(problem.q, problem.k_new, problem.meta)
     plans = plan_variants(base, tree_size * shape.num_heads // shape.num_kv_heads)
     results = []
     for plan in plans:
-        result = {"shape": shape.name, "tree_size": tree_size, "plan": dataclasses.asdict(plan)}
-        result["is_default"] = plan == base
+        result = {"shape": shape.name, "context_len": context_len, "tree_size": tree_size}
+        result |= {"plan": dataclasses.asdict(plan), "is_default": plan == base}
         try:
             ms = time_triton(problem, plan)
         except triton.runtime.errors.OutOfResources as error:
@@ -343,7 +342,7 @@ def print_draft_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results/kernels.json"))
-    parser.add_argument("--sweep", action="store_true", help=f"also time launch-plan variants at L={SWEEP_CONTEXT_LEN}")
+    parser.add_argument("--sweep", action="store_true", help="also time launch-plan variants at each context length")
     parser.add_argument("--context-lens", type=int, nargs="+", default=CONTEXT_LENS)
     parser.add_argument("--tree-sizes", type=int, nargs="+", default=TREE_SIZES, help="include 1: rows report T/T1")
     parser.add_argument("--draft-only", action="store_true", help="time only the draft head's attention")
@@ -368,16 +367,16 @@ def main() -> None:
             torch.cuda.empty_cache()
     sweep = []
     if args.sweep:
-        for shape in shapes:
-            for tree_size in args.tree_sizes:
-                sweep += sweep_plans(shape, tree_size, copy_bytes_per_s)
-        for shape_name, tree_size in {(s["shape"], s["tree_size"]) for s in sweep}:
-            timed = [s for s in sweep if s["shape"] == shape_name and s["tree_size"] == tree_size and "triton_us" in s]
+        for shape, context_len, tree_size in itertools.product(shapes, args.context_lens, args.tree_sizes):
+            swept = sweep_plans(shape, context_len, tree_size, copy_bytes_per_s)
+            sweep += swept
+            timed = [s for s in swept if "triton_us" in s]
             best = min(timed, key=lambda s: s["triton_us"])
             default = next(s for s in timed if s["is_default"])
             print(
-                f"sweep {shape_name} T={tree_size}: default {default['triton_us']:.1f} us, "
-                f"best {best['triton_us']:.1f} us {best['plan']}"
+                f"sweep {shape.name} L={context_len} T={tree_size}: default {default['triton_us']:.1f} us, "
+                f"best {best['triton_us']:.1f} us {best['plan']}",
+                flush=True,
             )
 
     print(
