@@ -2,7 +2,10 @@
 
 One ``step`` per engine iteration: release finished sessions (their stats go back), start new
 ones over the target's prompt features, extend running ones with what the target committed,
-then grow every requested session's tree together, one head pass per depth for the batch.
+then grow every requested session's tree together, one head pass per depth for the batch. What
+the verified trees teach (the hazard profiles, the online planners, the bound audit) is learnt
+last, while the device runs the proposal: between a verify's results and the next proposal's
+launch the host does only what that proposal needs.
 """
 
 from __future__ import annotations
@@ -54,12 +57,14 @@ class _TimedProposal:
 
 
 @dataclass(frozen=True)
-class _Proposed:
-    """A session's last proposal, kept until its verification is observed (``online`` sessions)."""
+class _VerifiedStep:
+    """A session's verified tree and what the target accepted of it, observed once the next proposal is queued."""
 
-    tree: DraftTree | PendingTree
-    candidate: Candidate
-    hazard_steps: int  # the hazard profile's steps when it was proposed: the next one is its verification
+    session: _SessionState
+    tree: DraftTree | PendingTree  # the tree the target verified
+    accepted: list[int]  # the drafts it accepted (the emitted tokens but the bonus)
+    bound: Bound | None  # the online bound the tree kept within, if the step measured one
+    candidate: Candidate | None  # an online session's planner learns from the step: the candidate the tree was
 
 
 @dataclass
@@ -69,7 +74,7 @@ class _SessionState:
     candidate: Candidate  # the tree it proposes: a fixed policy's own, or the online planner's choice
     planner: TreePlanner | None = None  # online sessions only
     last_tree: DraftTree | PendingTree | None = None  # its host nodes are read when its verification is observed
-    proposed: _Proposed | None = None  # for the planner: the last proposal, until its step is observed
+    observe_as: Candidate | None = None  # the planner learns from its last tree's step: the tree's candidate
     expected_tokens: float = 1.0  # what the last plan expected to emit per step
     proposed_within: Bound | None = None  # the online bound its last tree kept within (None: none, or a probe past it)
     steps_to_replan: int = 0  # proposals left before the plan is made again
@@ -121,11 +126,16 @@ class DraftRuntime:
                     self._guard(start.session_id, failures, self._start, start)
             with record_function("draft.accept"):
                 extensions: list[tuple[str, Extension]] = []
+                verified: dict[str, _VerifiedStep] = {}
                 for accept in batch.accepts:
                     try:
-                        extensions.append((accept.session_id, self._accept(accept)))
+                        extension, step = self._accept(accept)
                     except DiffSpecError as failure:
                         failures[accept.session_id] = failure.with_traceback(None)  # no cycle through its frames
+                        continue
+                    extensions.append((accept.session_id, extension))
+                    if step is not None:
+                        verified[accept.session_id] = step
                 self._extend_all(extensions, failures)
             proposes = [sid for sid in batch.proposes if sid not in failures]
             for sid in proposes:
@@ -134,6 +144,10 @@ class DraftRuntime:
             with record_function("draft.propose"):
                 trees = self._propose([sid for sid in proposes if sid not in failures])
             self._proposing_step_started = started if trees else None
+            with record_function("draft.observe"):  # host work the device's proposal hides
+                for sid, step in verified.items():
+                    if sid not in failures:
+                        self._observe(step)
             for sid in failures:
                 self.sessions.pop(sid, None)
         return DraftBatchResult(trees, released, failures)
@@ -190,8 +204,9 @@ class DraftRuntime:
         # sessions started together replan in different steps, so no step plans for all of them
         self.sessions[start.session_id].steps_to_replan = len(self.sessions) % REPLAN_EVERY
 
-    def _accept(self, accept: DraftAccept) -> Extension:
-        """Check an accept and feed its step to the hazard profile; the entries it commits."""
+    def _accept(self, accept: DraftAccept) -> tuple[Extension, _VerifiedStep | None]:
+        """Check an accept: the entries it commits, and its verified tree's step to observe (None when the
+        target verified no tree of this session's: an Auto step in its stead)."""
         session = self._session(accept.session_id)
         emitted, features = accept.emitted_tokens, accept.features
         expected = 3 * self.head.config.target_hidden_size
@@ -201,12 +216,11 @@ class DraftRuntime:
                 f"expected ({len(emitted)}, {expected})"
             )
         self._check_token_ids(emitted)
+        step = None
         if session.last_tree is not None and accept.verified_draft_tree:
-            self._observe_step(session, emitted[:-1])
-            if session.proposed_within is not None:
-                self.bound_audit.emitted(session.proposed_within, len(emitted))
-        session.last_tree = None  # observed, or an Auto step in its stead verified nothing of it
-        return Extension(session.drafter_state, features, emitted)
+            step = _VerifiedStep(session, session.last_tree, emitted[:-1], session.proposed_within, session.observe_as)
+        session.last_tree, session.observe_as = None, None  # taken for observation, or nothing of them was verified
+        return Extension(session.drafter_state, features, emitted), step
 
     def _extend_all(self, extensions: list[tuple[str, Extension]], failures: dict[str, DiffSpecError]) -> None:
         """Every accepted session's entries in one drafter pass; if that pass fails, each of them fails."""
@@ -250,11 +264,10 @@ class DraftRuntime:
         self._timed_proposal = _TimedProposal(
             max(c.depth for c in chosen), len(sessions), timer, step_bound, first_of_shape
         )
-        for i in self._observed(sessions, chosen):
-            sessions[i].proposed = _Proposed(trees[i], chosen[i], sessions[i].hazard.steps)
-        for session, tree, bound in zip(sessions, trees, within):
-            session.last_tree = tree
-            session.proposed_within = bound
+        observed = set(self._observed(sessions, chosen))
+        for i, (session, tree, bound) in enumerate(zip(sessions, trees, within)):
+            session.last_tree, session.proposed_within = tree, bound
+            session.observe_as = chosen[i] if i in observed else None
         return dict(zip(session_ids, trees))
 
     def _within_bound(self, sessions: list[_SessionState], chosen: list[Candidate]) -> list[Bound | None]:
@@ -275,8 +288,6 @@ class DraftRuntime:
         batch), and a session whose tree lies outside the bound re-plans at once. Now and then one
         online session proposes its probe instead, when the batch can afford it (``tree_plan.prober``).
         """
-        for session in sessions:
-            self._observe_proposal(session)
         online_indices = [i for i, s in enumerate(sessions) if s.planner is not None]
         online = [sessions[i] for i in online_indices]
         context = sum(s.drafter_state.num_entries for s in sessions) // len(sessions)
@@ -336,25 +347,25 @@ class DraftRuntime:
         turn = set(online[self.proposals % stride :: stride])
         return [i for i in online if i in turn or chosen[i] is not sessions[i].candidate]  # the latter: a probe
 
-    def _observe_proposal(self, session: _SessionState) -> None:
-        """Hand an online session's planner its last tree with the ranks the hazard profile observed for it."""
-        proposed, session.proposed = session.proposed, None
-        if session.planner is not None and proposed is not None and session.hazard.steps == proposed.hazard_steps + 1:
-            session.planner.observe(DraftTree.of(proposed.tree), proposed.candidate, session.hazard.last_passed_ranks)
-
-    def _observe_step(self, session: _SessionState, accepted: list[int]) -> None:
-        """Feed the hazard profile: the sibling rank that passed at each depth, and where the path stopped."""
-        assert session.last_tree is not None
-        tree = DraftTree.of(session.last_tree)
+    def _observe(self, step: _VerifiedStep) -> None:
+        """Feed a verified step to the session's hazard profile (the sibling rank that passed at each depth, and
+        where the path stopped), then to the bound audit and an online session's planner. It runs once the next
+        proposal is queued, so that proposal was planned from the steps before this one."""
+        session = step.session
+        tree = DraftTree.of(step.tree)
         children, tokens = tree.children(), tree.token_list()
         node, ranks = 0, []
-        for token in accepted:
+        for token in step.accepted:
             match = [rank for rank, child in enumerate(children[node]) if tokens[child] == token]
             if not match:
                 break  # the target accepted a path the draft did not propose: a foreign tree
             ranks.append(match[0])
             node = children[node][match[0]]
         session.hazard.observe(ranks, stop_width=len(children[node]))
+        if step.bound is not None:
+            self.bound_audit.emitted(step.bound, len(step.accepted) + 1)
+        if session.planner is not None and step.candidate is not None:
+            session.planner.observe(tree, step.candidate, session.hazard.last_passed_ranks)
 
     def _release(self, session_id: str) -> DraftStats:
         session = self.sessions.pop(session_id)

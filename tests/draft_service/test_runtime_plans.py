@@ -111,6 +111,21 @@ def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work
     assert observed_per_step[1:] and max(observed_per_step) <= OBSERVED_PER_STEP + 1 and min(observed_per_step[1:]) > 0
 
 
+def test_a_verified_step_is_observed_once_the_next_proposal_is_queued(planning_runtime, monkeypatch):
+    """The hazard profiles and the planners learn from each verified tree in the draft call that accepts it, but
+    after that call's proposal is queued (host work the device's proposal hides): a call plans from the steps
+    before its own."""
+    runtime = planning_runtime
+    planned_after = []  # per call: the steps each session's hazard profile had observed when the call planned
+    plan = runtime._plan_batch
+    record = lambda sessions: planned_after.append([s.hazard.steps for s in sessions]) or plan(sessions)  # noqa: E731
+    monkeypatch.setattr(runtime, "_plan_batch", record)
+    observed_after = [[s.hazard.steps for s in runtime.sessions.values()] for _ in stepped_online_batch(runtime, 3)]
+    assert planned_after == [[k] * SESSIONS for k in (0, 0, 1, 2)]
+    assert observed_after == [[k] * SESSIONS for k in (0, 1, 2, 3)]
+    assert all(s.planner.observed_steps > 0 for s in runtime.sessions.values())
+
+
 def test_the_runtime_measures_a_steps_overhead_between_proposing_calls():
     """From one proposing draft call to the next is one whole engine step: what its proposal and its verify
     do not account for is the overhead. A step after one that did not propose, or without a verify's cost
