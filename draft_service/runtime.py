@@ -64,7 +64,7 @@ class _VerifiedStep:
     tree: DraftTree | PendingTree  # the tree the target verified
     accepted: list[int]  # the drafts it accepted (the emitted tokens but the bonus)
     bound: Bound | None  # the online bound the tree kept within, if the step measured one
-    candidate: Candidate | None  # an online session's planner learns from the step: the candidate the tree was
+    candidate: Candidate | None  # the tree's candidate when an online session's planner learns from the step
 
 
 @dataclass
@@ -74,7 +74,7 @@ class _SessionState:
     candidate: Candidate  # the tree it proposes: a fixed policy's own, or the online planner's choice
     planner: TreePlanner | None = None  # online sessions only
     last_tree: DraftTree | PendingTree | None = None  # its host nodes are read when its verification is observed
-    observe_as: Candidate | None = None  # the planner learns from its last tree's step: the tree's candidate
+    observe_as: Candidate | None = None  # its last tree's candidate when its planner is to learn from that step
     expected_tokens: float = 1.0  # what the last plan expected to emit per step
     proposed_within: Bound | None = None  # the online bound its last tree kept within (None: none, or a probe past it)
     steps_to_replan: int = 0  # proposals left before the plan is made again
