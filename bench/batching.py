@@ -4,13 +4,15 @@ Every stream sends ``--requests-per-stream`` full generations in turn (prefill, 
 or speculative steps); the engine loop verifies all decoding streams in one target call per
 iteration. Each (mode, streams) runs
 once untimed first, so no CUDA graph is recorded inside a timed run. Reported per (mode,
-streams): generated tokens over wall time, requests verified per iteration and the rows their
+streams): generated tokens over wall time, each stream's decode tokens/s (prompts left out) and tau,
+requests verified per iteration and the rows their
 verify computed (requests x widest tree), the target calls with and without prompt work (with the
 slowest prompt call and the prompt tokens per call), the loop's own host time per iteration (wall time
 outside the draft and target calls), and what a timed run should not do: record proposal graphs or
 compile Triton kernels. Online modes add the batch bounds proposed within and, per bound, what the
-batch planner predicted for it against what its steps delivered (``draft_service.bound_audit``). A
-plot of throughput against streams goes beside the JSON.
+batch planner predicted for it against what its steps delivered (``draft_service.bound_audit``), and
+every row the prices the planners read for a proposal by depth. A plot of throughput against streams goes
+beside the JSON.
 
     python -m bench.batching --base-model .carry/b8/target --draft-model .carry/b8/head \
         --data .carry/data/shortctx_eval.jsonl --streams 1 4 16 32 --out bench/results/batching.json
@@ -37,7 +39,7 @@ from draft_service.runtime import DraftRuntime
 from draft_service.tree_plan import CANDIDATE_GRID
 from gateway.assembly import build_engine
 from gateway.engine import SpeculativeEngine
-from gateway.request import GenerationRequest
+from gateway.request import GenerationRequest, GenerationStats
 
 MODES: dict[str, DraftOptions | None] = {
     "auto": None,
@@ -51,23 +53,31 @@ MODES: dict[str, DraftOptions | None] = {
 }
 
 
-async def one_stream(engine: SpeculativeEngine, ids: list[int], options: DraftOptions | None, n: int) -> int:
-    count = 0
+async def one_stream(
+    engine: SpeculativeEngine, ids: list[int], options: DraftOptions | None, n: int
+) -> GenerationStats:
+    """One request through the engine; its stats (the last chunk's)."""
     async for chunk in engine.generate(GenerationRequest(ids, n, draft=options)):
-        count += len(chunk.token_ids)
-    return count
+        if chunk.stats is not None:
+            return chunk.stats
+    raise RuntimeError("the engine's stream ended without its stats")
 
 
-async def one_client(engine: SpeculativeEngine, prompts: list[list[int]], options, n: int) -> int:  # noqa: ANN001
+async def one_client(
+    engine: SpeculativeEngine, prompts: list[list[int]], options, n: int  # noqa: ANN001
+) -> list[GenerationStats]:
     """One stream's requests, one after another (the next starts when the last one ends)."""
-    return sum([await one_stream(engine, ids, options, n) for ids in prompts])
+    return [await one_stream(engine, ids, options, n) for ids in prompts]
 
 
-async def concurrent(engine: SpeculativeEngine, streams: list[list[list[int]]], options, n: int) -> tuple[int, float]:  # noqa: ANN001
-    """``streams[s]``: the prompts stream s sends in turn; all streams run at once."""
+async def concurrent(
+    engine: SpeculativeEngine, streams: list[list[list[int]]], options, n: int  # noqa: ANN001
+) -> tuple[list[GenerationStats], float]:
+    """``streams[s]``: the prompts stream s sends in turn; all streams run at once. Every request's stats, and
+    the wall seconds of the whole."""
     started = time.perf_counter()
-    counts = await asyncio.gather(*(one_client(engine, prompts, options, n) for prompts in streams))
-    return sum(counts), time.perf_counter() - started
+    per_stream = await asyncio.gather(*(one_client(engine, prompts, options, n) for prompts in streams))
+    return [stats for stream in per_stream for stats in stream], time.perf_counter() - started
 
 
 def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]], max_new_tokens: int) -> dict:
@@ -75,7 +85,10 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
     _settle(engine)  # the last run's releases: an iteration in flight would add to the reset timing
     timing.reset()
     recorded_before, audit_before, compiled_before = _draft_graphs(engine), audit.snapshot(), triton_kernels_compiled()
-    tokens, seconds = asyncio.run(concurrent(engine, streams, MODES[mode], max_new_tokens))
+    requests, seconds = asyncio.run(concurrent(engine, streams, MODES[mode], max_new_tokens))
+    tokens = sum(stats.new_tokens for stats in requests)
+    steps = sum(stats.steps for stats in requests)
+    decode_seconds = sum(stats.decode_seconds for stats in requests)
     _settle(engine)  # this run's last verify: the audit measures it
     bounds = {f"{b.tokens}:{b.depth}": report for b, report in audit.reports(since=audit_before).items()}
     return {
@@ -93,6 +106,10 @@ def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]]
         "tokens": tokens,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
+        # without the prompts: each request's tokens after its first over its decode seconds, pooled (a stream's
+        # decode speed; at one stream, the protocol's decode-only tokens/s), and tokens per target step
+        "decode_tokens_per_s_per_stream": round((tokens - len(requests)) / decode_seconds, 1) if decode_seconds else 0.0,
+        "tau": round((sum(stats.accepted_drafts for stats in requests) + steps) / steps, 3) if steps else 0.0,
         "mean_requests_per_verify": round(statistics.mean(timing.batch_sizes), 2) if timing.batch_sizes else 0.0,
         "mean_rows_per_verify": round(statistics.mean(timing.padded_rows), 1) if timing.padded_rows else 0.0,
         "prompt_iterations": timing.prompt_iterations,

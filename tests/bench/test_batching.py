@@ -45,6 +45,8 @@ def test_an_online_row_audits_each_bound_it_proposed_within(engine):
     lines = _audit_lines(row)
     assert len(lines) == len(audit)
     assert all(line.startswith(f"  diffspec x2 bound {key}: ") for line, key in zip(lines, audit))
+    assert row["tokens"] == 2 * NEW_TOKENS and 1.0 <= row["tau"] <= 9.0  # a speculative step emits 1 to depth + 1
+    assert row["decode_tokens_per_s_per_stream"] > 0
     cost = row["draft_cost_ms"]  # two streams: bucket 2 (the bit length of 2) was measured
     assert cost["bucket 2"] and all(ms > 0 for ms in cost["bucket 2"].values())
     priced = list(cost["priced"].values())
@@ -54,4 +56,6 @@ def test_an_online_row_audits_each_bound_it_proposed_within(engine):
 def test_an_auto_row_has_no_bounds(engine):
     row = measure(engine, "auto", streams(engine, 1), NEW_TOKENS)
     assert row["online_bounds"] == row["online_bound_audit"] == {}
+    assert row["tau"] == 1.0  # one token a target step
+    assert row["tokens"] == NEW_TOKENS and row["decode_tokens_per_s_per_stream"] > 0
     assert _audit_lines(row) == []
