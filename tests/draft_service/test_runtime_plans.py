@@ -126,23 +126,36 @@ def test_a_verified_step_is_observed_once_the_next_proposal_is_queued(planning_r
     assert all(s.planner.observed_steps > 0 for s in runtime.sessions.values())
 
 
+def start_full_session(runtime: DraftRuntime) -> DraftTree | PendingTree:
+    """Start session "s" (``full`` 8:0.0:3 over a 29-token prompt) with its first proposal; that tree."""
+    prompt = list(range(1, 30))
+    start = DraftStart("s", prompt, zero_features(runtime, len(prompt)), 1, DraftOptions("full", "8:0.0:3"))
+    return runtime.step(DraftBatch(starts=[start], proposes=["s"])).trees["s"]
+
+
+def accept_first_child(runtime: DraftRuntime, tree: DraftTree | PendingTree) -> DraftAccept:
+    """Session "s"'s accept of ``tree``'s first child and a bonus token."""
+    return DraftAccept("s", [int(DraftTree.of(tree).tokens[1]), 2], zero_features(runtime, 2))
+
+
+def zero_features(runtime: DraftRuntime, rows: int) -> torch.Tensor:
+    return torch.zeros(rows, 3 * runtime.head.config.target_hidden_size)
+
+
 def test_the_runtime_measures_a_steps_overhead_between_proposing_calls():
     """From one proposing draft call to the next is one whole engine step: what its proposal and its verify
     do not account for is the overhead. A step after one that did not propose, or without a verify's cost
     (a prompt chunk shared the target call), measures nothing."""
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
-    c = runtime.head.config
-    prompt = list(range(1, 30))
-    features = lambda rows: torch.zeros(rows, 3 * c.target_hidden_size)  # noqa: E731
-    start = DraftStart("s", prompt, features(len(prompt)), 1, DraftOptions("full", "8:0.0:3"))
-    tree = runtime.step(DraftBatch(starts=[start], proposes=["s"])).trees["s"]
-    accept = lambda tree: DraftAccept("s", [int(DraftTree.of(tree).tokens[1]), 2], features(2))  # noqa: E731
+    tree = start_full_session(runtime)
     time.sleep(0.02)  # the target's call and the loop, as the engine would spend them
-    tree = runtime.step(DraftBatch(accepts=[accept(tree)], proposes=["s"])).trees["s"]  # no verify cost: none
+    accepts = [accept_first_child(runtime, tree)]
+    tree = runtime.step(DraftBatch(accepts=accepts, proposes=["s"])).trees["s"]  # no verify cost: none
     assert not runtime.step_cost.overhead_measured
     time.sleep(0.02)
     verify = VerifyCost(rows=8, seconds=0.005)
-    runtime.step(DraftBatch(accepts=[accept(tree)], verify_cost=verify))  # measures; proposes nothing
+    accepts = [accept_first_child(runtime, tree)]
+    runtime.step(DraftBatch(accepts=accepts, verify_cost=verify))  # measures; proposes nothing
     assert runtime.step_cost.overhead_measured
     assert 0.015 <= runtime.step_cost.step_overhead_seconds < 1.0  # 20 ms of sleep, less the 5 ms verify
     measured = runtime.step_cost.step_overhead_seconds
@@ -155,18 +168,14 @@ def test_a_proposal_of_a_shape_met_for_the_first_time_is_not_measured():
     host time: measured, one recording would outweigh a hundred replays in the running averages, and a depth
     first met late (a probe's) would stay priced many times what it costs. Its next proposal measures both."""
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
-    c = runtime.head.config
-    prompt = list(range(1, 30))
-    features = lambda rows: torch.zeros(rows, 3 * c.target_hidden_size)  # noqa: E731
-    start = DraftStart("s", prompt, features(len(prompt)), 1, DraftOptions("full", "8:0.0:3"))
-    tree = runtime.step(DraftBatch(starts=[start], proposes=["s"])).trees["s"]
-    accept = lambda tree: DraftAccept("s", [int(DraftTree.of(tree).tokens[1]), 2], features(2))  # noqa: E731
+    tree = start_full_session(runtime)
     verify = VerifyCost(rows=8, seconds=0.005)
     shapes = len(runtime.drafter.proposer.shapes_met)
-    tree = runtime.step(DraftBatch(accepts=[accept(tree)], proposes=["s"], verify_cost=verify)).trees["s"]
+    accepts = [accept_first_child(runtime, tree)]
+    tree = runtime.step(DraftBatch(accepts=accepts, proposes=["s"], verify_cost=verify)).trees["s"]
     assert len(runtime.drafter.proposer.shapes_met) == shapes  # the second proposal met the first's shape
     assert not runtime.step_cost.draft_measured and not runtime.step_cost.overhead_measured
-    runtime.step(DraftBatch(accepts=[accept(tree)], proposes=["s"], verify_cost=verify))
+    runtime.step(DraftBatch(accepts=[accept_first_child(runtime, tree)], proposes=["s"], verify_cost=verify))
     assert runtime.step_cost.draft_measured and runtime.step_cost.overhead_measured
     assert list(runtime.step_cost.draft_seconds_by_batch[1]) == [3]  # the second proposal, 3 depths deep
 
