@@ -10,10 +10,10 @@ stdlib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
 mkdir -p "$out"
 common=(--corpus "$stdlib" --exclude site-packages dist-packages --max-tokens 40000000 --ttt-steps 7
         --draft-vocab-size 4096 --warmup-steps 100 --log-every 100 --save-every 1000 --lr 8e-4)
-python3 -m diffspec.cli train-draft --base-model models/tiny-code --out-dir /tmp/train-tiny \
+python3 -m cli train-draft --base-model models/tiny-code --out-dir /tmp/train-tiny \
     --steps 2000 --seq-len 2048 --batch-size 8 "${common[@]}" > "$out/tiny-train.log" 2>&1 &
 tiny=$!
-python3 -m diffspec.cli train-draft --base-model "$bench_code" --out-dir /tmp/train-bench \
+python3 -m cli train-draft --base-model "$bench_code" --out-dir /tmp/train-bench \
     --steps 1600 --seq-len 4096 --batch-size 4 "${common[@]}" > "$out/bench-train.log" 2>&1 &
 bench=$!
 wait $tiny

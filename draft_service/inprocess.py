@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 
 
 def working_set_config(settings: DiffSpecSettings) -> WorkingSetConfig:
-    return WorkingSetConfig(
-        chunk_size=settings.chunk_size,
-        budget_tokens=settings.working_set_tokens,
-        recent_chunks=max(1, settings.salience_recent_tokens // settings.chunk_size),
+    return WorkingSetConfig.of_tokens(
+        settings.chunk_size,
+        settings.working_set_tokens,
+        settings.salience_recent_tokens,
         reselect_every=settings.salience_reselect_every,
         min_overlap=settings.salience_min_overlap,
     )

@@ -51,10 +51,23 @@ class TrainConfig(BaseModel):
                                "these substrings or matches one of these globs (e.g. site-packages).")
     max_files: int = Field(0, ge=0, description="Read at most this many corpus files (0 = all).")
     max_tokens: int = Field(0, ge=0, description="Stop reading the corpus after this many tokens (0 = all).")
+    init_head: Path | None = Field(None, description="Start from this EAGLE-3 head (published layout) instead of "
+                                   "a fresh one, e.g. to train a short-context head on long windows; its draft "
+                                   "vocab and feature layers are kept.")
+    working_set_tokens: int = Field(0, ge=0, description="Train the head as served with salience: each position "
+                                    "attends to a working set of at most this many context tokens (sinks, recent "
+                                    "chunks, best-scoring chunks, chosen as serving chooses them) plus its own "
+                                    "chunk; 0 = every earlier position. Serving's working_set_tokens.")
+    chunk_size: int = Field(64, ge=1, description="Context tokens per salience chunk (with working_set_tokens).")
+    salience_recent_tokens: int = Field(256, ge=1, description="Most recent context tokens always in the working "
+                                        "set (with working_set_tokens).")
 
     @model_validator(mode="after")
-    def _check_unroll(self) -> TrainConfig:
+    def _check_sizes(self) -> TrainConfig:
         if self.seq_len <= self.ttt_steps:
             raise ValueError(f"seq_len {self.seq_len} must exceed ttt_steps {self.ttt_steps} "
                              "(each unrolled step drops a position)")
+        if 0 < self.working_set_tokens < 2 * self.chunk_size:
+            raise ValueError(f"working_set_tokens {self.working_set_tokens} must be 0 or hold two chunks of "
+                             f"chunk_size {self.chunk_size}")
         return self

@@ -23,12 +23,13 @@ from draft_service.train_config import TrainConfig
 from draft_service.train_corpus import TokenCorpus, batch_indices, tokenize_corpus
 from draft_service.ttt_unroll import soft_labels, ttt_forward, ttt_loss
 from draft_service.vocab_map import build_vocab_map, target_to_draft_index
+from draft_service.working_set import WorkingSetConfig
 from target_service.llama import LlamaModel
 
 STATE_FILE = "trainer_state.pt"
 # A resumed run must read the same data into the same head shape; the rest may change between runs.
 RESUME_KEYS = ("base_model", "corpus", "exclude", "max_files", "max_tokens", "seq_len", "draft_vocab_size",
-               "feature_layers", "seed")
+               "feature_layers", "seed", "init_head")
 
 
 @dataclass
@@ -75,6 +76,7 @@ class _Run:
     layers: tuple[int, ...]
     corpus: TokenCorpus
     head: Eagle3Head
+    working_set: WorkingSetConfig | None  # what each position attends to; None: every earlier position
     used_ids: torch.Tensor  # [draft_vocab] target id of each draft id
     target_to_draft: torch.Tensor  # [vocab] draft id of each target id, -1 outside the draft vocab
     optimizer: torch.optim.Optimizer
@@ -87,25 +89,33 @@ class _Run:
         dtype = resolve_dtype(config.dtype, device)
         target = LlamaModel.from_pretrained(config.base_model, device, dtype)
         tc = target.config
-        layers = resolve_feature_layers(config.feature_layers, tc.num_layers)
         tokenizer = AutoTokenizer.from_pretrained(config.base_model)
         eos_id = tc.eos_token_ids[0] if tc.eos_token_ids else tokenizer.eos_token_id
         if eos_id is None:
             raise InvalidRequest(f"{config.base_model} names no eos token to separate documents")
         corpus = tokenize_corpus(config, tokenizer, tc.vocab_size, eos_id)
-        d2t, t2d = build_vocab_map(corpus.token_counts, min(config.draft_vocab_size, tc.vocab_size))
         # Head weights, and so AdamW's state, stay float32 whatever the target dtype.
-        head = Eagle3Head(Eagle3Config.for_target(tc, d2t.numel(), layers), target.embed_tokens.float())
-        head.set_vocab_map(d2t.to(device), t2d.to(device))
+        if config.init_head is not None:
+            head, layers = _initial_head(config, target, device)
+        else:
+            layers = resolve_feature_layers(config.feature_layers, tc.num_layers)
+            d2t, t2d = build_vocab_map(corpus.token_counts, min(config.draft_vocab_size, tc.vocab_size))
+            head = Eagle3Head(Eagle3Config.for_target(tc, d2t.numel(), layers), target.embed_tokens.float())
+            head.set_vocab_map(d2t.to(device), t2d.to(device))
+        working_set = (
+            WorkingSetConfig.of_tokens(config.chunk_size, config.working_set_tokens, config.salience_recent_tokens)
+            if config.working_set_tokens else None
+        )  # fmt: skip
         optimizer = torch.optim.AdamW(
             head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: _lr_factor(step, config.warmup_steps, config.steps)
         )
-        return _Run(config, device, dtype, target, layers, corpus, head,
-                    used_ids=head.to_target_ids(torch.arange(d2t.numel(), device=device)),
-                    target_to_draft=target_to_draft_index(t2d).to(device), optimizer=optimizer, scheduler=scheduler)
+        return _Run(config, device, dtype, target, layers, corpus, head, working_set,
+                    used_ids=head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=device)),
+                    target_to_draft=target_to_draft_index(head.t2d).to(device), optimizer=optimizer,
+                    scheduler=scheduler)
 
     def train_step(self, cursor: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on the batch at ``cursor`` -> (loss, accuracy [ttt_steps]) still on the device."""
@@ -116,7 +126,7 @@ class _Run:
             final_hidden, features = self.target.forward_dense(token_ids, self.layers)
             labels = soft_labels(self.target.logits(final_hidden), self.used_ids, self.target_to_draft)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            outputs = ttt_forward(self.head, token_ids, features, c.ttt_steps)
+            outputs = ttt_forward(self.head, token_ids, features, c.ttt_steps, self.working_set)
             loss, accuracy = ttt_loss(self.head, outputs, labels, c.decay)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -151,6 +161,28 @@ class _Run:
         partial.replace(out_dir / STATE_FILE)
         report = {"config": config, "summary": asdict(progress.summary()), "log": progress.log}
         (out_dir / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _initial_head(
+    config: TrainConfig, target: LlamaModel, device: torch.device
+) -> tuple[Eagle3Head, tuple[int, ...]]:
+    """``config.init_head`` in float32, checked against the target and the flags it overrides; with the target
+    layers it reads."""
+    assert config.init_head is not None
+    head = Eagle3Head.load(config.init_head, target.embed_tokens.float(), device, torch.float32)
+    c, tc = head.config, target.config
+    if c.target_hidden_size != tc.hidden_size:
+        raise InvalidRequest(f"head {config.init_head} reads features of a {c.target_hidden_size}-wide target; "
+                             f"{config.base_model} is {tc.hidden_size} wide")
+    layers = c.feature_layers or resolve_feature_layers("auto", tc.num_layers)  # () = the target's default rule
+    given = config.model_fields_set
+    if "feature_layers" in given and resolve_feature_layers(config.feature_layers, tc.num_layers) != tuple(layers):
+        raise InvalidRequest(f"head {config.init_head} was trained on feature layers {tuple(layers)}, "
+                             f"not {config.feature_layers}")
+    if "draft_vocab_size" in given and config.draft_vocab_size != c.draft_vocab_size:
+        raise InvalidRequest(f"head {config.init_head} has a draft vocab of {c.draft_vocab_size}, "
+                             f"not {config.draft_vocab_size}")
+    return head, tuple(layers)
 
 
 def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:

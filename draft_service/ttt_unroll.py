@@ -4,7 +4,8 @@ The head is unrolled ``ttt_steps`` times: step 0 reads fc(feature[t]) with token
 predicts the target's distribution at t+1 (its guess for token t+2); step k reads its own step
 k-1 output at t with token t+1+k. At step k position t attends to the step-0 keys at positions
 <= t plus its own keys of steps 1..k, the mask of EAGLE-3's reference trainer and what a
-depth-k tree node sees at inference (context keys plus its own ancestors).
+depth-k tree node sees at inference (context keys plus its own ancestors). With a working set the step-0 keys a
+position sees are those serving's salience rule gives it instead (``ttt_working_set``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ import torch.nn.functional as F
 
 from diffspec.errors import InvalidRequest
 from draft_service.eagle3_head import Eagle3Head
+from draft_service.ttt_working_set import (
+    choose_block_working_sets,
+    gather_block_context,
+    working_set_attention,
+)
+from draft_service.working_set import WorkingSetConfig
 
 
 def ttt_attention(
@@ -40,7 +47,11 @@ def ttt_attention(
 
 
 def ttt_forward(
-    head: Eagle3Head, token_ids: torch.Tensor, features: torch.Tensor, ttt_steps: int
+    head: Eagle3Head,
+    token_ids: torch.Tensor,
+    features: torch.Tensor,
+    ttt_steps: int,
+    working_set: WorkingSetConfig | None = None,
 ) -> list[torch.Tensor]:
     """token_ids [B, S], target features [B, S, 3h] -> draft output of each unrolled step k, [B, S-1-k, h].
 
@@ -48,6 +59,8 @@ def ttt_forward(
     t+1+k. It runs at position t+k, as a depth-k tree node sits k past its root (the reference's
     ``position_ids + lck``). Positions whose token t+1+k lies past the window are dropped. One decoder
     layer only: a deeper head's upper layers would need their own unroll, so it is refused, not half trained.
+    ``working_set``: each position attends to serving's salience working set of the step-0 keys, chosen from
+    step 0's keys and queries (``ttt_working_set``); None: to every step-0 key up to it.
     """
     if head.config.num_layers != 1:
         raise InvalidRequest(f"the TTT unroll trains one-layer heads; this head has {head.config.num_layers} layers")
@@ -57,17 +70,23 @@ def ttt_forward(
     outputs: list[torch.Tensor] = []
     own_k: list[torch.Tensor] = []
     own_v: list[torch.Tensor] = []
+    context = None  # with a working set, the step-0 keys each block of positions sees
     for k in range(ttt_steps):
         length = seq - 1 - k
         hidden = hidden[:, :length]
         q, key, value = head.attention_inputs(token_ids[:, 1 + k :], hidden, head.rope(positions[:, :length] + k))
         if k == 0:
             k0, v0 = key, value
+            if working_set is not None:
+                context = gather_block_context(key, value, choose_block_working_sets(q, key, working_set))
         else:
             own_k.append(key)
             own_v.append(value)
         diag_k, diag_v = (_stack_steps(xs, length, key) for xs in (own_k, own_v))
-        attn = ttt_attention(q, k0[:, :length], v0[:, :length], diag_k, diag_v, head.scale)
+        if context is None:
+            attn = ttt_attention(q, k0[:, :length], v0[:, :length], diag_k, diag_v, head.scale)
+        else:
+            attn = working_set_attention(q, context, diag_k, diag_v, head.scale)
         hidden = head.attention_outputs(attn, hidden)
         outputs.append(hidden)
     return outputs

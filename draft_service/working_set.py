@@ -33,6 +33,11 @@ class WorkingSetConfig:
     reselect_every: int = 8  # steps between scheduled re-selections
     min_overlap: float = 0.75  # re-select early when the top set drifts below this overlap
 
+    @staticmethod
+    def of_tokens(chunk_size: int, budget_tokens: int, recent_tokens: int, **rest: float) -> WorkingSetConfig:
+        """The config of settings that count tokens (``working_set_tokens``, ``salience_recent_tokens``)."""
+        return WorkingSetConfig(chunk_size, budget_tokens, recent_chunks=max(1, recent_tokens // chunk_size), **rest)
+
     @property
     def max_chunks(self) -> int:
         """Chunks that fit the budget next to the tail: up to one partial chunk, plus the tokens of the accept

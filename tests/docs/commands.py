@@ -120,6 +120,8 @@ COMMANDS: dict[str, Command] = {
     "python -m pytest -q -p no:cacheprovider -m gpu": Command(Kind.GPU, "the GPU tests, skipped without one"),
     "diffspec serve --base-model ../shared/models/bench-code --draft-model ../shared/models/bench-code-eagle3 --device"
     " cuda:0 --num-pages 8448 --policy online": Command(Kind.GPU, "cuda:0"),
+    "bash bench/train_long_head.sh ../shared/models/bench-code ../shared/models/bench-code-eagle3"
+    " ../shared/data/longctx_eval.jsonl --out-dir runs/long-head": Command(Kind.GPU, "trains on 64K windows, then a paired run at 64K"),
     "export DIFFSPEC_AUTH_TOKEN=change-me DIFFSPEC_TLS_CERT=server.pem DIFFSPEC_TLS_KEY=server.key DIFFSPEC_TLS_CA=ca.pem":
         Command(Kind.HOSTS, "the hosts' certificates; tests/gateway/test_security.py runs TLS and tokens on loopback"),
     "diffspec serve target  --listen 0.0.0.0:50061 --base-model /models/Llama-3.1-8B-Instruct   # on target.example":

@@ -13,7 +13,7 @@ from diffspec.errors import InvalidRequest
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.train_config import TrainConfig
 from draft_service.train_corpus import corpus_files, tokenize_corpus
-from draft_service.trainer import STATE_FILE, train_draft
+from draft_service.trainer import STATE_FILE, TrainSummary, train_draft
 from draft_service.ttt_unroll import ttt_attention, ttt_forward
 from target_service.llama import LlamaModel
 from tests.draft_service.test_eagle3_head import HIDDEN, VOCAB, random_head
@@ -36,9 +36,10 @@ class {name}Store:
 '''
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """These runs are tiny: one thread is as fast as two and does not thrash when the machine is busy."""
+    """These runs are tiny: one thread is as fast as two and does not thrash when the machine is busy (module
+    scope: the shared training run is set up under it too)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -135,10 +136,17 @@ def _config(corpus_dir: Path, out_dir: Path, **overrides) -> TrainConfig:
     return TrainConfig(**(values | overrides))
 
 
+@pytest.fixture(scope="module")
+def trained(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainSummary]:
+    """A 30-step run on the tiny target: its out_dir and summary."""
+    out_dir = tmp_path_factory.mktemp("trained")
+    return out_dir, train_draft(_config(corpus_dir, out_dir))
+
+
 def test_training_reduces_loss_and_writes_a_loadable_head(
-    corpus_dir: Path, tiny_target_dir: Path, tmp_path: Path
+    trained: tuple[Path, TrainSummary], tiny_target_dir: Path
 ) -> None:
-    summary = train_draft(_config(corpus_dir, tmp_path))
+    out_dir, summary = trained
     assert summary.steps == 30 and len(summary.losses) == 30 and len(summary.step_accuracy) == 3
     assert summary.tokens_seen == 30 * 4 * 64
     first, last = sum(summary.losses[:5]) / 5, sum(summary.losses[-5:]) / 5
@@ -146,15 +154,42 @@ def test_training_reduces_loss_and_writes_a_loadable_head(
     assert summary.step_accuracy[0] > 0.4
 
     target = LlamaModel.from_pretrained(tiny_target_dir, torch.device("cpu"), torch.float32)
-    head = Eagle3Head.load(tmp_path, target.embed_tokens, torch.device("cpu"), torch.float32)
-    trained = torch.load(tmp_path / STATE_FILE, weights_only=True)["head"]
-    assert trained.keys() == head.state_dict().keys()
-    for name, tensor in trained.items():
+    head = Eagle3Head.load(out_dir, target.embed_tokens, torch.device("cpu"), torch.float32)
+    state = torch.load(out_dir / STATE_FILE, weights_only=True)["head"]
+    assert state.keys() == head.state_dict().keys()
+    for name, tensor in state.items():
         assert torch.equal(head.state_dict()[name], tensor), name
     assert head.config.feature_layers == (1, 2, 3) and head.config.draft_vocab_size == 1024
     assert int(head.t2d.sum()) == 1024 and bool(head.t2d[1])  # eos separates every document: frequent
-    report = json.loads((tmp_path / "training.json").read_text())
+    report = json.loads((out_dir / "training.json").read_text())
     assert report["summary"]["steps"] == 30 and [e["step"] for e in report["log"]] == list(range(1, 31))
+
+
+def test_init_head_continues_a_trained_head(
+    corpus_dir: Path, trained: tuple[Path, TrainSummary], tmp_path: Path
+) -> None:
+    """Its weights and vocab maps are the start: the first loss is the trained head's, not a fresh one's."""
+    head_dir, summary = trained
+    continued = train_draft(_config(corpus_dir, tmp_path, steps=2, init_head=head_dir))
+    assert continued.losses[0] < 0.7 * summary.losses[0], (continued.losses, summary.losses[:3])
+    saved = torch.load(tmp_path / STATE_FILE, weights_only=True)["head"]
+    started = torch.load(head_dir / STATE_FILE, weights_only=True)["head"]
+    assert torch.equal(saved["t2d"], started["t2d"]) and torch.equal(saved["d2t"], started["d2t"])
+    with pytest.raises(InvalidRequest, match="draft vocab of 1024, not 512"):
+        train_draft(_config(corpus_dir, tmp_path / "other", init_head=head_dir, draft_vocab_size=512))
+    with pytest.raises(InvalidRequest, match="feature layers"):
+        train_draft(_config(corpus_dir, tmp_path / "layers", init_head=head_dir, feature_layers="0,1,2"))
+
+
+def test_training_under_a_working_set(corpus_dir: Path, tmp_path: Path) -> None:
+    """16 chunks of 4 tokens a window against a budget of 4: the head attends to the chosen ones and learns."""
+    plain = train_draft(_config(corpus_dir, tmp_path / "plain", steps=1))
+    under = train_draft(_config(corpus_dir, tmp_path / "ws", steps=12, working_set_tokens=24, chunk_size=4,
+                                salience_recent_tokens=8))  # fmt: skip
+    assert under.losses[0] != plain.losses[0]  # the same head and batch: other keys seen
+    assert sum(under.losses[-3:]) < 0.8 * sum(under.losses[:3]), under.losses
+    with pytest.raises(ValueError, match="must be 0 or hold two chunks"):
+        _config(corpus_dir, tmp_path, working_set_tokens=100, chunk_size=64)
 
 
 def test_resume_continues_from_trainer_state(corpus_dir: Path, tmp_path: Path) -> None:
