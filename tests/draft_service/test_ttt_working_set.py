@@ -104,3 +104,21 @@ def test_block_sets_are_what_serving_chooses() -> None:
             session = drafter.start(ids[:prompt], features[0, :prompt], ids[prompt], config)
             assert session.context.selects
             assert sorted(session.context.arenas[0].chunks()) == sets.chunks[0][prompt // 4], prompt
+
+
+@pytest.mark.gpu
+def test_block_sets_and_attention_on_a_gpu_are_the_cpu_ones() -> None:
+    """A 16K window at serving's sizes: the device scores and ranks the chunks (Triton) to the same sets, and
+    attends within float32 rounding of the CPU."""
+    config = WorkingSetConfig(chunk_size=64, budget_tokens=2048)
+    length, steps = 16384, 2
+    q, k0, v0, diag_k, diag_v = _random_step(1, length, steps, seed=3)
+    q0 = torch.randn(1, length, HEADS, DIM, generator=torch.Generator().manual_seed(2))
+    on_cpu = choose_block_working_sets(q0, k0, config)
+    on_gpu = choose_block_working_sets(q0.cuda(), k0.cuda(), config)
+    assert on_gpu.chunks == on_cpu.chunks
+    assert len(on_cpu.chunks[0][-1]) == config.max_chunks  # it selects: 255 full chunks against 30 slots
+    context = gather_block_context(k0.cuda(), v0.cuda(), on_gpu)
+    out = working_set_attention(q.cuda(), context, diag_k.cuda(), diag_v.cuda(), SCALE)
+    expected = working_set_attention(q, gather_block_context(k0, v0, on_cpu), diag_k, diag_v, SCALE)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-3, atol=1e-3)
