@@ -22,8 +22,14 @@ current bound is kept).
 Cadence. The bound is chosen again every ``REPLAN_EVERY`` proposals, and at once when the batch size
 crosses a power of two (the verify cost moves with it). The runtime's first online batch starts from
 the largest of its sessions' own budgets (where a tuned profile starts them) and keeps it
-``START_STEPS`` proposals, so the own budgets are measured first. A probe (``tree_plan.prober``) goes ahead only when its padded
-verify is predicted to cost at most ``PROBE_OVERHEAD`` more than the bound's.
+``START_STEPS`` proposals, so the own budgets are measured first.
+
+Probes. One online session in turn proposes its probe (``tree_plan.TreePlanner.probe``) in one proposal
+of every ``PROBE_EVERY``, so candidates larger than the bound stay measured. A probe pads the whole
+batch's verify, so probes that change nothing back off (``ProbeSchedule``): the first choice after a
+probe that keeps the bound doubles the interval, up to ``PROBE_EVERY_MAX``; a new bound, a batch size
+that crosses a power of two, or a new batch returns it to ``PROBE_EVERY`` at once. A probe goes ahead
+only when its padded verify is predicted to cost at most ``PROBE_OVERHEAD`` more than the bound's.
 
 Record. Each choice keeps what it predicted for the bound it chose, by part, and the best other bound's
 value (``BoundChoice``): ``draft_service.bound_audit`` sets it beside what the steps within the bound delivered.
@@ -42,6 +48,8 @@ REPLAN_EVERY = 4  # proposals between the batch's choices: a hazard and a cost m
 START_STEPS = 4  # proposals a new batch keeps the largest own budget of its sessions
 PLAN_HYSTERESIS = 0.03  # a new bound must beat the current one by 3% to replace it
 PROBE_OVERHEAD = 0.25  # a probe may make the batch's verify at most this much dearer
+PROBE_EVERY = 8  # proposals between probe turns at first, and again once the bound moves
+PROBE_EVERY_MAX = 64  # proposals between probe turns at most, however long probes leave the bound as it was
 
 
 @dataclass(frozen=True)
@@ -129,14 +137,49 @@ def _predictor(outlooks: list[SessionOutlook], cost: BatchCost) -> Callable[[Bou
     return predict
 
 
+@dataclass
+class ProbeSchedule:
+    """When an online session proposes its probe, and whose turn it is; the interval backs off while probes leave
+    the bound as it was (see the module)."""
+
+    interval: int = PROBE_EVERY  # proposals from one probe turn to the next
+    since_turn: int = 0  # proposals since the last probe turn (or the batch's start)
+    turns: int = 0  # probe turns so far: the online sessions take them in order
+    unjudged: bool = False  # a probe went ahead that no choice of the bound has judged yet
+
+    def turn(self, online_sessions: int) -> int | None:
+        """One proposal of a batch with ``online_sessions`` online sessions: whose turn it is to probe, if anyone's."""
+        if online_sessions == 0:
+            return None
+        self.since_turn += 1
+        if self.since_turn < self.interval:
+            return None
+        self.since_turn, self.turns = 0, self.turns + 1
+        return (self.turns - 1) % online_sessions
+
+    def probed(self) -> None:
+        """The probe of this turn went ahead: the next choice of the bound judges it."""
+        self.unjudged = True
+
+    def judge(self, moved: bool) -> None:
+        """A choice of the bound: one that ``moved`` it (or a batch size past a power of two) starts the interval
+        over; the first to keep it after a probe doubles it. That choice may come before the probe's step is learnt
+        from; should the next one move the bound, the interval starts over before another probe is due."""
+        if moved:
+            self.interval, self.unjudged = PROBE_EVERY, False
+        elif self.unjudged:
+            self.interval, self.unjudged = min(2 * self.interval, PROBE_EVERY_MAX), False
+
+
 class BatchPlanner:
-    """The bound the online sessions of one draft runtime's batch propose within."""
+    """The bound the online sessions of one draft runtime's batch propose within, and when one of them probes."""
 
     def __init__(self) -> None:
         self.bound: Bound | None = None
         self.choice: BoundChoice | None = None  # what was predicted when the bound was last chosen
         self.proposals_to_choice = 0  # proposals left before the bound is chosen again
         self.batch_scale = 0  # the batch size's power of two when the bound was chosen
+        self.probes = ProbeSchedule()  # when an online session probes: each choice of the bound judges the last probe
 
     def due(self, batch: int) -> bool:
         """Whether this proposal chooses the bound again."""
@@ -147,6 +190,7 @@ class BatchPlanner:
         bound = Bound(max(b.tokens for b in own_budgets), max(b.depth for b in own_budgets))
         self.bound, self.choice = bound, BoundChoice(_predictor(outlooks, cost)(bound), None)
         self.proposals_to_choice, self.batch_scale = START_STEPS, cost.batch.bit_length()
+        self.probes = ProbeSchedule()
         return bound
 
     def choose(self, bounds: list[Bound], outlooks: list[SessionOutlook], cost: BatchCost) -> Bound:
@@ -159,6 +203,7 @@ class BatchPlanner:
         if scored[best].tokens_per_second > predicted.tokens_per_second * (1 + PLAN_HYSTERESIS):
             kept, predicted = best, scored[best]
         runner_up = max((p.tokens_per_second for b, p in scored.items() if b != kept), default=None)
+        self.probes.judge(moved=kept != self.bound or cost.batch.bit_length() != self.batch_scale)
         self.bound, self.choice = kept, BoundChoice(predicted, runner_up)
         self.proposals_to_choice, self.batch_scale = REPLAN_EVERY, cost.batch.bit_length()
         return kept
@@ -166,7 +211,15 @@ class BatchPlanner:
     def step(self) -> None:
         self.proposals_to_choice -= 1
 
-    def allows_probe(self, probe: Candidate, cost: BatchCost) -> bool:
-        """Whether one session's probe, padding the whole batch to it, keeps the verify within the overhead."""
+    def prober(self, online_sessions: int) -> int | None:
+        """Which of the batch's ``online_sessions`` online sessions may probe at this proposal, if any."""
+        return self.probes.turn(online_sessions)
+
+    def admit_probe(self, probe: Candidate, cost: BatchCost) -> bool:
+        """Whether the prober's probe goes ahead: only where padding the whole batch to it keeps the verify within
+        the overhead. One that does is noted for the next choice of the bound to judge."""
         assert self.bound is not None
-        return cost.verify_seconds(probe.tokens) <= (1 + PROBE_OVERHEAD) * cost.verify_seconds(self.bound.tokens)
+        admitted = cost.verify_seconds(probe.tokens) <= (1 + PROBE_OVERHEAD) * cost.verify_seconds(self.bound.tokens)
+        if admitted:
+            self.probes.probed()
+        return admitted

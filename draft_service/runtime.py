@@ -36,7 +36,6 @@ from draft_service.tree_plan import (
     SharedMeasurements,
     TreePlanner,
     fixed_candidate,
-    prober,
 )
 from draft_service.working_set import WorkingSetConfig
 
@@ -100,8 +99,8 @@ class DraftRuntime:
         self.step_cost = StepCostModel()  # verify seconds against the batch's tree tokens, draft seconds per depth
         self.shared_measurements = SharedMeasurements()  # online: every request's, the prior of each one's own
         self.candidate_grid = CANDIDATE_GRID  # the dynamic trees an online session chooses among, beside its own
-        self.proposals = 0  # batch proposals so far: when an online session probes
-        self.batch_plan = BatchPlanner()  # the bound every online session's tree keeps within
+        self.proposals = 0  # batch proposals so far: whose trees the planners learn from (``_observed``)
+        self.batch_plan = BatchPlanner()  # the bound every online session's tree keeps within, and when one probes
         self.bound_audit = BoundAudit()  # per bound: what the batch planner predicted, what its steps delivered
         self._timed_proposal: _TimedProposal | None = None
         self._proposing_step_started: float | None = None  # when the last step began, if it proposed
@@ -286,7 +285,7 @@ class DraftRuntime:
         Between choices, online sessions re-plan within the bound in turn, each every ``REPLAN_EVERY``
         proposals (sessions started together are staggered, so a step re-plans about a quarter of the
         batch), and a session whose tree lies outside the bound re-plans at once. Now and then one
-        online session proposes its probe instead, when the batch can afford it (``tree_plan.prober``).
+        online session proposes its probe instead, when the batch can afford it (``batch_plan.ProbeSchedule``).
         """
         online_indices = [i for i, s in enumerate(sessions) if s.planner is not None]
         online = [sessions[i] for i in online_indices]
@@ -303,13 +302,13 @@ class DraftRuntime:
         for session in sessions:
             session.steps_to_replan -= 1
         chosen = [s.candidate for s in sessions]
-        probing = prober(self.proposals, len(online_indices))
+        probing = self.batch_plan.prober(len(online_indices))
         self.proposals += 1
         if probing is not None:
             i = online_indices[probing]
             planner = sessions[i].planner
             assert planner is not None
-            if self.batch_plan.allows_probe(planner.probe, cost):
+            if self.batch_plan.admit_probe(planner.probe, cost):
                 chosen[i] = planner.probe
         return chosen
 

@@ -19,13 +19,13 @@ Prediction. A candidate's tokens per step E (accepted drafts + the bonus):
   nodes the verified tree's deeper ones crowded out, so it errs low). A *base* budget lies inside
   every candidate, so every dynamic step measures it; a candidate's E is the base's decayed mean
   plus the candidate's mean difference from the base over the steps that measured both (paired on
-  the same text, the difference varies far less than an accepted length). In one batch proposal of
-  every ``PROBE_EVERY`` one online session, in turn, may propose its *probe*, the dynamic tree
-  containing every candidate, so candidates larger than the current trees stay measured (for that
-  session, and through the global estimates for all); the batch allows it only where its padded
-  verify costs little more (``batch_plan``). Each estimate is smoothed toward the
-  global one (all requests' sessions), and where nothing is measured toward the rank model's E of
-  the uniform static tree of the same size and depth.
+  the same text, the difference varies far less than an accepted length). Now and then one online
+  session, in turn, may propose its *probe*, the dynamic tree containing every candidate, so
+  candidates larger than the current trees stay measured (for that session, and through the global
+  estimates for all); the batch sets how often (less often while probes leave its bound as it was)
+  and allows a probe only where its padded verify costs little more (``batch_plan``). Each estimate
+  is smoothed toward the global one (all requests' sessions), and where nothing is measured toward
+  the rank model's E of the uniform static tree of the same size and depth.
 - shaped: the rank model's E(w) (``hazard.expected_tokens``) times the ratio shaped trees realised
   of it (the model takes the path's node to be expanded at every depth, which a static tree's
   best-w rule does not guarantee).
@@ -66,7 +66,6 @@ if TYPE_CHECKING:
 CANDIDATE_GRID = tuple(
     TreeBudget.parse(config) for config in ("16:0.0:4", "32:0.0:6", "48:0.0:8", "64:0.0:8", "96:0.0:10")
 )
-PROBE_EVERY = 8  # batch proposals between probes: in one step of this many, one online session probes
 SESSION_ACCEPT_DECAY = 0.97  # a request's acceptance means follow its text over ~30 steps
 GLOBAL_ACCEPT_DECAY = 0.995  # the global means, every request's prior, move slowly
 CALIBRATION_PRIOR_TOKENS = 10.0  # predicted tokens a calibration prior (the global one, or 1) is worth
@@ -119,14 +118,6 @@ def fixed_candidate(policy: TreePolicy, budget: TreeBudget) -> Candidate:
         expand = math.ceil((budget.total_tokens - 1) / policy.branching)
         return Candidate(FIXED, (DepthPlan(expand=expand, children=policy.branching),) * budget.depth, budget)
     return Candidate.dynamic(budget)
-
-
-def prober(proposals: int, online_sessions: int) -> int | None:
-    """Which online session of the batch proposes its probe at the batch's ``proposals``-th proposal
-    (0-based), if any: one session in one proposal of every ``PROBE_EVERY``, the sessions in turn."""
-    if online_sessions == 0 or proposals % PROBE_EVERY != PROBE_EVERY - 1:
-        return None
-    return (proposals // PROBE_EVERY) % online_sessions
 
 
 @functools.lru_cache(maxsize=1024)

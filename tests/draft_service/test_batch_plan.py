@@ -1,6 +1,6 @@
 """The batch's bound for online sessions: chosen by predicted tokens per second over the padded verify, worth at
 least every fixed configuration, shrinking as the batch grows on a compute-bound verify, with hysteresis, a
-start from the own budgets, and probes only where the batch can afford them."""
+start from the own budgets, and probes only where the batch can afford them, backing off while the bound stays."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 
 from draft_service.batch_plan import (
     PLAN_HYSTERESIS,
+    PROBE_EVERY,
+    PROBE_EVERY_MAX,
     REPLAN_EVERY,
     START_STEPS,
     BatchCost,
@@ -126,13 +128,62 @@ def test_a_batch_starts_from_the_largest_own_budget_and_chooses_again_when_due()
     assert planner.due(3)
 
 
+PROBE = Candidate.dynamic(TreeBudget.parse("96:0.0:10"))
+
+
 def test_a_probe_goes_ahead_only_where_the_padded_verify_stays_cheap():
-    probe = Candidate.dynamic(TreeBudget.parse("96:0.0:10"))
     planner = BatchPlanner()
     planner.bound = Bound(16, 4)
-    assert planner.allows_probe(probe, BatchCost(KNEE, 1, 2048))  # 96 rows: still the weights' read
-    assert not planner.allows_probe(probe, BatchCost(KNEE, 16, 2048))  # 1,536 rows against 256
-    assert planner.allows_probe(probe, BatchCost(FLAT, 16, 2048))
+    assert not planner.admit_probe(PROBE, BatchCost(KNEE, 16, 2048))  # 1,536 rows against 256
+    assert not planner.probes.unjudged  # a probe that did not go ahead has nothing for a choice to judge
+    assert planner.admit_probe(PROBE, BatchCost(KNEE, 1, 2048))  # 96 rows: still the weights' read
+    assert planner.admit_probe(PROBE, BatchCost(FLAT, 16, 2048))
+    assert planner.probes.unjudged
+
+
+def probes_made(
+    planner: BatchPlanner, proposals: range, bound: Bound, batch: int = 1, start: bool = False
+) -> list[tuple[int, int]]:
+    """(proposal, prober) of each probe that goes ahead over ``proposals``, the calls in the runtime's order: a
+    batch of ``batch`` online sessions starts from ``bound`` (its first proposal, or the range's first with
+    ``start``) and is offered ``bound`` alone at each choice after; the verify is flat, so every probe goes ahead."""
+    made = []
+    for proposal in proposals:
+        cost = BatchCost(FLAT, batch, 2048)
+        if planner.bound is None or (start and proposal == proposals.start):
+            planner.start([bound], outlooks(batch), cost)
+        elif planner.due(batch):
+            planner.choose([bound], outlooks(batch), cost)
+        planner.step()
+        prober = planner.prober(batch)
+        if prober is not None and planner.admit_probe(PROBE, cost):
+            made.append((proposal, prober))
+    return made
+
+
+@pytest.mark.parametrize(
+    ("then", "probes"),
+    [
+        ({"bound": Bound(16, 4)}, [(247, 0)]),  # 64 after the last: the cap
+        ({"bound": Bound(64, 8)}, [(200, 0), (216, 0), (248, 0)]),  # 17 since the last: due at once, then 16, 32
+        ({"bound": Bound(16, 4), "batch": 2}, [(200, 1), (216, 0), (248, 1)]),  # the two sessions in turn
+        ({"bound": Bound(16, 4), "start": True}, [(207, 0), (223, 0), (255, 0)]),  # counted from the start
+    ],
+    ids=["the bound stays", "a new bound", "the batch crosses a power of two", "a new batch"],
+)
+def test_probes_back_off_while_the_bound_stays_and_start_over_when_it_moves(then, probes):
+    planner = BatchPlanner()
+    # a probe in the 8th proposal, then each choice after a probe keeps the bound: 16, 32, 64, 64 apart
+    assert probes_made(planner, range(200), Bound(16, 4)) == [(7, 0), (23, 0), (55, 0), (119, 0), (183, 0)]
+    assert planner.probes.interval == PROBE_EVERY_MAX
+    assert probes_made(planner, range(200, 300), **then) == probes
+    assert planner.bound == then["bound"]
+
+
+def test_a_proposal_without_online_sessions_is_no_probe_turn():
+    planner = BatchPlanner()
+    assert [planner.prober(0) for _ in range(2 * PROBE_EVERY)] == [None] * (2 * PROBE_EVERY)
+    assert [planner.prober(3) for _ in range(PROBE_EVERY)] == [None] * (PROBE_EVERY - 1) + [0]
 
 
 def test_what_every_step_costs_besides_weighs_a_larger_tree_fairly():

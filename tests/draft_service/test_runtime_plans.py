@@ -15,10 +15,10 @@ from diffspec.tree import DraftTree, PendingTree
 
 from draft_service.backend import DraftAccept, DraftBatch, DraftStart, VerifyCost
 from draft_service.options import DraftOptions
-from draft_service.batch_plan import REPLAN_EVERY, START_STEPS
+from draft_service.batch_plan import PROBE_EVERY, REPLAN_EVERY, START_STEPS
 from draft_service.runtime import OBSERVED_PER_STEP, DraftRuntime
 from draft_service.tree_budget import TreeBudget
-from draft_service.tree_plan import CANDIDATE_GRID, DYNAMIC, PROBE_EVERY, Bound, Candidate, TreePlanner
+from draft_service.tree_plan import CANDIDATE_GRID, DYNAMIC, Bound, Candidate, TreePlanner
 from tests.draft_service.test_drafter import load_head
 
 SESSIONS, STEPS = 6, 2 * PROBE_EVERY
@@ -103,12 +103,28 @@ def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work
     probe = TreeBudget.parse("96:0.0:10")
     for batch, bound in zip(requests, bounds):  # every tree within the bound, but a probe
         assert all(bound.fits(Candidate(DYNAMIC, tuple(r.plan), r.budget)) for r in batch if r.budget != probe)
-    # one probe in PROBE_EVERY proposals, by one session (on a flat verify the batch affords it)
+    # a probe in the PROBE_EVERY-th proposal, by one session (on a flat verify the batch affords it); the next
+    # choice keeps the bound, so the next probe backs off past these steps
     probes = [sum(r.budget == probe for r in batch) for batch in requests]
-    assert [i for i, n in enumerate(probes) if n] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    assert [i for i, n in enumerate(probes) if n] == [PROBE_EVERY - 1]
     assert max(probes) == 1
     # a step hands at most OBSERVED_PER_STEP sessions' trees to their planners (and the probe's)
     assert observed_per_step[1:] and max(observed_per_step) <= OBSERVED_PER_STEP + 1 and min(observed_per_step[1:]) > 0
+
+
+def test_probes_back_off_while_the_batchs_bound_stays(planning_runtime):
+    """Past the start, the batch is planned without proposing (200 proposals of the bundled head take minutes on a
+    CPU), so its planners learn nothing and its first chosen bound stays: every probe leaves it as it was, and the
+    interval doubles from PROBE_EVERY up to PROBE_EVERY_MAX, the sessions probing in turn."""
+    runtime = planning_runtime
+    list(stepped_online_batch(runtime, 1))  # the sessions start, and a flat verify lets the batch afford a probe
+    sessions, probes = list(runtime.sessions.values()), []
+    while runtime.proposals < 200:
+        proposal, chosen = runtime.proposals, runtime._plan_batch(sessions)
+        probes += [(proposal, i) for i, (s, c) in enumerate(zip(sessions, chosen)) if c is not s.candidate]
+    assert runtime.bounds_proposed == {Bound(24, 5): START_STEPS, Bound(16, 4): 200 - START_STEPS}
+    assert probes == [(7, 0), (23, 1), (55, 2), (119, 3), (183, 4)]  # 16, 32, 64, 64 apart
+    assert len(probes) < 200 // PROBE_EVERY
 
 
 def test_a_verified_step_is_observed_once_the_next_proposal_is_queued(planning_runtime, monkeypatch):

@@ -1,5 +1,5 @@
 """The online tree planner per session: counterfactual acceptance of contained dynamic trees, the choice within
-the batch's bound, the probe, and a simulated convergence with the batch's choice of bound."""
+the batch's bound, the probe, and a simulated convergence with the batch's choice of bound and its probes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from draft_service.hazard import HazardProfile, StepCostModel, tree_size
 from draft_service.tree_budget import TreeBudget
 from draft_service.tree_plan import (
     DYNAMIC,
-    PROBE_EVERY,
     SHAPED,
     Bound,
     Calibration,
@@ -22,7 +21,6 @@ from draft_service.tree_plan import (
     SharedMeasurements,
     TreePlanner,
     counterfactual_accepted,
-    prober,
 )
 from tests.draft_service.synthetic_trees import World, grow, verify
 
@@ -103,16 +101,6 @@ def test_a_tight_bound_leaves_the_shaped_tree_and_a_loose_one_the_largest_dynami
     assert (loose.kind, loose.budget) == (DYNAMIC, B("96:0.0:10"))
 
 
-@pytest.mark.parametrize(
-    ("online_sessions", "probers"),
-    [(0, [None] * 24), (1, [0 if i % 8 == 7 else None for i in range(24)]),
-     (3, [{7: 0, 15: 1, 23: 2}.get(i) for i in range(24)])],
-)
-def test_one_session_probes_in_one_proposal_of_every_few(online_sessions, probers):
-    assert PROBE_EVERY == 8
-    assert [prober(i, online_sessions) for i in range(24)] == probers
-
-
 def test_the_probe_contains_every_candidate():
     planner = TreePlanner.start(B("24:0.05:11"), SharedMeasurements())
     assert planner.probe == Candidate.dynamic(B("96:0.0:11"))
@@ -120,18 +108,19 @@ def test_the_probe_contains_every_candidate():
 
 def simulate(cost: StepCostModel, start: str, sessions: int, steps: int, seed: int) -> list[Candidate]:
     """Sessions one after another on one runtime's shared measurements, each a batch of one: the batch chooses
-    its bound and the session its tree within it every 4 steps; the candidate each ends with."""
+    its bound and the session its tree within it every 4 steps, and the batch says when the session probes; the
+    candidate each ends with."""
     shared, global_hazard, rng = SharedMeasurements(), HazardProfile(32, 0.995), random.Random(seed)
-    batch_plan, ends = BatchPlanner(), []
+    batch_plan, batch, ends = BatchPlanner(), BatchCost(cost, batch=1, context_tokens=0), []
     for _ in range(sessions):
         planner, hazard = TreePlanner.start(B(start), shared), HazardProfile(32, 0.9, prior=global_hazard)
         for step in range(steps):
             if step % 4 == 0:
                 outlook = SessionOutlook(planner.expectations(hazard), fixed=False)
-                bound = batch_plan.choose(planner.bounds(), [outlook], BatchCost(cost, batch=1, context_tokens=0))
-                planner.choose(hazard, bound)
+                planner.choose(hazard, batch_plan.choose(planner.bounds(), [outlook], batch))
             world = World(random.Random(rng.random()))
-            proposed = planner.probe if prober(step, 1) is not None else planner.current
+            probing = batch_plan.prober(1) is not None and batch_plan.admit_probe(planner.probe, batch)
+            proposed = planner.probe if probing else planner.current
             tree, paths = grow(world, list(proposed.plan), proposed.budget)
             ranks, stop_width = verify(world, tree, paths)
             hazard.observe(ranks, stop_width)
