@@ -116,8 +116,12 @@ def assert_all_released(engine: SpeculativeEngine, timeout: float = 10.0) -> Non
 def split_deployment(draft_head_dir, tmp_path_factory) -> Iterator[SplitDeployment]:
     """Target, draft and gateway processes shared by the tests that leave them running. The gateway admits
     as many tokenizations at once as the tests send (16 concurrent text prompts in test_grpc_split.py): past
-    its default of 8, on a busy machine where each waits for a tokenizer thread, it refuses them."""
-    deployment = SplitDeployment(tmp_path_factory.mktemp("split-logs"), draft_head_dir, "--max-tokenizations", "16")
+    its default of 8, on a busy machine where each waits for a tokenizer thread, it refuses them. It waits a
+    minute for the draft's proposals: past the default second (a busy machine's slow reply), a step verifies
+    Auto trees, which keeps the distribution but not a seeded request's draws, and these tests compare seeded
+    samples across batchings (the late draft has tests of its own: tests/adversarial)."""
+    flags = ("--max-tokenizations", "16", "--draft-timeout-seconds", "60")
+    deployment = SplitDeployment(tmp_path_factory.mktemp("split-logs"), draft_head_dir, *flags)
     yield deployment
     deployment.stop()
 
