@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draft_service import ttt_working_set
 from draft_service.drafter import Drafter
 from draft_service.ttt_unroll import ttt_attention
 from draft_service.ttt_working_set import (
@@ -84,6 +85,14 @@ def test_block_sets_follow_the_rule() -> None:
     assert sets.chunks[0][11] == [0, 1, 2, 3, 6, 9, 10]  # 1..8 eligible: 3 and 6 hot, then the lowest ids
     assert sets.chunks[0][0] == [] and int(sets.lengths[0, 0]) == 0
     assert sets.positions[0, 15, : 7 * 4].tolist() == [c * 4 + i for c in [0, 6, 9, 10, 12, 13, 14] for i in range(4)]
+
+
+def test_blocks_scored_a_few_at_a_time_choose_the_same_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, k0, *_ = _random_step(2, 75, 0, seed=7)
+    q0 = torch.randn(2, 75, HEADS, DIM, generator=torch.Generator().manual_seed(8))
+    at_once = choose_block_working_sets(q0, k0, SMALL)
+    monkeypatch.setattr(ttt_working_set, "SCORED_ROWS", 5)  # 36 blocks with chunks before them: 8 groups
+    assert choose_block_working_sets(q0, k0, SMALL).chunks == at_once.chunks
 
 
 def test_block_sets_are_what_serving_chooses() -> None:
