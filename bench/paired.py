@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.reproduce.arms import DIFFSPEC, Arm, baseline_arms, diffspec_arm
+from bench.reproduce.arms import BASELINE_TREE_CONFIG, DIFFSPEC, Arm, baseline_arms, diffspec_arm
 from bench.reproduce.exactness import ExactnessResult, first_divergence
 from bench.reproduce.output import device_name
 from bench.reproduce.plots import plot_summaries
@@ -28,10 +28,27 @@ from bench.reproduce.prompts import Dataset, load_datasets, prompts_at
 from bench.reproduce.report import markdown, summarise, to_dicts
 from bench.reproduce.runs import Engine, RunRecord, generate_run
 from bench.warmup import warm_up_generations, warm_up_target
+from diffspec.errors import InvalidRequest
 from diffspec.settings import DiffSpecSettings
+from draft_service.tree_budget import TreeBudget
 from gateway.assembly import build_engine, load_tokenizer
 
-ARMS = {**baseline_arms(), DIFFSPEC: diffspec_arm("online", "64:0.0:8")}
+
+
+def arms_at(tree_config: str) -> dict[str, Arm]:
+    """Every configuration ``--configs`` names, each drafting within ``tree_config``."""
+    return {**baseline_arms(tree_config), DIFFSPEC: diffspec_arm("online", tree_config)}
+
+
+ARMS = arms_at(BASELINE_TREE_CONFIG)
+
+
+def tree_config_arg(text: str) -> str:
+    """``--tree-config``: a tree budget as ``TreeBudget.parse`` reads it, or argparse's error naming the flag."""
+    try:
+        return TreeBudget.parse(text).config
+    except InvalidRequest as bad:
+        raise argparse.ArgumentTypeError(str(bad)) from None
 
 
 def compared(auto: RunRecord, run: RunRecord) -> ExactnessResult:
@@ -77,6 +94,8 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", default=["auto", "eagle3", "eagle3+salience", "diffspec"], choices=list(ARMS))
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash-attn"])
     parser.add_argument("--working-set-tokens", type=int, default=2048)
+    parser.add_argument("--tree-config", default=BASELINE_TREE_CONFIG, type=tree_config_arg,
+                        help="the tree budget total_tokens:threshold:depth every speculative configuration drafts within")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -91,7 +110,8 @@ def main() -> int:
     dataset = load_datasets([args.data], lambda text: tokenizer(text)["input_ids"])[0]
     engine = build_engine(settings)
     print(f"recorded {warm_up_target(engine)} step graphs", flush=True)
-    arms = [ARMS["auto"]] + [ARMS[c] for c in args.configs if c != "auto"]  # Auto first: cold prefill
+    named = arms_at(args.tree_config)
+    arms = [named["auto"]] + [named[c] for c in args.configs if c != "auto"]  # Auto first: cold prefill
     runs = asyncio.run(run_all(engine, dataset, args.lengths, args.prompts, arms, args.max_new_tokens))
     summaries = summarise(runs)
     result = {
