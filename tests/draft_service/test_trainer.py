@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,13 @@ def test_resume_continues_from_trainer_state(corpus_dir: Path, tmp_path: Path) -
     assert state["scheduler"]["last_epoch"] == 7
     with pytest.raises(InvalidRequest, match="seq_len"):
         train_draft(_config(corpus_dir, tmp_path, steps=9, seq_len=32))
+
+
+@pytest.mark.gpu
+def test_a_gpu_trains_under_a_working_set_in_bf16(corpus_dir: Path, trained: tuple[Path, TrainSummary],
+                                                  tmp_path: Path) -> None:
+    """The device path: bf16 autocast, the Triton ranking of the working sets, a trained head as the start."""
+    head_dir, summary = trained
+    run = train_draft(_config(corpus_dir, tmp_path, device="cuda", steps=3, batch_size=2, seq_len=512,
+                              init_head=head_dir, working_set_tokens=128, chunk_size=16))  # fmt: skip
+    assert all(math.isfinite(loss) for loss in run.losses) and run.losses[0] < summary.losses[0]
