@@ -34,7 +34,6 @@ from draft_service.tree_budget import TreeBudget
 from gateway.assembly import build_engine, load_tokenizer
 
 
-
 def arms_at(tree_config: str) -> dict[str, Arm]:
     """Every configuration ``--configs`` names, each drafting within ``tree_config``."""
     return {**baseline_arms(tree_config), DIFFSPEC: diffspec_arm("online", tree_config)}
