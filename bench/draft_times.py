@@ -16,8 +16,9 @@ host clocks, median of several:
   profiler: the torch ops it dispatches, the kernels and copies it puts on the device, and the ops that
   cost the host most (calls, CPU microseconds of their own). An accept is host-bound: these say where the
   working set's share of it goes;
-- ``floor_ms``: the bytes a proposal must read (the head's weights once per depth, plus each session's
-  attended context once per depth) over the copy bandwidth measured in the same run.
+- ``floor_ms``: the bytes a proposal must read (the head's weights once per depth, int8 ones with
+  ``--draft-quantization int8``, plus each session's attended context once per depth) over the copy
+  bandwidth measured in the same run.
 
     python -m bench.draft_times --base-model /tmp/b8/target --draft-model /tmp/b8/head --out bench/results/draft_times_8b.json
 """
@@ -25,6 +26,7 @@ host clocks, median of several:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -38,6 +40,7 @@ from bench.kernels import copy_bandwidth, median_ms
 from draft_service.drafter import Drafter, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.options import DraftOptions, validate_options
+from draft_service.serving_weights import Quantization
 from draft_service.target_embedding import load_target_embedding
 from draft_service.tree_plan import fixed_candidate
 from draft_service.working_set import WorkingSetConfig
@@ -60,10 +63,12 @@ def _host_seconds(work: Callable[[], object], sync: bool) -> float:
     return statistics.median(times)
 
 
-def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, bandwidth: float) -> dict:
-    """One (context, batch, options) point: the accept, the proposal and its graph, and the floor."""
+def measure(
+    head: Eagle3Head, context: int, batch: int, options: DraftOptions, bandwidth: float, quantization: Quantization
+) -> dict:
+    """One (context, batch, options, quantization) point: the accept, the proposal and its graph, and the floor."""
     c, device = head.config, head.fc.weight.device
-    drafter = Drafter(head, cuda_graphs=True)
+    drafter = Drafter(head, cuda_graphs=True, quantization=quantization)
     policy, budget = validate_options(options)
     candidate = fixed_candidate(policy, budget)
     salience = WorkingSetConfig() if options.salience else None
@@ -85,11 +90,7 @@ def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, b
     proposer = drafter.proposer
     run = next(r for r in proposer._runs.values() if r.graph is not None)
     attended = sum(s.context.attended_tokens for s in sessions)
-    read_per_depth = [head.lm_head.weight]  # every layer's weights, then the vocabulary head
-    for index, fused in enumerate(drafter.fused):
-        layer = head.decoder_layer(index)
-        read_per_depth += [fused.qkv, layer.self_attn.o_proj.weight, fused.gate_up, layer.mlp.down_proj.weight]
-    head_bytes = sum(w.numel() * w.element_size() for w in read_per_depth)
+    head_bytes = drafter.weights.bytes_per_depth
     context_bytes = c.num_layers * attended * 2 * c.num_kv_heads * c.head_dim * head.fc.weight.element_size()
     depth = len(run.shape.widths)
     floor = depth * (head_bytes + context_bytes) / bandwidth
@@ -99,6 +100,7 @@ def measure(head: Eagle3Head, context: int, batch: int, options: DraftOptions, b
         "policy": options.policy,
         "tree_config": options.tree_config,
         "salience": options.salience,
+        "quantization": quantization,
         "depth": depth,
         "attended_tokens_per_session": attended // batch,
         **_kernel_profile(lambda: proposer._search(run)),
@@ -170,10 +172,11 @@ def plot(rows: list[dict], path: Path) -> None:
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     for ax, batch in zip(axes[0], batches):
-        for salience, style in ((False, "o-"), (True, "s--")):
-            mine = [r for r in rows if r["batch"] == batch and r["salience"] == salience]
+        quantizations = sorted({r["quantization"] for r in rows})
+        for (salience, style), quantization in itertools.product(((False, "o-"), (True, "s--")), quantizations):
+            mine = [r for r in rows if (r["batch"], r["salience"], r["quantization"]) == (batch, salience, quantization)]
             contexts = [r["context"] for r in mine]
-            label = "salience" if salience else "full context"
+            label = ("salience" if salience else "full context") + (f", {quantization}" if len(quantizations) > 1 else "")
             ax.plot(contexts, [r["accept_ms"] + r["propose_ms"] for r in mine], style, label=f"accept + propose, {label}")
             ax.plot(contexts, [r["floor_ms"] for r in mine], style, alpha=0.4, label=f"weight + context read floor, {label}")
         ax.set_xscale("log", base=2)
@@ -193,26 +196,40 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384, 65536])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--tree-config", default="64:0.0:8")
+    parser.add_argument("--draft-quantization", nargs="+", default=["none"], choices=["none", "int8"],
+                        help="the head's per-depth matmuls; each value measures every point")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("draft_times needs a GPU", file=sys.stderr)
         return 2
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    head = Eagle3Head.load(args.draft_model, load_target_embedding(args.base_model, device, dtype), device, dtype)
-    head.eval()
+    head = load_gpu_head(args.base_model, args.draft_model)
     bandwidth = copy_bandwidth()
     rows = []
     for context in args.contexts:
         for batch in args.batches:
             for salience in (False, True):
-                row = measure(head, context, batch, DraftOptions("full", args.tree_config, salience=salience), bandwidth)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    summary = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gb_s": round(bandwidth / 1e9), "rows": rows}
-    args.out.write_text(json.dumps(summary, indent=1))
-    plot(rows, args.out.with_suffix(".png"))
+                for quantization in args.draft_quantization:
+                    options = DraftOptions("full", args.tree_config, salience=salience)
+                    row = measure(head, context, batch, options, bandwidth, quantization)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    write_rows(rows, bandwidth, args.out, plot)
     return 0
+
+
+def load_gpu_head(base_model: Path, draft_model: Path) -> Eagle3Head:
+    """The head in bf16 on the GPU, over its target's embedding, for timing."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    head = Eagle3Head.load(draft_model, load_target_embedding(base_model, device, dtype), device, dtype)
+    return head.eval()
+
+
+def write_rows(rows: list[dict], bandwidth: float, out: Path, plot_rows: Callable[[list[dict], Path], None]) -> None:
+    """The JSON (device, the copy bandwidth of the run, its rows) and its plot beside it."""
+    summary = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gb_s": round(bandwidth / 1e9), "rows": rows}
+    out.write_text(json.dumps(summary, indent=1))
+    plot_rows(rows, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

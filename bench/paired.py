@@ -95,6 +95,8 @@ def main() -> int:
     parser.add_argument("--working-set-tokens", type=int, default=2048)
     parser.add_argument("--tree-config", default=BASELINE_TREE_CONFIG, type=tree_config_arg,
                         help="the tree budget total_tokens:threshold:depth every speculative configuration drafts within")
+    parser.add_argument("--draft-quantization", default="none", choices=["none", "int8"],
+                        help="the draft head's per-depth matmuls (DIFFSPEC_DRAFT_QUANTIZATION)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -104,6 +106,7 @@ def main() -> int:
         num_pages=(max(args.lengths) + 4 * args.max_new_tokens) // 16 * 2 + 64,
         attention_backend=args.attention_backend,
         working_set_tokens=args.working_set_tokens,
+        draft_quantization=args.draft_quantization,
     )
     tokenizer = load_tokenizer(settings)
     dataset = load_datasets([args.data], lambda text: tokenizer(text)["input_ids"])[0]

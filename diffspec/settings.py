@@ -63,6 +63,12 @@ class DiffSpecSettings(BaseSettings):
     policy: str = Field("full", description="Tree policy: auto, chain, uniform<K>, full, online.")
     tree_config: str = Field("64:0.08:8", description="Tree budget total_tokens:threshold:depth.")
     salience: bool = Field(False, description="Draft attends to a salience-selected working set of chunks.")
+    draft_quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="Weights of the draft head's per-depth matmuls: none = the head's dtype; int8 = per-output-"
+        "channel int8, activations in dtype (half the bytes a draft depth reads from a bf16 head). Output is "
+        "lossless either way (the target verifies every token); int8 may cost some acceptance.",
+    )
     tuning_profile: str = Field(
         "",
         description="tuned_profile.json written by python -m bench.reproduce: a request that sets no policy, tree "

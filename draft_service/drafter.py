@@ -34,6 +34,7 @@ from draft_service.chunk_encoding import ChunkEncodingPool
 from draft_service.draft_attention import causal_attention
 from draft_service.draft_context import DraftContext, refresh_all, take_queued_selections
 from draft_service.eagle3_head import Eagle3Head
+from draft_service.serving_weights import Quantization
 from draft_service.tree_budget import DepthPlan, TreeBudget
 from draft_service.tree_proposal import TreeProposer
 from draft_service.working_set import WorkingSetConfig
@@ -54,12 +55,13 @@ class DraftSession:
 class Drafter:
     """Stateless over sessions: the head and the rules that use it."""
 
-    def __init__(self, head: Eagle3Head, cuda_graphs: bool = True) -> None:
-        """``cuda_graphs``: on a GPU, replay each proposal shape from one CUDA graph (ignored elsewhere)."""
+    def __init__(self, head: Eagle3Head, cuda_graphs: bool = True, quantization: Quantization = "none") -> None:
+        """``cuda_graphs``: on a GPU, replay each proposal shape from one CUDA graph (ignored elsewhere).
+        ``quantization``: of the head's serving matmuls (``serving_weights``)."""
         self.head = head
-        self.fused = head.fused_projections()  # per decoder layer; a serving head's weights are final
+        self.weights = head.serving_weights(quantization)  # a serving head's weights are final
         graphed = cuda_graphs and head.fc.weight.device.type == "cuda"
-        self.proposer = TreeProposer(head, self.fused, capture=graphed)
+        self.proposer = TreeProposer(head, self.weights, capture=graphed)
         self.staging = PinnedStaging(head.fc.weight.device)  # an accept's tokens, positions and last rows; scoring ids
         self.chunk_pools: dict[int, ChunkEncodingPool] = {}  # per chunk size: the salience sessions' chunk encodings
 
@@ -138,7 +140,8 @@ class Drafter:
             hidden = self.head.fuse(features[start:stop])
             rope = self.head.rope(positions[start:stop])
             for layer in range(num_layers):
-                q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, rope, self.fused[layer], layer=layer)
+                serving = self.weights.layers[layer]
+                q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, rope, serving, layer=layer)
                 targets, sources = [], []
                 for i, lo, hi in segments:
                     keys, values = claims[i][layer]
@@ -150,7 +153,8 @@ class Drafter:
                     break
                 pieces = [(extensions[i].session.context, lo, hi, firsts[i] + start + hi - starts[i])
                           for i, lo, hi in segments]  # fmt: skip
-                hidden = self.head.attention_outputs(self._attend(q, pieces, layer), hidden, self.fused[layer], layer)
+                attended = self._attend(q, pieces, layer)
+                hidden = self.head.attention_outputs(attended, hidden, serving, layer)
             last_session = bisect.bisect_right(ends, stop, lo=first_session)  # sessions ending in this chunk
             if last_session > first_session:
                 index = last_rows[first_session:last_session]

@@ -9,8 +9,9 @@ published head has layer 0 only.
 The attention is split in two halves per layer (``attention_inputs`` -> caller's attention ->
 ``attention_outputs``) because each caller attends over different keys: the tree drafter over
 its KV cache plus the tree, the trainer over step-0 keys plus each position's unrolled keys,
-``forward_dense`` causally. The head holds no per-request state. Serving passes
-``FusedProjections`` (q|k|v and gate|up concatenated) to run two matmuls where training runs five.
+``forward_dense`` causally. The head holds no per-request state. Serving passes each layer's
+``ServingProjections`` (``serving_weights``: q|k|v and gate|up concatenated, int8 when asked), so it
+runs four matmuls a layer where training runs seven.
 Its config is ``eagle3_config``, its layers ``eagle3_layers``, its directory ``eagle3_checkpoint``.
 """
 
@@ -32,9 +33,10 @@ from draft_service.eagle3_checkpoint import (
     write_head_checkpoint,
 )
 from draft_service.eagle3_config import Eagle3Config
-from draft_service.eagle3_layers import DecoderLayer, FusedProjections, MidLayer, RMSNorm, layer_ops
+from draft_service.eagle3_layers import DecoderLayer, MidLayer, RMSNorm, layer_ops
+from draft_service.serving_weights import Quantization, ServingLinear, ServingProjections, ServingWeights
 
-__all__ = ["Eagle3Config", "Eagle3Head", "FusedProjections"]
+__all__ = ["Eagle3Config", "Eagle3Head", "ServingProjections", "ServingWeights"]
 
 
 class Eagle3Head(nn.Module):
@@ -90,7 +92,7 @@ class Eagle3Head(nn.Module):
         token_ids: torch.Tensor,
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        fused: FusedProjections | None = None,
+        serving: ServingProjections | None = None,
         kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
         layer: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,7 +102,7 @@ class Eagle3Head(nn.Module):
 
         ``hidden``: layer 0's feature side (fc(feature) or a parent's output), or above it the residual
         stream the layer below returned (the token ids are layer 0's only).
-        ``fused``: that layer's concatenated serving weights; None uses the separate layers (training).
+        ``serving``: that layer's serving matmuls; None uses the separate layers (training).
         ``kv_out``: where k and v are written (a tree's entry slots), returned in their place.
         """
         c, decoder = self.config, self.decoder_layer(layer)
@@ -110,11 +112,11 @@ class Eagle3Head(nn.Module):
             x = ops.head_input(token_ids, self.embed_tokens, hidden, norms[0].weight, norms[1].weight, norms[0].eps)
         else:
             x = decoder.input_layernorm(hidden)
-        qkv = decoder.self_attn.qkv(x, fused)
+        qkv = decoder.self_attn.qkv(x, serving)
         return ops.qkv_rope(qkv, *rope, c.num_heads, c.num_kv_heads, kv_out)
 
     def attention_outputs(
-        self, attn: torch.Tensor, hidden: torch.Tensor, fused: FusedProjections | None = None, layer: int = 0
+        self, attn: torch.Tensor, hidden: torch.Tensor, serving: ServingProjections | None = None, layer: int = 0
     ) -> torch.Tensor:
         """attn [..., T, heads, hd], hidden [..., T, hidden] (as given to ``attention_inputs``)
         -> decoder layer ``layer``'s output [..., T, hidden] (the residual stream; the last layer's is
@@ -128,18 +130,21 @@ class Eagle3Head(nn.Module):
         residual = self.midlayer.hidden_norm(hidden) if normed_feature else hidden
         post_norm = decoder.post_attention_layernorm
         x, normed = layer_ops(attn.device).add_rms_norm(
-            residual, decoder.self_attn.o_proj(attn.flatten(-2)), post_norm.weight, post_norm.eps
+            residual, decoder.self_attn.out(attn.flatten(-2), serving), post_norm.weight, post_norm.eps
         )
-        return x + decoder.mlp(normed, fused)
+        return x + decoder.mlp(normed, serving)
 
     @torch.no_grad()
-    def fused_projections(self) -> list[FusedProjections]:
-        """Each decoder layer's concatenated inference weights; take them once the weights are final."""
-        return [self.decoder_layer(i).fused_projections() for i in range(self.config.num_layers)]
+    def serving_weights(self, quantization: Quantization = "none") -> ServingWeights:
+        """Every matmul a draft depth runs, as serving multiplies it; take them once the weights are final."""
+        layers = [self.decoder_layer(i).serving_projections(quantization) for i in range(self.config.num_layers)]
+        return ServingWeights(layers, ServingLinear.of(self.lm_head.weight, quantization), quantization)
 
-    def vocab_logits(self, output: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> [..., draft_vocab] in the head's dtype (the tree search casts inside its softmax)."""
-        return self.lm_head(self.norm(output))
+    def vocab_logits(self, output: torch.Tensor, lm_head: ServingLinear | None = None) -> torch.Tensor:
+        """[..., hidden] -> [..., draft_vocab] in the head's dtype (the tree search casts inside its softmax).
+        ``lm_head``: serving's matmul; None uses the module (training)."""
+        normed = self.norm(output)
+        return self.lm_head(normed) if lm_head is None else lm_head(normed)
 
     def draft_logits(self, output: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., draft_vocab]."""

@@ -9,13 +9,11 @@ serving on a GPU (no autograd there) and the reference elsewhere, training inclu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draft_service.eagle3_config import Eagle3Config
+from draft_service.serving_weights import Quantization, ServingLinear, ServingProjections
 from diffspec_kernels.layer_ops import REFERENCE_OPS, LayerOps, layer_ops_for
 
 
@@ -34,18 +32,6 @@ class RMSNorm(nn.Module):
         return layer_ops(x.device).rms_norm(x, self.weight, self.eps)
 
 
-@dataclass(frozen=True)
-class FusedProjections:
-    """The q|k|v and gate|up weights concatenated: one matmul each instead of three and two.
-
-    A snapshot for serving, where the weights no longer change. Training keeps the separate
-    layers (their gradients, the published checkpoint keys), so this is never saved.
-    """
-
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * hd, 2 * hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-
-
 class AttentionProjections(nn.Module):
     """q/k/v read ``width`` (2h for layer 0's (embedding, feature) concat, h above it); o writes back h."""
 
@@ -57,11 +43,15 @@ class AttentionProjections(nn.Module):
         self.v_proj = nn.Linear(width, kv_out, bias=False, **factory)
         self.o_proj = nn.Linear(q_out, c.hidden_size, bias=False, **factory)
 
-    def qkv(self, x: torch.Tensor, fused: FusedProjections | None) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, serving: ServingProjections | None) -> torch.Tensor:
         """x [..., width] -> q|k|v [..., (heads + 2 * kv_heads) * hd]."""
-        if fused is None:
+        if serving is None:
             return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        return F.linear(x, fused.qkv)
+        return serving.qkv(x)
+
+    def out(self, attn: torch.Tensor, serving: ServingProjections | None) -> torch.Tensor:
+        """attn [..., heads * hd] -> [..., hidden]."""
+        return self.o_proj(attn) if serving is None else serving.o(attn)
 
 
 class MLP(nn.Module):
@@ -71,12 +61,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False, **factory)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **factory)
 
-    def forward(self, x: torch.Tensor, fused: FusedProjections | None = None) -> torch.Tensor:
-        if fused is None:
+    def forward(self, x: torch.Tensor, serving: ServingProjections | None = None) -> torch.Tensor:
+        if serving is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = F.linear(x, fused.gate_up).chunk(2, dim=-1)
-        return self.down_proj(layer_ops(x.device).silu_mul(gate, up))
+            return self.down_proj(layer_ops(x.device).silu_mul(gate, up))
+        gate, up = serving.gate_up(x).chunk(2, dim=-1)
+        return serving.down(layer_ops(x.device).silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -92,12 +82,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, factory)
         self.mlp = MLP(c, factory)
 
-    def fused_projections(self) -> FusedProjections:
-        """This layer's concatenated inference weights (a copy: take them once the weights are final)."""
+    def serving_projections(self, quantization: Quantization) -> ServingProjections:
+        """This layer's serving matmuls (``serving_weights``; take them once the weights are final)."""
         attn, mlp = self.self_attn, self.mlp
-        return FusedProjections(
-            qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        return ServingProjections(
+            qkv=ServingLinear.of(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), quantization),
+            o=ServingLinear.of(attn.o_proj.weight, quantization),
+            gate_up=ServingLinear.of(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), quantization),
+            down=ServingLinear.of(mlp.down_proj.weight, quantization),
         )
 
 

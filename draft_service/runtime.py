@@ -27,6 +27,7 @@ from draft_service.eagle3_head import Eagle3Head
 from draft_service.batch_plan import REPLAN_EVERY, BatchCost, BatchPlanner, SessionOutlook, StepSeconds
 from draft_service.bound_audit import BoundAudit
 from draft_service.hazard import HazardProfile, StepCostModel, expected_tokens
+from draft_service.serving_weights import Quantization
 from draft_service.options import validate_options
 from draft_service.tree_budget import MAX_DEPTH
 from draft_service.tree_plan import (
@@ -88,12 +89,14 @@ class DraftRuntime:
         working_set: WorkingSetConfig = WorkingSetConfig(),
         cuda_graphs: bool = True,
         warm_up_batches: tuple[int, ...] = (1,),
+        quantization: Quantization = "none",
     ) -> None:
-        """``warm_up_batches``: the batch sizes ``warm_up`` proposes at (a server's expected batches)."""
+        """``warm_up_batches``: the batch sizes ``warm_up`` proposes at (a server's expected batches).
+        ``quantization``: of the head's per-depth matmuls (``serving_weights``)."""
         self.head = head
         self.warm_up_batches = warm_up_batches
         self.working_set = working_set
-        self.drafter = Drafter(head, cuda_graphs)
+        self.drafter = Drafter(head, cuda_graphs, quantization)
         self.sessions: dict[str, _SessionState] = {}
         self.global_hazard = HazardProfile(MAX_DEPTH, GLOBAL_DECAY)
         self.step_cost = StepCostModel()  # verify seconds against the batch's tree tokens, draft seconds per depth

@@ -40,7 +40,7 @@ from diffspec.devices import HostCopy
 from diffspec.tree import DeviceTree, DraftTree, PendingTree
 from draft_service.draft_attention import draft_attention
 from draft_service.draft_context import DraftContext, copy_contexts
-from draft_service.eagle3_head import Eagle3Head, FusedProjections
+from draft_service.eagle3_head import Eagle3Head, ServingWeights
 from draft_service.tree_budget import FULL_TOP_K, DepthPlan
 from draft_service.tree_kv import TreeKV
 from draft_service.tree_search import Candidates, Frontier, TreeTensors, grow, rerank, root_frontier, top_children
@@ -133,9 +133,9 @@ class _Run:
 class TreeProposer:
     """Proposals for any batch of sessions; ``capture``: record each shape as a CUDA graph (a GPU only)."""
 
-    def __init__(self, head: Eagle3Head, fused: list[FusedProjections], capture: bool) -> None:
-        """``fused``: each decoder layer's serving weights."""
-        self.head, self.fused, self.capture = head, fused, capture
+    def __init__(self, head: Eagle3Head, weights: ServingWeights, capture: bool) -> None:
+        """``weights``: the head's serving matmuls."""
+        self.head, self.weights, self.capture = head, weights, capture
         draft_ids = torch.arange(head.config.draft_vocab_size, device=head.fc.weight.device)
         self.target_ids = head.to_target_ids(draft_ids)  # [draft_vocab] int64, read by the top-children step
         self._contexts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -255,7 +255,7 @@ class TreeProposer:
         empty = run.tree.keys[last, :, :0]  # [B, 0, kv_heads, hd]: the tree has no entries yet
         context = run.context[0][last], run.context[1][last]
         attn = draft_attention(run.root_queries[:, None], *context, empty, empty, no_new, head.scale, lengths)
-        return head.attention_outputs(attn, run.root_hiddens[:, None], self.fused[last], last)
+        return head.attention_outputs(attn, run.root_hiddens[:, None], self.weights.layers[last], last)
 
     def _head_pass(
         self, run: _Run, depth: int, frontier: Frontier, previous: torch.Tensor, rope: list[torch.Tensor]
@@ -273,15 +273,15 @@ class TreeProposer:
         lengths = run.facts[:, CONTEXT_LENGTH]  # [B]
         for layer in range(head.config.num_layers):
             entries = tree.entries(depth, layer)  # k and v go straight to the tree's slots
-            q, _, _ = head.attention_inputs(frontier.tokens, hidden, (cos, sin), self.fused[layer], entries, layer)
+            q, _, _ = head.attention_inputs(frontier.tokens, hidden, (cos, sin), self.weights.layers[layer], entries, layer)
             context = run.context[0][layer], run.context[1][layer]
             attn = draft_attention(q, *context, *tree.layer(layer), sees, head.scale, lengths)
-            hidden = head.attention_outputs(attn, hidden, self.fused[layer], layer)
+            hidden = head.attention_outputs(attn, hidden, self.weights.layers[layer], layer)
         return hidden
 
     def _top_children(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """outputs [B, rows, hidden] -> each row's top ``k`` draft log-probs [B, rows, k] float32, target ids int64."""
-        return top_children(self.head.vocab_logits(outputs), k, self.target_ids)
+        return top_children(self.head.vocab_logits(outputs, self.weights.lm_head), k, self.target_ids)
 
 
 def _trees(out: TreeTensors, requests: list[ProposalRequest], copy_device: bool) -> list[PendingTree]:

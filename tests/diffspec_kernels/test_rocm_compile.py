@@ -206,6 +206,23 @@ def tree_rerank_cases() -> list[Case]:
     ]  # fmt: skip
 
 
+def int8_linear_cases() -> list[Case]:
+    """The draft head's int8 matmul at both plans: a depth's few rows and a prompt's ingest."""
+    from diffspec_kernels.int8_linear_triton import int8_linear_plan
+
+    cases = []
+    for rows in (10, 1024):
+        plan = int8_linear_plan(rows)
+        cases.append(Case(
+            f"int8_linear[rows={rows}]", "diffspec_kernels.int8_linear_triton", "_int8_linear_kernel",
+            {**pointers("x_ptr out_ptr", DTYPE), "q_ptr": "*i8", "scale_ptr": "*fp32",
+             **scalars("M N K x_stride", "i32"), **scalars("BLOCK_M BLOCK_N BLOCK_K IEEE", "constexpr")},
+            {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k, "IEEE": False},
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        ))  # fmt: skip
+    return cases
+
+
 def kernel_cases() -> list[Case]:
     token_size = NUM_KV_HEADS * HEAD_DIM
     norm_block = 1 << (HIDDEN - 1).bit_length()
@@ -214,6 +231,7 @@ def kernel_cases() -> list[Case]:
         *draft_attention_cases(),
         *tree_frontier_cases(),
         *tree_rerank_cases(),
+        *int8_linear_cases(),
         Case(
             "chunk_scores", "diffspec_kernels.chunk_scoring_triton", "_chunk_scores_kernel",
             {**pointers("q_ptr kmin_ptr kmax_ptr", DTYPE), **pointers("page_table_ptr num_chunks_ptr", "i64"),

@@ -22,6 +22,7 @@ from diffspec.tree import DraftTree
 from draft_service.draft_attention import draft_attention
 from draft_service.drafter import Drafter, DraftSession, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
+from draft_service.serving_weights import ServingLinear
 from draft_service.tree_search import top_children
 
 # (depth, frontier nodes, every node's token, every node's parent, outputs so far) -> [frontier, hidden]
@@ -38,7 +39,7 @@ def root_output(drafter: Drafter, session: DraftSession) -> torch.Tensor:
     no_new = torch.zeros(1, 0, dtype=torch.bool, device=empty.device)
     context = session.context.view(last)
     attended = draft_attention(session.root_query[None], *context, empty, empty, no_new, head.scale)
-    return head.attention_outputs(attended, session.root_hidden[None], drafter.fused[last], last)[0]
+    return head.attention_outputs(attended, session.root_hidden[None], drafter.weights.layers[last], last)[0]
 
 
 @torch.no_grad()
@@ -60,15 +61,15 @@ def reference_tree(drafter: Drafter, request: ProposalRequest) -> DraftTree:
         for i, n in enumerate(frontier):
             mask[i, path_of[n]] = True
         for layer in range(layers):
-            q, k, v = head.attention_inputs(node_tokens, hidden, rope, drafter.fused[layer], layer=layer)
+            q, k, v = head.attention_inputs(node_tokens, hidden, rope, drafter.weights.layers[layer], layer=layer)
             entry_keys[layer] += list(k)
             entry_values[layer] += list(v)
             new_k, new_v = torch.stack(entry_keys[layer]), torch.stack(entry_values[layer])
             attn = draft_attention(q, *session.context.view(layer), new_k, new_v, mask, head.scale)
-            hidden = head.attention_outputs(attn, hidden, drafter.fused[layer], layer)
+            hidden = head.attention_outputs(attn, hidden, drafter.weights.layers[layer], layer)
         return hidden
 
-    return _search(drafter.head, request, root_output(drafter, session), outputs)
+    return _search(drafter.head, request, root_output(drafter, session), outputs, drafter.weights.lm_head)
 
 
 @torch.no_grad()
@@ -99,7 +100,13 @@ def dense_reference_tree(
     return _search(head, request, dense_output([], []), outputs)
 
 
-def _search(head: Eagle3Head, request: ProposalRequest, root: torch.Tensor, node_outputs: NodeOutputs) -> DraftTree:
+def _search(
+    head: Eagle3Head,
+    request: ProposalRequest,
+    root: torch.Tensor,
+    node_outputs: NodeOutputs,
+    lm_head: ServingLinear | None = None,
+) -> DraftTree:
     session, budget = request.session, request.budget
     plan = request.plan[: budget.depth]
     min_log_prob = math.log(budget.threshold) if budget.threshold > 0 else -math.inf
@@ -113,7 +120,7 @@ def _search(head: Eagle3Head, request: ProposalRequest, root: torch.Tensor, node
         outputs = node_outputs(depth, frontier, tokens, parents, output_of) if depth > 0 else root[None]
         for i, n in enumerate(frontier):
             output_of[n] = outputs[i]
-        top_lp, top_tokens = top_children(head.vocab_logits(outputs), step.children, target_ids)
+        top_lp, top_tokens = top_children(head.vocab_logits(outputs, lm_head), step.children, target_ids)
         first_new = len(tokens)
         for i, n in enumerate(frontier):
             for lp, token in zip(top_lp[i].double().tolist(), top_tokens[i].tolist()):

@@ -20,6 +20,7 @@ from diffspec.tree import DraftTree
 from draft_service.drafter import Drafter, DraftSession, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.hazard import widths_to_plan
+from draft_service.serving_weights import Quantization
 from draft_service.target_embedding import load_target_embedding
 from draft_service.tree_budget import DepthPlan, TreeBudget
 from draft_service.tree_proposal import ROOT_TOKEN, ProposalShape, bucketed_widths, full_widths
@@ -105,6 +106,22 @@ def test_device_trees_equal_the_host_search(drafter, policy, salience):
         assert any(tree.num_nodes < size for tree, size in zip(trees, sizes))
     if salience is not None:  # the longest context attends to a strict subset
         assert sessions[-1].context.view(0)[0].shape[0] < CONTEXT_LENGTHS[-1]
+
+
+@pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
+def test_int8_matmuls_grow_the_trees_the_host_search_grows_with_them(drafter, salience):
+    """With every serving matmul in int8, the device proposal still equals the host search over the same
+    weights, and the weights are int8 indeed: the trees' draft probabilities move off the float head's."""
+    int8 = Drafter(drafter.head, cuda_graphs=False, quantization="int8")
+    plan, budget = POLICIES["full"]
+    requests = [ProposalRequest(s, plan, budget) for s in start_sessions(int8, CONTEXT_LENGTHS, salience)]
+    floats = [ProposalRequest(s, plan, budget) for s in start_sessions(drafter, CONTEXT_LENGTHS, salience)]
+    trees = int8.propose_many(requests)
+    for request, tree in zip(requests, trees):
+        assert_same_tree(tree, reference_tree(int8, request))
+    moved = [not torch.allclose(t.draft_probs[1:2], f.draft_probs[1:2], rtol=0, atol=1e-6)
+             for t, f in zip(trees, drafter.propose_many(floats))]  # fmt: skip
+    assert any(moved)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -272,18 +289,23 @@ def test_the_full_tree_s_widths_give_the_bucketed_widths_trees(drafter, mix):
     torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=1e-5, atol=1e-6)
 
 
-def _graphed_and_eager(dtype: torch.dtype, num_layers: int = 1) -> tuple[Drafter, Drafter]:
+def _graphed_and_eager(
+    dtype: torch.dtype, num_layers: int = 1, quantization: Quantization = "none"
+) -> tuple[Drafter, Drafter]:
     head = load_head(torch.device("cuda"), dtype, num_layers)
-    return Drafter(head, cuda_graphs=True), Drafter(head, cuda_graphs=False)
+    return Drafter(head, cuda_graphs=True, quantization=quantization), Drafter(head, False, quantization)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_layers", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_replays_equal_the_eager_proposal(dtype, num_layers):
+@pytest.mark.parametrize(
+    "dtype, num_layers, quantization",
+    [(dtype, layers, "none") for dtype in (torch.float32, torch.bfloat16) for layers in (1, 2)]
+    + [(torch.bfloat16, 1, "int8"), (torch.bfloat16, 2, "int8")],
+)
+def test_graph_replays_equal_the_eager_proposal(dtype, num_layers, quantization):
     """Each shape recorded once and replayed, proposal after proposal, as contexts grow, plans change and
-    batches shrink to padded buckets, gives the eager run's trees and device trees."""
-    graphed, eager = _graphed_and_eager(dtype, num_layers)
+    batches shrink to padded buckets, gives the eager run's trees and device trees (int8 matmuls too)."""
+    graphed, eager = _graphed_and_eager(dtype, num_layers, quantization)
     pairs = [start_sessions(d, CONTEXT_LENGTHS, None, 0) + start_sessions(d, CONTEXT_LENGTHS, SALIENCE, 1)
              for d in (graphed, eager)]  # fmt: skip
     names, generator = list(POLICIES), torch.Generator(device="cuda").manual_seed(0)

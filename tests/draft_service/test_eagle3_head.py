@@ -191,22 +191,39 @@ def test_split_attention_matches_forward_dense() -> None:
     assert logits.dtype == torch.float32 and logits.shape == (1, seq, DRAFT_VOCAB)
 
 
-def test_fused_serving_projections_equal_the_separate_layers() -> None:
-    """q|k|v and gate|up as one matmul each give what the checkpoint's separate layers give."""
+@pytest.mark.parametrize("quantization, tolerance", [("none", 1e-6), ("int8", 0.03)])
+def test_serving_weights_equal_the_separate_layers(quantization, tolerance) -> None:
+    """q|k|v and gate|up as one matmul each, and every matmul in int8, give what the checkpoint's separate layers
+    give: exactly up to the sum's order, and within int8's rounding (a few per cent of the output's range)."""
     head = random_head()
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (7,), generator=gen)
     hidden = torch.randn(7, HIDDEN, generator=gen)
     positions = torch.arange(40, 47)
-    (fused,) = head.fused_projections()
+    weights = head.serving_weights(quantization)
+    (serving,) = weights.layers
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> None:
+        torch.testing.assert_close(got, want, rtol=0, atol=tolerance * want.abs().max().item())
+
     with torch.no_grad():
-        for got, want in zip(head.attention_inputs(tokens, hidden, head.rope(positions), fused),
+        for got, want in zip(head.attention_inputs(tokens, hidden, head.rope(positions), serving),
                              head.attention_inputs(tokens, hidden, head.rope(positions))):  # fmt: skip
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            close(got, want)
         attn = torch.randn(7, 4, 8, generator=gen)
-        torch.testing.assert_close(
-            head.attention_outputs(attn, hidden, fused), head.attention_outputs(attn, hidden), rtol=1e-6, atol=1e-6
-        )
+        close(head.attention_outputs(attn, hidden, serving), head.attention_outputs(attn, hidden))
+        close(head.vocab_logits(hidden, weights.lm_head), head.vocab_logits(hidden))
+
+
+def test_int8_serving_weights_read_about_half_the_bytes() -> None:
+    head = random_head()
+    full, int8 = head.serving_weights("none"), head.serving_weights("int8")
+    assert full.quantization == "none" and int8.quantization == "int8"
+    assert all(p.qkv.weight.dtype == torch.int8 and p.down.scale is not None for p in int8.layers)
+    rows = sum(linear.weight.shape[0] for p in int8.layers for linear in (p.qkv, p.o, p.gate_up, p.down))
+    rows += int8.lm_head.weight.shape[0]
+    # a float32 head's 4 bytes a weight become 1, plus one float32 scale per output row
+    assert int8.bytes_per_depth == full.bytes_per_depth // 4 + 4 * rows
 
 
 # -- configs as vLLM reads them ----------------------------------------------------------------

@@ -98,15 +98,27 @@ def shipped_head_engine(target, tokenizer) -> Iterator[SpeculativeEngine]:
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def int8_head_engine(target, tokenizer) -> Iterator[SpeculativeEngine]:
+    """The trained demo head with every per-depth matmul in int8."""
+    draft = load_draft_runtime(DiffSpecSettings(draft_model=BUNDLED_DRAFT, draft_quantization="int8"), target)
+    assert draft.drafter.weights.lm_head.weight.dtype == torch.int8
+    engine = SpeculativeEngine(target, draft, tokenizer)
+    yield engine
+    engine.close()
+
+
 @pytest.mark.parametrize("options", [DraftOptions("full"), DraftOptions("online", salience=True)], ids=str)
-def test_trained_head_greedy_equals_auto(shipped_head_engine, auto, tokenizer, options):
+@pytest.mark.parametrize("engine_name", ["shipped_head_engine", "int8_head_engine"])
+def test_trained_head_greedy_equals_auto(request, engine_name, auto, tokenizer, options):
+    engine = request.getfixturevalue(engine_name)
     accepted = 0
     for ids in prompts(tokenizer):
-        spec_ids, _, stats = collect(shipped_head_engine, GenerationRequest(ids, NEW_TOKENS, draft=options))
+        spec_ids, _, stats = collect(engine, GenerationRequest(ids, NEW_TOKENS, draft=options))
         assert spec_ids == auto(ids, NEW_TOKENS)[0]
         accepted += stats.accepted_drafts
     assert accepted > 30, "the trained head should have drafts accepted"
-    assert_all_released(shipped_head_engine)
+    assert_all_released(engine)
 
 
 def test_long_prompt_greedy_equals_auto(random_head_engine, auto, tokenizer):

@@ -1,0 +1,33 @@
+"""The int8 matmul benchmark's pieces that run anywhere: its shapes and every tiling it sweeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.int8_matmuls import named_linears, plan_variants
+from diffspec_kernels.int8_linear_ref import int8_linear_reference, quantize_int8
+from tests.draft_service.test_eagle3_head import random_head
+
+int8_linear_triton = pytest.importorskip("diffspec_kernels.int8_linear_triton")
+
+
+def test_the_named_matmuls_are_a_depth_s_matmuls():
+    weights = random_head().serving_weights("int8")
+    named = named_linears(weights)
+    assert list(named) == ["qkv", "o", "gate_up", "down", "lm_head"]
+    assert sum(linear.nbytes for linear in named.values()) == weights.bytes_per_depth  # a one-layer head
+
+
+@pytest.mark.interpreted
+def test_every_swept_tiling_gives_the_reference_result():
+    gen = torch.Generator().manual_seed(1)
+    q, scale = quantize_int8(torch.randn(40, 300, generator=gen))
+    x = torch.randn(10, 300, generator=gen)
+    want = int8_linear_reference(x, q, scale)
+    plans = plan_variants(10)
+    assert len({(p.block_n, p.block_k, p.num_warps, p.num_stages) for p in plans}) == len(plans) == 36
+    for plan in plans:
+        assert plan.block_m == 16
+        got = int8_linear_triton.int8_linear_triton(x, q, scale, plan)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

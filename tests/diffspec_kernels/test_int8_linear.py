@@ -1,0 +1,70 @@
+"""Weight-only int8 matmul: the quantiser's rounding, and the Triton kernel against the PyTorch reference
+(GPU, and small cases on CPU under the Triton interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec_kernels.int8_linear_ref import INT8_MAX, int8_linear_reference, quantize_int8
+from tests.diffspec_kernels.kernel_cases import kernel_cases
+
+int8_linear_triton = pytest.importorskip("diffspec_kernels.int8_linear_triton")
+
+# (dtype, rows, out, in): the draft depths of one and sixteen sessions on the 8B shape, a prompt chunk, and
+# edges that fill no tile (rows past BLOCK_M, out past BLOCK_N, in past BLOCK_K)
+CASES = kernel_cases(
+    gpu=[(dtype, rows, n, k) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+         for rows, n, k in [(1, 6144, 8192), (10, 28672, 4096), (10, 4096, 14336), (160, 4096, 4096),
+                            (64, 32000, 4096), (1000, 4096, 4096), (3, 100, 300)]],
+    interpreted=[(torch.float32, 3, 40, 300), (torch.float16, 17, 33, 64), (torch.float32, 70, 65, 70),
+                 (torch.float16, 1, 32, 256)],  # the interpreter has no bf16
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, rows, n, k", CASES)
+def test_kernel_matches_the_reference(kernel_device, dtype, rows, n, k):
+    gen = torch.Generator().manual_seed(rows * n + k)
+    q, scale = quantize_int8(torch.randn(n, k, generator=gen) * 0.02)
+    x = torch.randn(2, rows, k, generator=gen).to(dtype)  # leading dims are kept
+    q, scale, x = q.to(kernel_device), scale.to(kernel_device), x.to(kernel_device)
+    got = int8_linear_triton.int8_linear_triton(x, q, scale)
+    want = int8_linear_reference(x, q, scale)
+    assert got.shape == (2, rows, n) and got.dtype == dtype
+    tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # one rounding of the output
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+def test_a_strided_view_is_read_as_its_rows(kernel_device):
+    """x as a column slice of a wider buffer (row stride past K), the way a split projection hands it on."""
+    gen = torch.Generator().manual_seed(5)
+    q, scale = quantize_int8(torch.randn(24, 32, generator=gen))
+    wide = torch.randn(5, 48, generator=gen).to(kernel_device)
+    x = wide[:, 8:40]
+    got = int8_linear_triton.int8_linear_triton(x, q.to(kernel_device), scale.to(kernel_device))
+    torch.testing.assert_close(got, int8_linear_reference(x, q.to(kernel_device), scale.to(kernel_device)))
+
+
+def test_bad_operands_are_refused(kernel_device):
+    q, scale = quantize_int8(torch.randn(8, 16))
+    q, scale = q.to(kernel_device), scale.to(kernel_device)
+    x = torch.randn(2, 16, device=kernel_device)
+    with pytest.raises(ValueError, match="int8"):
+        int8_linear_triton.int8_linear_triton(x, q.float(), scale)
+    with pytest.raises(ValueError, match="scale"):
+        int8_linear_triton.int8_linear_triton(x, q, scale[:4])
+    with pytest.raises(ValueError, match="x must be"):
+        int8_linear_triton.int8_linear_triton(x[:, :8], q, scale)
+
+
+def test_quantisation_keeps_each_row_within_half_a_step():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 50, generator=gen) * torch.tensor([1e-3, 1e-2, 0.1, 1.0, 10.0, 0.0])[:, None]
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    error = (q.float() * scale[:, None] - weight).abs()
+    assert bool((error <= scale[:, None] / 2 + 1e-12).all())  # round to nearest, per row's own step
+    assert q[:5].abs().amax(dim=1).tolist() == [INT8_MAX] * 5  # each row's peak uses the whole range
+    assert q[5].abs().sum().item() == 0 and scale[5].item() == 1.0  # an all-zero row stays zero, scale 1
+    with pytest.raises(ValueError, match="out, in"):
+        quantize_int8(torch.zeros(3))
