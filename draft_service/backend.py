@@ -14,12 +14,15 @@ from the wire (``diffspec/tree_nodes.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from diffspec.errors import DiffSpecError
 from diffspec.feature_rows import Features
 from diffspec.tree_nodes import ProposedTree
 from draft_service.options import DraftOptions
+
+if TYPE_CHECKING:
+    from diffspec.device_accept import DeviceAccept
 
 __all__ = ["DraftOptions", "DraftStats", "DraftStart", "DraftAccept", "VerifyCost", "DraftBatch", "DraftBatchResult"]
 
@@ -82,3 +85,11 @@ class DraftBatchResult:
 
 class DraftBackend(Protocol):
     def step(self, batch: DraftBatch) -> DraftBatchResult: ...
+
+
+@runtime_checkable
+class AcceptsOnDevice(Protocol):
+    """A draft in the target's process: it writes a greedy verify's accepted entries from the device's acceptance
+    while that verify runs (``DraftRuntime.accept_on_device``); the next step's accepts settle them."""
+
+    def accept_on_device(self, accepts: dict[str, DeviceAccept]) -> set[str]: ...

@@ -91,6 +91,11 @@ class DraftContext:
         caller to fill before the next ``refresh_all``."""
         return [kv.claim(n) for kv in self.kvs]
 
+    def keep(self, length: int) -> None:
+        """Every layer's committed positions cut back to ``length`` (``DraftKV.keep``)."""
+        for kv in self.kvs:
+            kv.keep(length)
+
     def committed(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer ``layer``'s keys and values [length, kv_heads, hd] of every committed position."""
         return self.kvs[layer].view()

@@ -26,6 +26,12 @@ class DraftKV:
         start, self.length = self.length, needed
         return self.keys[start:needed], self.values[start:needed]
 
+    def keep(self, length: int) -> None:
+        """Count only the first ``length`` positions as committed (claimed ones past them are free again)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot keep {length} of {self.length} committed positions")
+        self.length = length
+
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[length, kv_heads, hd] keys and values of every committed position."""
         return self.keys[: self.length], self.values[: self.length]

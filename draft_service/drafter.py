@@ -11,7 +11,10 @@ device, one head pass per depth for the whole batch, and is one CUDA graph on a 
 (``tree_proposal``).
 
 Accept. Verification commits the root and the accepted nodes; their target features pair with
-the emitted tokens (accepted drafts then the bonus) as the next committed entries.
+the emitted tokens (accepted drafts then the bonus) as the next committed entries. In one process
+with a greedy target, the entries are written from the device's acceptance while the verify still
+runs (``extend_on_device``) and settled against the host's acceptance afterwards
+(``commit_accepted``), so the host's share of an accept is off the step's critical path.
 
 Layers. Every decoder layer of the head keeps its own draft KV. A tree node runs all layers, each
 over that layer's committed KV and its ancestors' entries of that layer. A session's root query
@@ -28,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from diffspec.devices import PinnedStaging, upload
+from diffspec.device_accept import DeviceAccept
+from diffspec.devices import HostCopy, PinnedStaging, upload
 from diffspec.tree import DraftTree, PendingTree
 from draft_service.chunk_encoding import ChunkEncodingPool
 from draft_service.draft_attention import causal_attention
@@ -43,6 +47,22 @@ EXTEND_CHUNK = 4096  # committed entries per projection when ingesting a long pr
 ATTEND_CHUNK = 1024  # a lower layer's queries per causal attention call: bounds its mask, rows x context
 
 
+@dataclass(frozen=True)
+class UnsettledEntries:
+    """Entries ``extend_on_device`` wrote before the host knew which of them to keep."""
+
+    check: HostCopy  # of a batch's [max_entries + 1] int64 per session: emitted tokens, then how many are real
+    first: int  # where this session's come in it
+    max_entries: int
+    root_query: torch.Tensor  # the session's root before them, back in place if the host disagrees
+    root_hidden: torch.Tensor
+
+    def agrees_with(self, emitted: list[int]) -> bool:
+        """Whether the device's entries are these (its copy finished behind the forward the host has read)."""
+        values = self.check.get()[self.first : self.first + self.max_entries + 1].tolist()
+        return values[-1] == len(emitted) and values[: len(emitted)] == emitted
+
+
 @dataclass
 class DraftSession:
     context: DraftContext  # committed draft KV of each decoder layer and what of it the draft attends to
@@ -50,6 +70,7 @@ class DraftSession:
     root_hidden: torch.Tensor  # [hidden] that layer's input; with root_query, the proposal computes the output
     num_entries: int  # committed entries = position of the root token
     root_token: int  # last emitted token (target id)
+    unsettled: UnsettledEntries | None = None  # entries written on the device past num_entries, not yet checked
 
 
 class Drafter:
@@ -97,15 +118,8 @@ class Drafter:
 
     @torch.no_grad()
     def extend_many(self, extensions: list[Extension], select_now: bool = False) -> None:
-        """Commit every extension's entries: one pass of the head over all sessions' rows (in chunks of
-        ``EXTEND_CHUNK``), keeping each session's last query and hidden input of the last decoder layer.
-
-        Layer 0's keys and values do not depend on its attention, so a one-layer draft commits with no
-        attention at all: ingesting a prompt is O(length). The last entry's attention and output (the
-        tree root's output) run inside the next proposal, over the context it stages anyway, so an
-        accept is a few launches for the whole batch and a session that does not propose pays nothing.
-        In a deeper head each layer below the last attends causally over its whole committed KV (salience
-        or not) to give the layer above its input, one session at a time: O(length x context) there.
+        """Commit every extension's entries: one pass of the head over all sessions' rows (``_write_entries``),
+        keeping each session's last query and hidden input of the last decoder layer.
 
         A salience working set is chosen from the scores of the accept before (``draft_context``), or with
         ``select_now`` from this pass's before it returns (a prompt's first set).
@@ -113,21 +127,110 @@ class Drafter:
         if not extensions:
             return
         take_queued_selections([e.session.context for e in extensions])  # the sets the last accept's scores chose
+        sessions, counts = [e.session for e in extensions], [len(e.next_tokens) for e in extensions]
+        ends = list(itertools.accumulate(counts))  # 1 past each session's last row
+        tokens_up = [t for e in extensions for t in e.next_tokens]
+        # tokens, positions and each session's last row, in one host-to-device copy
+        rows = self.staging.upload([*tokens_up, *_positions(sessions, counts), *(end - 1 for end in ends)])
+        tokens, positions, last_rows = rows.split([ends[-1], ends[-1], len(extensions)])
+        features = [e.features for e in extensions]
+        queries, hiddens = self._write_entries(sessions, counts, features, tokens, positions, last_rows)
+        for extension, n in zip(extensions, counts):
+            extension.session.num_entries += n
+            extension.session.root_token = extension.next_tokens[-1]
+        refresh_all([s.context for s in sessions], queries, wait=select_now)
+        for session, query, hidden in zip(sessions, queries, hiddens):
+            session.root_query, session.root_hidden = query, hidden
+
+    @torch.no_grad()
+    def extend_on_device(self, extensions: list[DeviceExtension]) -> None:
+        """Write entries whose tokens and count only the device knows yet (a greedy verify's acceptance, computed
+        behind its forward): each session writes all ``max_entries`` rows its accept may hold and takes its root
+        from the last real one, so nothing here waits for the forward. The entries stay unsettled until
+        ``commit_accepted`` compares them with the host's acceptance and keeps the real ones."""
+        if not extensions:
+            return
+        sessions = [e.session for e in extensions]
+        if any(s.unsettled is not None for s in sessions):
+            raise ValueError("a session's last entries written on the device are not settled yet")
+        counts = [e.accept.max_entries for e in extensions]
+        ends = list(itertools.accumulate(counts))
+        rows = self.staging.upload([*_positions(sessions, counts), *(end - n for end, n in zip(ends, counts))])
+        positions, starts = rows.split([ends[-1], len(extensions)])
+        last_rows = starts + torch.stack([e.accept.num_entries for e in extensions]) - 1
+        tokens = _joined([e.accept.next_tokens for e in extensions])
+        # one copy of every session's tokens and count, queued before the writes: settling waits for the
+        # acceptance, not for them
+        check = HostCopy(torch.cat([t for e in extensions for t in (e.accept.next_tokens, e.accept.num_entries[None])]))
+        features = [e.accept.features for e in extensions]
+        queries, hiddens = self._write_entries(sessions, counts, features, tokens, positions, last_rows)
+        for i, (session, end, n, query, hidden) in enumerate(zip(sessions, ends, counts, queries, hiddens)):
+            first = end - n + i  # each session's rows, then its count
+            session.unsettled = UnsettledEntries(check, first, n, session.root_query, session.root_hidden)
+            session.root_query, session.root_hidden = query, hidden
+
+    @torch.no_grad()
+    def commit_accepted(self, extensions: list[Extension]) -> None:
+        """Commit what the host accepted. A session whose entries ``extend_on_device`` wrote keeps those that are
+        these (the device and the host read one argmax, so they agree); any other session, or one whose device
+        entries differ, is extended here (``extend_many``)."""
+        settled, extend = [], []
+        for extension in extensions:
+            session, unsettled = extension.session, extension.session.unsettled
+            if unsettled is not None and unsettled.agrees_with(extension.next_tokens):
+                session.unsettled = None
+                session.num_entries += len(extension.next_tokens)
+                session.context.keep(session.num_entries)
+                session.root_token = extension.next_tokens[-1]
+                settled.append(session)
+                continue
+            self.discard_unsettled(session)
+            extend.append(extension)
+        if settled:
+            contexts = [s.context for s in settled]
+            take_queued_selections(contexts)
+            refresh_all(contexts, torch.stack([s.root_query for s in settled]), wait=False)
+        self.extend_many(extend)
+
+    @staticmethod
+    def discard_unsettled(session: DraftSession) -> None:
+        """Undo ``extend_on_device`` for a session, whole or cut short: its committed entries and root as they
+        were before (entries claimed past ``num_entries`` are free again)."""
+        unsettled, session.unsettled = session.unsettled, None
+        session.context.keep(session.num_entries)
+        if unsettled is not None:
+            session.root_query, session.root_hidden = unsettled.root_query, unsettled.root_hidden
+
+    def _write_entries(
+        self,
+        sessions: list[DraftSession],
+        counts: list[int],
+        features: list[torch.Tensor],
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        last_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Claim counts[i] entries past session i's committed ones and write every layer's keys and values there:
+        one pass of the head over all sessions' rows (in chunks of ``EXTEND_CHUNK``). features[i] [counts[i],
+        3 * target_hidden]; tokens, positions [sum(counts)] int64 on the device; last_rows [sessions] int64: the
+        row whose query and hidden input of the last decoder layer each session keeps. Returns those
+        ([sessions, heads, hd], [sessions, hidden]).
+
+        Layer 0's keys and values do not depend on its attention, so a one-layer draft commits with no
+        attention at all: ingesting a prompt is O(length). The last entry's attention and output (the
+        tree root's output) run inside the next proposal, over the context it stages anyway, so an
+        accept is a few launches for the whole batch and a session that does not propose pays nothing.
+        In a deeper head each layer below the last attends causally over its whole committed KV (salience
+        or not) to give the layer above its input, one session at a time: O(length x context) there.
+        """
         device, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
         num_layers = self.head.config.num_layers
-        counts = [len(e.next_tokens) for e in extensions]
-        firsts = [e.session.num_entries for e in extensions]
+        firsts = [s.num_entries for s in sessions]
         total = sum(counts)
-        features = torch.cat([e.features for e in extensions]) if len(extensions) > 1 else extensions[0].features
-        features = upload(features, device).to(dtype)
+        joined = upload(_joined(features) if len(features) > 1 else features[0], device).to(dtype)
         ends = list(itertools.accumulate(counts))  # 1 past each session's last row
         starts = [end - n for end, n in zip(ends, counts)]
-        # tokens, positions and each session's last row, in one host-to-device copy
-        tokens_up = [t for e in extensions for t in e.next_tokens]
-        positions_up = [p for n, c in zip(firsts, counts) for p in range(n, n + c)]
-        rows = self.staging.upload([*tokens_up, *positions_up, *(end - 1 for end in ends)])
-        tokens, positions, last_rows = rows.split([total, total, len(extensions)])
-        claims = [e.session.context.claim(n) for e, n in zip(extensions, counts)]  # [session][layer]: keys, values
+        claims = [s.context.claim(n) for s, n in zip(sessions, counts)]  # [session][layer]: keys, values
         queries, hiddens = [], []
         first_session = 0  # the first session whose last row is in this chunk or a later one
         for start in range(0, total, EXTEND_CHUNK):
@@ -137,7 +240,7 @@ class Drafter:
                 (i, max(starts[i], start) - start, min(ends[i], stop) - start)
                 for i in range(bisect.bisect_right(ends, start), bisect.bisect_left(starts, stop))
             ]
-            hidden = self.head.fuse(features[start:stop])
+            hidden = self.head.fuse(joined[start:stop])
             rope = self.head.rope(positions[start:stop])
             for layer in range(num_layers):
                 serving = self.weights.layers[layer]
@@ -151,7 +254,7 @@ class Drafter:
                 torch._foreach_copy_(targets, sources)  # no copy of the chunk first, one copy for the batch
                 if layer + 1 == num_layers:
                     break
-                pieces = [(extensions[i].session.context, lo, hi, firsts[i] + start + hi - starts[i])
+                pieces = [(sessions[i].context, lo, hi, firsts[i] + start + hi - starts[i])
                           for i, lo, hi in segments]  # fmt: skip
                 attended = self._attend(q, pieces, layer)
                 hidden = self.head.attention_outputs(attended, hidden, serving, layer)
@@ -162,13 +265,7 @@ class Drafter:
                 queries.append(q[index])
                 hiddens.append(hidden[index])
                 first_session = last_session
-        for extension, n in zip(extensions, counts):
-            extension.session.num_entries += n
-            extension.session.root_token = extension.next_tokens[-1]
-        last_queries, last_hiddens = _joined(queries), _joined(hiddens)  # [sessions, heads, hd], [sessions, hidden]
-        refresh_all([e.session.context for e in extensions], last_queries, wait=select_now)
-        for extension, query, hidden in zip(extensions, last_queries, last_hiddens):
-            extension.session.root_query, extension.session.root_hidden = query, hidden
+        return _joined(queries), _joined(hiddens)  # [sessions, heads, hd], [sessions, hidden]
 
     def _attend(self, q: torch.Tensor, pieces: list[tuple[DraftContext, int, int, int]], layer: int) -> torch.Tensor:
         """q [rows, heads, hd] of decoder layer ``layer`` -> each row over its session's committed entries of that
@@ -204,10 +301,23 @@ class Extension:
 
 
 @dataclass(frozen=True)
+class DeviceExtension:
+    """Entries to write to one session from a verify's acceptance on the device (``extend_on_device``)."""
+
+    session: DraftSession
+    accept: DeviceAccept
+
+
+@dataclass(frozen=True)
 class ProposalRequest:
     session: DraftSession
     plan: list[DepthPlan]  # per depth: frontier nodes expanded, children each
     budget: TreeBudget
+
+
+def _positions(sessions: list[DraftSession], counts: list[int]) -> list[int]:
+    """The positions of counts[i] new entries past each session's committed ones, session after session."""
+    return [p for s, n in zip(sessions, counts) for p in range(s.num_entries, s.num_entries + n)]
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

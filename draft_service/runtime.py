@@ -11,6 +11,7 @@ launch the host does only what that proposal needs.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -18,11 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
+from diffspec.device_accept import DeviceAccept
 from diffspec.devices import DeviceTimer
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.tree import DraftTree, PendingTree
 from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats
-from draft_service.drafter import Drafter, DraftSession, Extension, ProposalRequest
+from draft_service.drafter import DeviceExtension, Drafter, DraftSession, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.batch_plan import REPLAN_EVERY, BatchCost, BatchPlanner, SessionOutlook, StepSeconds
 from draft_service.bound_audit import BoundAudit
@@ -39,6 +41,8 @@ from draft_service.tree_plan import (
     fixed_candidate,
 )
 from draft_service.working_set import WorkingSetConfig
+
+log = logging.getLogger(__name__)
 
 OBSERVED_PER_STEP = 4  # online sessions whose verified tree a step hands their planner (host time per step)
 REQUEST_DECAY = 0.9  # a request's hazard forgets old steps fast: it follows the text
@@ -154,6 +158,23 @@ class DraftRuntime:
                 self.sessions.pop(sid, None)
         return DraftBatchResult(trees, released, failures)
 
+    def accept_on_device(self, accepts: dict[str, DeviceAccept]) -> set[str]:
+        """Write the entries of verify acceptances the device computed (greedy sessions, in one process with the
+        target), while that verify runs; the next ``step``'s accepts settle them. Returns the sessions written;
+        the others (unknown here, or whose write failed) are extended by their accept as usual."""
+        with self._lock:
+            ids = [sid for sid in accepts if sid in self.sessions]
+            sessions = [self.sessions[sid].drafter_state for sid in ids]
+            try:
+                with record_function("draft.accept_on_device"):
+                    self.drafter.extend_on_device([DeviceExtension(s, accepts[sid]) for s, sid in zip(sessions, ids)])
+            except (RuntimeError, ValueError) as failure:
+                log.warning("writing accepted entries on the device failed, accepts extend instead: %s", failure)
+                for session in sessions:
+                    self.drafter.discard_unsettled(session)
+                return set()
+            return set(ids)
+
     @torch.no_grad()
     def warm_up(self, context_tokens: int = 256) -> int:
         """Propose once, over throwaway sessions with and without the working set, every tree an ``online``
@@ -225,9 +246,10 @@ class DraftRuntime:
         return Extension(session.drafter_state, features, emitted), step
 
     def _extend_all(self, extensions: list[tuple[str, Extension]], failures: dict[str, DiffSpecError]) -> None:
-        """Every accepted session's entries in one drafter pass; if that pass fails, each of them fails."""
+        """Every accepted session's entries in one drafter pass (those written on the device already settled:
+        ``accept_on_device``); if that pass fails, each of them fails."""
         try:
-            self.drafter.extend_many([extension for _, extension in extensions])
+            self.drafter.commit_accepted([extension for _, extension in extensions])
         except (RuntimeError, ValueError) as failure:
             failures.update({sid: InvalidRequest(f"draft extension failed: {failure}") for sid, _ in extensions})
 
@@ -249,6 +271,8 @@ class DraftRuntime:
         if not session_ids:
             return {}
         sessions = [self.sessions[sid] for sid in session_ids]
+        for session in sessions:  # entries written on the device that no accept settled: not this step's
+            self.drafter.discard_unsettled(session.drafter_state)
         with record_function("draft.plan"):
             chosen = self._plan_batch(sessions)
         requests = [ProposalRequest(s.drafter_state, list(c.plan), c.budget) for s, c in zip(sessions, chosen)]
@@ -372,6 +396,7 @@ class DraftRuntime:
     def _release(self, session_id: str) -> DraftStats:
         session = self.sessions.pop(session_id)
         state = session.drafter_state
+        self.drafter.discard_unsettled(state)  # a last verify's entries no accept settled: not its context
         return DraftStats(
             hazard=session.hazard.hazard(session.candidate.widths),
             working_set_tokens=state.context.attended_tokens,

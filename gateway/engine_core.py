@@ -10,7 +10,9 @@ Each iteration, on the engine's own thread:
      each prefilling request under the iteration's token budget (trees first, so a 64K prompt never
      stalls the streams already decoding). A finished prompt's first token (and last features) come
      with the next target call, which collects it: the GPU computes the prompt while the next draft
-     call does its host work;
+     call does its host work. With draft and target in this process, the target hands the greedy
+     requests' acceptances, computed on the device, to the draft once the verify is queued, and the
+     draft writes their entries while the forward runs (the next draft call settles them);
   4. hands each request's tokens to its output sink.
 Front ends (gRPC, HTTP, the CLI) only submit requests and read their sinks. A session failure
 fails that request alone; a draft failure turns the affected requests to Auto, which the target
@@ -28,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from diffspec.errors import DeadlineExceeded, DiffSpecError, PeerUnavailable, ResourceExhausted
-from draft_service.backend import DraftBackend, DraftBatch, DraftBatchResult, VerifyCost
+from diffspec.device_accept import DeviceAccept
+from draft_service.backend import AcceptsOnDevice, DraftBackend, DraftBatch, DraftBatchResult, VerifyCost
 from gateway.admission import KVAdmission, KVGeometry
 from gateway.detokenizer import Tokenizer
 from gateway.quota import ClientQuotas, QuotaLimits
@@ -135,6 +138,10 @@ class EngineCore:
         self._target_releases: list[str] = []
         self._draft_releases: dict[str, RunningRequest | None] = {}  # session -> request waiting for its stats
         self._verify_cost: VerifyCost | None = None
+        # the draft writes accepted entries from the device's acceptance during the verify (both in this process)
+        self._draft_on_device = draft if isinstance(draft, AcceptsOnDevice) else None
+        self._accepted_on_device: list[str] = []  # this iteration's requests whose entries it wrote so
+        self._on_device_seconds = 0.0  # the host time that took, inside this iteration's target call
         self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -205,7 +212,9 @@ class EngineCore:
             seconds = self._exchange(self._draft_batch(), self.draft.step, self._draft_step_failed, self._apply_draft)
             self.timing.draft_seconds += seconds
         seconds = self._exchange(self._target_batch(), self.target.step, self._target_step_failed, self._apply_target)
-        self.timing.target_seconds += seconds
+        self.timing.target_seconds += seconds - self._on_device_seconds  # the draft's share is the draft's
+        self.timing.draft_seconds += self._on_device_seconds
+        self._accepted_on_device, self._on_device_seconds = [], 0.0
         self.timing.iterations += 1
         self.timing.loop_seconds += time.perf_counter() - started
 
@@ -311,7 +320,27 @@ class EngineCore:
                     continue  # computed: collected for its first token
                 prefills.append(PrefillWork(running.request_id, tokens))
                 budget -= tokens
-        return TargetBatch(releases, opens, prefills, verifies, first_tokens_next_step=True, collects=collects)
+        on_queued = self._accept_on_device if self._draft_on_device is not None else None
+        return TargetBatch(
+            releases, opens, prefills, verifies,
+            first_tokens_next_step=True, collects=collects, on_verify_queued=on_queued,
+        )  # fmt: skip
+
+    def _accept_on_device(self, accepts: dict[str, DeviceAccept]) -> None:
+        """The target queued the verify: the drafting requests' accepted entries go to the draft now, written from
+        the device's acceptance while the forward runs (their accepts settle them in the next draft call)."""
+        started = time.perf_counter()
+        drafting = {}
+        for session_id, accept in accepts.items():
+            running = self._requests.get(session_id)
+            if running is not None and running.drafting and running.draft_session:
+                drafting[session_id] = accept
+        if drafting and self._draft_on_device is not None:
+            try:
+                self._accepted_on_device = list(self._draft_on_device.accept_on_device(drafting))
+            except Exception:  # noqa: BLE001 - the accepts extend as usual; the target's step goes on
+                log.exception("the draft failed to write accepted entries on the device")
+        self._on_device_seconds = time.perf_counter() - started
 
     def _admitted_now(self) -> set[str]:
         """The queued requests whose worst-case KV pages fit now (gateway/admission.py)."""
@@ -328,6 +357,7 @@ class EngineCore:
         return TargetBatchResult(failures=dict.fromkeys(holding, failure))
 
     def _apply_target(self, batch: TargetBatch, result: TargetBatchResult, seconds: float) -> None:
+        seconds -= self._on_device_seconds  # the draft's work inside the call is not the target's
         self.admission.report(result.num_free_pages)
         if result.verifies:
             self.timing.batch_sizes.append(len(batch.verifies))
@@ -353,6 +383,10 @@ class EngineCore:
             if running is not None and running.phase is Phase.PREFILLING:
                 running.on_prefill(prefill)
                 self._end_if_finished(running)
+        for session_id in self._accepted_on_device:  # their draft work ran inside this target call
+            running = self._requests.get(session_id)
+            if running is not None:
+                running.stats.draft_seconds += self._on_device_seconds
         for session_id, verified in result.verifies.items():
             running = self._requests.get(session_id)
             if running is not None and running.phase is Phase.DECODING:

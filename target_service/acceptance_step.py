@@ -1,6 +1,6 @@
 """The epilogue of a verify forward: each session's accepted path, its result, and what to commit.
 
-Greedy sessions share one read of the step's argmax (the only host sync of a step); the sessions
+Greedy sessions share one read of the step's argmax (the only host sync of a step, ``greedy_argmax``); the sessions
 that want features share one gather of their committed rows. A session that asks for logprobs
 gets them from the rows its emitted tokens were decided at: the root's for the first, each
 accepted node's for the next, the same rows an Auto step would have used. Each session's
@@ -42,11 +42,10 @@ class Commit:
 
 
 def accept_batch(
-    steps: list[VerifyStep], sessions: list[TargetSession], ran: StepOutputs
+    steps: list[VerifyStep], sessions: list[TargetSession], ran: StepOutputs, argmax: list[int]
 ) -> tuple[dict[str, VerifyResult], list[Commit], dict[str, DiffSpecError]]:
-    """Per session: its result and its commit (root + accepted nodes), or why it failed."""
-    greedy = any(session.sampling.greedy for session in sessions)
-    argmax = ran.logits.argmax(-1).tolist() if greedy else []
+    """Per session: its result and its commit (root + accepted nodes), or why it failed. ``argmax``: the
+    forward's argmax token of every row, read once for the greedy sessions ([] when there are none)."""
     results: dict[str, VerifyResult] = {}
     commits: list[Commit] = []
     failures: dict[str, DiffSpecError] = {}
@@ -76,6 +75,11 @@ def accept_batch(
         )
         commits.append(Commit(item.step.session_id, item.rows, tokens))
     return results, commits, failures
+
+
+def greedy_argmax(sessions: list[TargetSession], ran: StepOutputs) -> torch.Tensor | None:
+    """The argmax token of every row [rows] int64 on the device, when a session of the batch is greedy."""
+    return ran.logits.argmax(-1) if any(session.sampling.greedy for session in sessions) else None
 
 
 def _features(accepted: list[_Accepted], ran: StepOutputs) -> list[torch.Tensor | None]:

@@ -15,12 +15,15 @@ relayed by a gateway (``diffspec/feature_rows.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from diffspec.errors import DiffSpecError
 from diffspec.feature_rows import Features
 from diffspec.sampling_params import SamplingParams, TokenLogprobs
 from diffspec.tree_nodes import ProposedTree
+
+if TYPE_CHECKING:
+    from diffspec.device_accept import VerifyQueued
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class TargetBatch:
     # its forward then runs behind the caller's next host work instead of being waited for
     first_tokens_next_step: bool = False
     collects: list[str] = field(default_factory=list)  # sessions whose deferred finished prompt to report
+    # in process: handed the greedy sessions' device acceptances before the host waits for the verify, so a
+    # draft can commit them while the forward runs; a target over the wire never calls it
+    on_verify_queued: VerifyQueued | None = None
 
     @property
     def padded_rows(self) -> int:

@@ -24,14 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from diffspec.devices import DeviceTimer, PinnedStaging, dtype_name, resolve_device, resolve_dtype, upload
+from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, dtype_name, resolve_device, resolve_dtype, upload
+from diffspec.device_accept import DeviceAccept, VerifyQueued
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import SamplingParams, sample, target_probs, token_logprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
 from diffspec.tree import DraftTree, PendingTree
 from diffspec.tree_nodes import ProposedTree
 from diffspec_kernels.attention_metadata import AttentionMetadata, causal_mask
-from target_service.acceptance_step import Commit, accept_batch
+from target_service.acceptance_step import Commit, accept_batch, greedy_argmax
 from target_service.attention_backends import GRAPH_SAFE_BACKENDS, attention_backend, resolve_backend_name
 from target_service.backend import (
     PrefillResult,
@@ -43,6 +44,7 @@ from target_service.backend import (
     VerifyResult,
     VerifyStep,
 )
+from target_service.device_acceptance import greedy_device_accept
 from target_service.kv_cache import PagedKVCache
 from target_service.kv_pool import PagedKVPool
 from target_service.llama import LlamaModel, PagedForwardOutput
@@ -109,7 +111,7 @@ class TargetRuntime:
                 self._guard(opening.session_id, failures, self._open, opening)
             with record_function("target.verify"):
                 verifies, verify_seconds, verify_rows = self._verify(
-                    [v for v in batch.verifies if v.session_id not in failures], failures
+                    [v for v in batch.verifies if v.session_id not in failures], failures, batch.on_verify_queued
                 )
             # after the verify: reading a first token waits for the device, which by now has run the verify
             # (read for its results), where before it would have waited for the pending proposal first and
@@ -247,14 +249,15 @@ class TargetRuntime:
     # -- verify ---------------------------------------------------------------------------------
 
     def _verify(
-        self, steps: list[VerifyStep], failures: Failures
+        self, steps: list[VerifyStep], failures: Failures, on_queued: VerifyQueued | None = None
     ) -> tuple[dict[str, VerifyResult], float | None, int | None]:
         """All trees in one forward; each session's accepted path committed, in one launch for all. Returns the
         results, the forward's device span and the rows it computed (None for both when nothing ran).
 
         A drafter's pending tree on this device goes into the forward from its device copy, so the forward
         is queued behind the proposal without the host waiting for it; its nodes are read (and checked)
-        once the forward is queued, for the acceptance."""
+        once the forward is queued, for the acceptance. ``on_queued`` gets the greedy sessions' acceptances
+        computed on the device before the host reads the forward's argmax (``device_acceptance``)."""
         timer = DeviceTimer(self.device)
         timer.start()  # on a GPU it fires when the device gets here: after a pending proposal, not before
         steps = [VerifyStep(step.session_id, self._verifiable(step.tree)) for step in steps]
@@ -272,13 +275,34 @@ class TargetRuntime:
         if ran is None:
             ran = self._forward_eager(inputs, feature_layers)
         timer.stop()
+        argmax = greedy_argmax([self.sessions[step.session_id] for step in valid], ran)
+        argmax_read = HostCopy(argmax) if argmax is not None else None  # queued before the draft's work
+        if on_queued is not None and argmax is not None:
+            on_queued(self._device_accepts(valid, ran, argmax))
         valid, ran = self._with_host_trees(valid, ran, failures)
         sessions = [self.sessions[step.session_id] for step in valid]
         with record_function("target.verify.accept"):
-            results, commits, rejected = accept_batch(valid, sessions, ran)
+            argmax_list = argmax_read.get().tolist() if argmax_read is not None else []
+            results, commits, rejected = accept_batch(valid, sessions, ran, argmax_list)
         failures.update(rejected)
         self._commit(ran.forward, commits)
         return results, timer.seconds(), ran.logits.shape[0]
+
+    def _device_accepts(
+        self, steps: list[VerifyStep], ran: StepOutputs, argmax: torch.Tensor
+    ) -> dict[str, DeviceAccept]:
+        """The device acceptance of each greedy session that wants features and whose tree the forward read in
+        place (a drafter's pending tree on this device)."""
+        accepts = {}
+        for step, first_row in zip(steps, ran.row_offsets):
+            session, tree = self.sessions[step.session_id], step.tree
+            on_device = tree.device_copy(self.device) if isinstance(tree, PendingTree) else None
+            if on_device is None or not (session.sampling.greedy and session.want_features):
+                continue
+            accepts[step.session_id] = greedy_device_accept(
+                on_device, tree.num_nodes, tree.max_depth, argmax, first_row, ran.forward, session.feature_layers
+            )
+        return accepts
 
     def _verifiable(self, tree: ProposedTree) -> DraftTree | PendingTree:
         """A pending tree on this device as it is (the forward reads its device copy); any other as host tensors."""

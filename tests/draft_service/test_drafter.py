@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -386,15 +387,20 @@ def test_a_batch_accept_never_waits_for_the_gpu(salience, num_layers):
         Extension(s, torch.randn(n, 3 * c.target_hidden_size, generator=generator).to(device), [1] * n)
         for s, n in zip(sessions, (1, 3, 2, 5))
     ]
+    assert host_waits(lambda: eager.extend_many(extensions)) == 0
+
+
+def host_waits(work: Callable[[], object]) -> int:
+    """How many times ``work`` made the host wait for the GPU (CUDA's sync debug mode warns at each)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            eager.extend_many(extensions)
+            work()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert sum("synchroniz" in str(w.message) for w in caught) == 0
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def test_an_accept_chooses_the_working_set_its_predecessor_scored_and_leaves_nothing_out(drafter):

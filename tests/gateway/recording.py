@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+from diffspec.device_accept import DeviceAccept
 from draft_service.backend import DraftBatch, DraftBatchResult
 from draft_service.runtime import DraftRuntime
 from gateway.detokenizer import Tokenizer
@@ -39,6 +40,7 @@ class RecordingDraft:
         self.inner = inner
         self.core: EngineCore | None = None
         self.batches: list[tuple[int, DraftBatch]] = []  # (iteration, batch)
+        self.written_on_device: list[tuple[int, set[str]]] = []  # (iteration, sessions) of each accept_on_device
 
     @property
     def sessions(self) -> dict:
@@ -47,6 +49,11 @@ class RecordingDraft:
     def step(self, batch: DraftBatch) -> DraftBatchResult:
         self.batches.append((self.core.timing.iterations if self.core else -1, batch))
         return self.inner.step(batch)
+
+    def accept_on_device(self, accepts: dict[str, DeviceAccept]) -> set[str]:
+        written = self.inner.accept_on_device(accepts)
+        self.written_on_device.append((self.core.timing.iterations if self.core else -1, written))
+        return written
 
 
 def recording_engine(

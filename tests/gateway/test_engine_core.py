@@ -122,7 +122,12 @@ def crowd(engine: SpeculativeEngine, requests: list[GenerationRequest]) -> list[
 def test_sixteen_streams_each_equal_the_request_alone(engine, prompt_ids):
     alone = [collect(engine, request(case, prompt_ids))[0] for case in CROWD]
     auto = [collect(engine, GenerationRequest(ids, NEW_TOKENS))[0] for ids in prompt_ids]
+    written_before = len(engine.draft.written_on_device)
     assert crowd(engine, [request(case, prompt_ids) for case in CROWD]) == alone
+    # the greedy drafting streams' accepted entries were written from the device's acceptance during their
+    # verify (draft and target share this process); sampled and Auto streams took the host's accept alone
+    greedy_drafting = sum(case.draft is not None and case.sampling is GREEDY for case in CROWD)
+    assert max(len(written) for _, written in engine.draft.written_on_device[written_before:]) == greedy_drafting
     for case, tokens in zip(CROWD, alone):
         assert len(tokens) == NEW_TOKENS
         if case.sampling is not SEEDED:  # greedy, or sampling that only the argmax survives

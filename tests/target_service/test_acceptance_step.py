@@ -9,7 +9,7 @@ import torch
 
 from diffspec.sampling_params import SamplingParams
 from diffspec.tree import DraftTree
-from target_service.acceptance_step import accept_batch
+from target_service.acceptance_step import accept_batch, greedy_argmax
 from target_service.backend import VerifyStep
 from target_service.llama import PagedForwardOutput
 from target_service.session import TargetSession
@@ -59,7 +59,7 @@ def test_each_session_gets_its_own_rule_from_one_batch(padded):
     sessions = [
         TargetSession([0], SamplingParams(), None, case.want_features, 1, case.tree[0], case.layers) for case in CASES
     ]
-    results, commits, failures = accept_batch(steps, sessions, ran)
+    results, commits, failures = accept_batch(steps, sessions, ran, greedy_argmax(sessions, ran).tolist())
     assert not failures
     for b, (case, offset, commit) in enumerate(zip(CASES, offsets, commits)):
         result, rows = results[f"s{b}"], [offset + node for node in [0, *ACCEPTED[b]]]
@@ -73,3 +73,11 @@ def test_each_session_gets_its_own_rule_from_one_batch(padded):
             continue
         assert result.features is not None
         assert torch.equal(result.features, ran.forward.features_of(rows, case.layers))  # the per-session rule
+
+
+def test_no_argmax_is_read_for_a_batch_without_a_greedy_session():
+    ran = _ran([0], 8, CASES[:1])
+    sampled = TargetSession([0], SamplingParams(temperature=0.7), None, True, 1, 3, FORWARD_LAYERS)
+    assert greedy_argmax([sampled], ran) is None
+    greedy = TargetSession([0], SamplingParams(), None, True, 1, 3, FORWARD_LAYERS)
+    assert greedy_argmax([sampled, greedy], ran) is not None

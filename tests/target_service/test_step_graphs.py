@@ -14,13 +14,15 @@ import torch
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from diffspec.errors import InvalidRequest
-from diffspec.tree import DeviceTree, DraftTree, PendingTree
+from diffspec.device_accept import DeviceAccept
+from diffspec.tree import DraftTree, PendingTree
 from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
 from gateway.request import GenerationRequest
 from target_service.backend import TargetBatch, VerifyStep
 from target_service.runtime import TargetRuntime
 from target_service.step_graphs import StepGraphs, StepInput, _Bucket
+from tests.target_service.trees import pending_tree
 
 GREEDY = SamplingParams()
 PROMPTS = {"a": list(range(5, 405)), "b": list(range(900, 1037)), "c": [7, 8, 9] * 60}
@@ -50,24 +52,6 @@ def _tree(root: int, truth: list[int], extra: int, seed: int) -> DraftTree:
     return DraftTree(tokens, parents, torch.ones(tokens.numel()))
 
 
-def _pending(tree: DraftTree, capacity: int, mask: torch.Tensor | None = None, depth_bound: int = 8) -> PendingTree:
-    """``tree`` as the drafter hands it out: a device copy padded to ``capacity`` nodes (on the CPU here), bounds
-    for the target's size checks (``capacity`` nodes: a thresholded tree may keep fewer than its plan allows),
-    and the host tree behind ``tree()``."""
-    n = tree.num_nodes
-    padded_mask = torch.eye(capacity, dtype=torch.bool)
-    padded_mask[:n, :n] = tree.ancestor_mask() if mask is None else mask
-    pad = capacity - n
-    on_device = DeviceTree(
-        tokens=torch.cat([tree.tokens, torch.zeros(pad, dtype=torch.long)]),
-        parents=torch.cat([tree.parents, torch.full((pad,), -1)]),
-        depths=torch.cat([tree.depths(), torch.zeros(pad, dtype=torch.long)]),
-        ancestor_mask=padded_mask,
-        num_nodes=torch.tensor(n),
-    )
-    return PendingTree(on_device, capacity, max(depth_bound, tree.max_depth), lambda: tree)
-
-
 def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int, device_trees: bool = False) -> list[tuple]:
     """Prefill every prompt, then verify batches of trees of varying size and batch; record every result."""
     seen = []
@@ -80,9 +64,15 @@ def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int, devic
         for i, sid in enumerate(batch):
             good = truth[sid][emitted[sid] : emitted[sid] + 1 + (r + i) % 4]
             tree = _tree(runtime.pending_token(sid), good, extra=(3 * r + i) % 13, seed=r)
-            steps.append(VerifyStep(sid, _pending(tree, capacity=24) if device_trees and i % 2 == 0 else tree))
-        results = runtime.step(TargetBatch(verifies=steps)).verifies
+            steps.append(VerifyStep(sid, pending_tree(tree, capacity=24) if device_trees and i % 2 == 0 else tree))
+        handed: dict[str, DeviceAccept] = {}
+        results = runtime.step(TargetBatch(verifies=steps, on_verify_queued=handed.update)).verifies
         assert list(results) == [step.session_id for step in steps]
+        assert set(handed) == {step.session_id for step in steps if isinstance(step.tree, PendingTree)}
+        for sid, accept in handed.items():  # the device's acceptance of a pending tree is the host's
+            result, count = results[sid], int(accept.num_entries)
+            assert count == len(result.emitted_tokens) and accept.next_tokens[:count].tolist() == result.emitted_tokens
+            assert torch.equal(accept.features[:count], result.features)
         for sid, result in results.items():
             emitted[sid] += len(result.accepted_tokens) + 1
             seen.append((result.accepted_tokens, result.accepted_nodes, result.bonus_token, result.features))
@@ -145,7 +135,7 @@ def test_a_bucket_takes_a_pending_tree_from_its_device_copy():
     tree gets its host mask and positions; rows past a tree see only themselves."""
     host_tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0]), torch.ones(3))
     marked = torch.ones(4, 4, dtype=torch.bool)  # not an ancestor mask: shows where the bucket read from
-    pending = _pending(DraftTree.chain([1, 2, 3, 4]), capacity=6, mask=marked)
+    pending = pending_tree(DraftTree.chain([1, 2, 3, 4]), capacity=6, mask=marked)
     pending._host_tree = lambda: pytest.fail("the bucket read the pending tree's host nodes")
     bucket = _Bucket(batch=2, tree=8, max_pages_per_seq=2, page_size=16, device=torch.device("cpu"))
     bucket.fill([StepInput(pending, 3, [0]), StepInput(host_tree, 9, [1])])
@@ -165,8 +155,8 @@ def test_a_pending_tree_with_a_wrong_root_fails_its_session_alone(tiny_target_di
         for sid in ("a", "b"):
             runtime.prefill(sid, PROMPTS[sid], GREEDY, want_features=False)
         root = runtime.pending_token("a") + (1 if bad_root else 0)
-        steps = [VerifyStep("a", _pending(DraftTree.chain([root, 3, 4]), capacity=8))] if bad_root else []
-        steps.append(VerifyStep("b", _pending(DraftTree.chain([runtime.pending_token("b"), 5]), capacity=8)))
+        steps = [VerifyStep("a", pending_tree(DraftTree.chain([root, 3, 4]), capacity=8))] if bad_root else []
+        steps.append(VerifyStep("b", pending_tree(DraftTree.chain([runtime.pending_token("b"), 5]), capacity=8)))
         result = runtime.step(TargetBatch(verifies=steps))
         pages_left = runtime.pool.num_free_pages + len(runtime.pool.block_table("b"))
         return result, runtime.pool.has_sequence("a"), pages_left == runtime.pool.num_pages

@@ -1,0 +1,119 @@
+"""Entries written from a verify's device acceptance, then settled by the host's: the state an ordinary accept
+leaves, whichever way the check goes, and nothing waits for the GPU while they are written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec.device_accept import DeviceAccept
+from draft_service.drafter import DeviceExtension, Drafter, DraftSession, Extension, ProposalRequest
+from tests.draft_service.reference_proposal import root_output
+from tests.draft_service.test_drafter import (
+    CONTEXT_LENGTHS,
+    POLICIES,
+    SALIENCE,
+    host_waits,
+    load_head,
+    start_sessions,
+)
+
+COUNTS = (1, 4, 2, 6)  # entries each session's accept commits
+MAX_ENTRIES = (3, 6, 2, 9)  # rows the device wrote for it: its tree's depth bound + 1
+
+
+def _accepts(drafter: Drafter, seed: int) -> list[tuple[torch.Tensor, list[int]]]:
+    """(features [max_entries, 3 * hidden], emitted tokens) per session: the real rows first, padding after them
+    repeating the last, as the target's device acceptance pads them."""
+    c, device = drafter.head.config, drafter.head.fc.weight.device
+    generator = torch.Generator().manual_seed(seed)
+    accepts = []
+    for n, rows in zip(COUNTS, MAX_ENTRIES):
+        features = torch.randn(rows, 3 * c.target_hidden_size, generator=generator)
+        features[n:] = features[n - 1]
+        tokens = torch.randint(0, c.vocab_size, (n,), generator=generator).tolist()
+        accepts.append((features.to(device), tokens))
+    return accepts
+
+
+def _device_accept(features: torch.Tensor, tokens: list[int], rows: int) -> DeviceAccept:
+    padded = torch.tensor(tokens + [tokens[-1]] * (rows - len(tokens)), device=features.device)
+    return DeviceAccept(features, padded, torch.tensor(len(tokens), device=features.device), rows)
+
+
+def _extensions(sessions: list[DraftSession], accepts: list[tuple[torch.Tensor, list[int]]]) -> list[DeviceExtension]:
+    return [DeviceExtension(s, _device_accept(f, t, rows)) for s, (f, t), rows in zip(sessions, accepts, MAX_ENTRIES)]
+
+
+def _assert_same_sessions(drafter: Drafter, got: list[DraftSession], want: list[DraftSession]) -> None:
+    for a, b in zip(got, want):
+        assert (a.num_entries, a.root_token, a.unsettled) == (b.num_entries, b.root_token, None)
+        assert a.context.length == b.context.length == a.num_entries
+        for layer in range(drafter.head.config.num_layers):
+            torch.testing.assert_close(a.context.view(layer)[0], b.context.view(layer)[0])
+        torch.testing.assert_close(root_output(drafter, a), root_output(drafter, b), rtol=1e-5, atol=1e-5)
+    plan, budget = POLICIES["full"]
+    trees = [drafter.propose_many([ProposalRequest(s, plan, budget) for s in sessions]) for sessions in (got, want)]
+    for a, b in zip(*trees):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one layer", "two layers"])
+def drafter(request) -> Drafter:
+    return Drafter(load_head(torch.device("cpu"), torch.float32, request.param), cuda_graphs=False)
+
+
+@pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
+def test_settled_device_entries_equal_an_ordinary_accept(drafter, salience):
+    early, ordinary = (start_sessions(drafter, CONTEXT_LENGTHS, salience, seed=2) for _ in range(2))
+    for round_ in range(3):  # the working set re-chosen between rounds, from the settled accepts' scores
+        accepts = _accepts(drafter, seed=round_)
+        drafter.extend_on_device(_extensions(early, accepts))
+        assert all(s.unsettled is not None and s.context.length == s.num_entries + rows
+                   for s, rows in zip(early, MAX_ENTRIES))  # fmt: skip
+        drafter.commit_accepted([Extension(s, f[: len(t)], t) for s, (f, t) in zip(early, accepts)])
+        drafter.extend_many([Extension(s, f[: len(t)], t) for s, (f, t) in zip(ordinary, accepts)])
+        _assert_same_sessions(drafter, early, ordinary)
+
+
+def test_entries_the_host_did_not_accept_are_replaced_by_its_own(drafter):
+    """The device's tokens or count differ from the host's acceptance (which decides): the session is extended
+    with the host's entries instead, as if nothing had been written."""
+    early, ordinary = (start_sessions(drafter, CONTEXT_LENGTHS, None, seed=5) for _ in range(2))
+    accepts = _accepts(drafter, seed=7)
+    wrong = []
+    for i, ((features, tokens), rows) in enumerate(zip(accepts, MAX_ENTRIES)):
+        device_tokens = [t + 1 for t in tokens] if i % 2 else tokens[:-1] or [tokens[0] + 1]  # other tokens, fewer
+        wrong.append(DeviceExtension(early[i], _device_accept(features, device_tokens, rows)))
+    drafter.extend_on_device(wrong)
+    drafter.commit_accepted([Extension(s, f[: len(t)], t) for s, (f, t) in zip(early, accepts)])
+    drafter.extend_many([Extension(s, f[: len(t)], t) for s, (f, t) in zip(ordinary, accepts)])
+    _assert_same_sessions(drafter, early, ordinary)
+
+
+def test_discarding_restores_the_session_and_a_second_write_before_settling_is_refused(drafter):
+    sessions = start_sessions(drafter, CONTEXT_LENGTHS[:2], None, seed=9)
+    before = [(s.num_entries, s.context.length, s.root_query.clone(), s.root_hidden.clone()) for s in sessions]
+    accepts = _accepts(drafter, seed=3)[:2]
+    extensions = _extensions(sessions, accepts)
+    drafter.extend_on_device(extensions)
+    with pytest.raises(ValueError, match="not settled"):
+        drafter.extend_on_device(extensions)
+    for session, (entries, length, query, hidden) in zip(sessions, before):
+        drafter.discard_unsettled(session)
+        assert (session.num_entries, session.context.length, session.unsettled) == (entries, length, None)
+        assert torch.equal(session.root_query, query) and torch.equal(session.root_hidden, hidden)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
+def test_writing_entries_on_the_device_never_waits_for_the_gpu(salience):
+    """Inputs go up through pinned memory, the last real row is picked by a device index, and the check's copy is
+    queued: the host only launches."""
+    drafter = Drafter(load_head(torch.device("cuda"), torch.bfloat16), cuda_graphs=False)
+    sessions = start_sessions(drafter, CONTEXT_LENGTHS, salience)
+    accepts = [(f.bfloat16(), t) for f, t in _accepts(drafter, seed=1)]
+    extensions = _extensions(sessions, accepts)
+    assert host_waits(lambda: drafter.extend_on_device(extensions)) == 0
+    drafter.commit_accepted([Extension(s, f[: len(t)], t) for s, (f, t) in zip(sessions, accepts)])
+    assert all(s.unsettled is None for s in sessions)

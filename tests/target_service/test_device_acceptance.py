@@ -1,0 +1,75 @@
+"""A greedy session's acceptance computed on the device equals the host's rule, rows and tokens alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec.acceptance import accept_greedy
+from diffspec.tree import DraftTree
+from target_service.device_acceptance import greedy_device_accept
+from target_service.llama import PagedForwardOutput
+from tests.target_service.trees import pending_tree
+
+HIDDEN, LAYERS = 3, (1, 4)
+
+
+def _tree(num_nodes: int, generator: torch.Generator) -> DraftTree:
+    """A random tree whose siblings differ, as a drafter's top-k children do (tokens unique here)."""
+    shape = DraftTree.random(num_nodes, generator)
+    tokens = torch.randperm(1000, generator=generator)[:num_nodes] + 10
+    return DraftTree(tokens, shape.parents, torch.ones(num_nodes))
+
+
+def _argmax(tree: DraftTree, generator: torch.Generator, follow: float) -> list[int]:
+    """The target's token after each node: one of its children's with probability ``follow``, else another."""
+    children, tokens = tree.children(), tree.token_list()
+    choices = []
+    for node in range(tree.num_nodes):
+        if children[node] and float(torch.rand((), generator=generator)) < follow:
+            pick = children[node][int(torch.randint(len(children[node]), (), generator=generator))]
+            choices.append(tokens[pick])
+        else:
+            choices.append(int(torch.randint(0, 10, (), generator=generator)))  # no node has a token under 10
+    return choices
+
+
+def _forward(rows: int) -> PagedForwardOutput:
+    features = torch.arange(rows * len(LAYERS) * HIDDEN, dtype=torch.float32).view(rows, -1)
+    empty = torch.zeros(1, rows, 1, HIDDEN)
+    return PagedForwardOutput(torch.zeros(rows, HIDDEN), features, empty, empty, LAYERS)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_device_path_is_the_host_acceptance(seed):
+    generator = torch.Generator().manual_seed(seed)
+    num_nodes = [1, 2, 5, 17, 40][seed % 5]
+    tree = _tree(num_nodes, generator)
+    choices = _argmax(tree, generator, follow=[0.0, 0.5, 0.9, 1.0][seed % 4])
+    first_row, capacity = 3 + seed % 7, num_nodes + seed % 4  # other sessions' rows first; a padded device copy
+    pending = pending_tree(tree, capacity, depth_bound=tree.max_depth + seed % 3)
+    argmax = torch.zeros(first_row + capacity + 5, dtype=torch.int64)
+    argmax[first_row : first_row + num_nodes] = torch.tensor(choices)
+    forward = _forward(argmax.numel())
+
+    tree_bounds = pending.num_nodes, pending.max_depth
+    got = greedy_device_accept(pending.on_device, *tree_bounds, argmax, first_row, forward, LAYERS)
+    want = accept_greedy(tree, choices)
+    count = 1 + len(want.accepted_nodes)
+    assert got.max_entries == pending.max_depth + 1 and int(got.num_entries) == count
+    path = [0, *want.accepted_nodes]
+    emitted = [*[tree.token_list()[n] for n in want.accepted_nodes], want.bonus_token]
+    padding = got.max_entries - count
+    assert got.next_tokens.tolist() == emitted + [want.bonus_token] * padding
+    rows = [first_row + node for node in path + [path[-1]] * padding]
+    assert torch.equal(got.features, forward.features_of(rows, LAYERS))
+
+
+def test_a_subset_of_the_layers_is_picked_in_the_session_s_order():
+    tree = DraftTree.chain([10, 11, 12])
+    pending = pending_tree(tree, 4, depth_bound=2)
+    argmax = torch.tensor([11, 7, 0, 0, 0])
+    forward = _forward(5)
+    got = greedy_device_accept(pending.on_device, 4, 2, argmax, 0, forward, (4,))
+    assert int(got.num_entries) == 2 and got.next_tokens.tolist() == [11, 7, 7]
+    assert torch.equal(got.features, forward.features_of([0, 1, 1], (4,)))
