@@ -28,7 +28,13 @@ import triton.language as tl
 
 from diffspec_kernels.attention_checks import check_draft_attention_inputs, check_triton_head_dim
 from diffspec_kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update
-from diffspec_kernels.split_plan import SplitKVPlan, plan_split_kv, sm_count
+from diffspec_kernels.split_plan import (
+    TUNED_SHARED_MEMORY_BYTES,
+    SplitKVPlan,
+    plan_split_kv,
+    shared_memory_bytes,
+    sm_count,
+)
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -43,6 +49,7 @@ def plan_draft_attention(
     head_dim: int,
     element_size: int,  # bytes per q/k/v element
     num_sms: int,
+    shared_bytes: int = TUNED_SHARED_MEMORY_BYTES,  # shared memory one program may use
 ) -> SplitKVPlan:
     """The split-KV plan over each session's context (tree attention's tiles: the same loop over the same 8B
     shapes), its masked part the new entries when there are any, the tiles sized for the rows' real width."""
@@ -55,6 +62,7 @@ def plan_draft_attention(
         head_dim=head_dim,
         row_bytes=head_dim * element_size,
         num_sms=num_sms,
+        shared_bytes=shared_bytes,
     )
 
 
@@ -235,6 +243,7 @@ def default_plan(q: torch.Tensor, ctx_k: torch.Tensor, new_k: torch.Tensor) -> S
         head_dim=head_dim,
         element_size=q.element_size(),
         num_sms=sm_count(q.device),
+        shared_bytes=shared_memory_bytes(q.device),
     )
 
 

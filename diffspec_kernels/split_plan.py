@@ -9,7 +9,8 @@ bucket keeps one plan and a CUDA graph can capture the call.
 
 The tiles were measured for tree attention on an H200 at the Llama-3.1-8B shape (bf16 x head_dim 128: 256-byte
 rows; L = 64K, bench/kernels.py --sweep). Rows k times as wide (fp32, head_dim 256) get tiles k times smaller,
-so the q tile and two stages of key and value tiles still fit an H200's 227 KB of shared memory.
+so the q tile and two stages of key and value tiles still fit an H200's 227 KB of shared memory. A chip with
+less shared memory per program (AMD's 64 KiB of LDS) gets key tiles that fit it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ _PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 _TUNED_ROW_BYTES = 256  # bytes of a q/k/v row (bf16 x head_dim 128) the tiles were measured at
+TUNED_SHARED_MEMORY_BYTES = 232448  # an H200's shared memory per program (227 KiB), which the tiles were measured in
+# 128-key tiles of 256-byte rows (under 128 query rows) need 66-68 KiB, 64-key tiles 40 KiB: compiled for gfx942
+# with the alignment a launch has (tests/diffspec_kernels/test_rocm_compile.py)
+_SHARED_BYTES_OF_128_KEYS = 70 * 1024
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,15 @@ class SplitKVPlan:
     num_splits: int  # programs along the committed keys per (sequence, kv head, row tile)
     num_warps: int
     num_stages: int
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_bytes(device: torch.device) -> int:
+    """Shared memory (LDS on ROCm) one program may use, which bounds a plan's tiles."""
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return getattr(properties, "shared_memory_per_block_optin", 0) or properties.shared_memory_per_block
+    return TUNED_SHARED_MEMORY_BYTES  # the Triton interpreter on CPU: the plans of the GPU they were tuned on
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,6 +70,7 @@ def plan_split_kv(
     head_dim: int,
     row_bytes: int,  # bytes of a q/k/v row the tiles are sized for: head_dim x element size, or more
     num_sms: int,
+    shared_bytes: int = TUNED_SHARED_MEMORY_BYTES,  # shared memory one program may use (``shared_memory_bytes``)
 ) -> SplitKVPlan:
     shrink = max(1, row_bytes // _TUNED_ROW_BYTES)
     # Past 128 rows, one 256-row tile over 16 warps reads the keys once instead of once per 128-row tile; it
@@ -70,7 +85,7 @@ def plan_split_kv(
     if wide or tuned_narrow:
         block_n = 64
     else:
-        block_n = 128 if shrink == 1 else max(16, 64 // shrink)
+        block_n = 128 if shrink == 1 and shared_bytes >= _SHARED_BYTES_OF_128_KEYS else max(16, 64 // shrink)
     num_warps = 16 if wide else 8 if block_m >= 128 and not tuned_narrow else 4
     programs_per_split = max(1, num_seqs * num_kv_heads * triton.cdiv(rows, block_m))
     num_splits = min(

@@ -27,7 +27,13 @@ import triton.language as tl
 from diffspec_kernels.attention_checks import check_attention_inputs, check_triton_head_dim
 from diffspec_kernels.attention_metadata import AttentionMetadata
 from diffspec_kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update
-from diffspec_kernels.split_plan import SplitKVPlan, plan_split_kv, sm_count
+from diffspec_kernels.split_plan import (
+    TUNED_SHARED_MEMORY_BYTES,
+    SplitKVPlan,
+    plan_split_kv,
+    shared_memory_bytes,
+    sm_count,
+)
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TUNED_HEAD_DIM = 128  # narrower heads keep this head_dim's tiles (the fp32 ones: 32 keys)
@@ -44,6 +50,7 @@ def plan_tree_attention(
     head_dim: int,
     num_sms: int,
     element_size: int = 2,  # bytes per q/k/v element: 4 (fp32, the exactness replays) halves the tiles
+    shared_bytes: int = TUNED_SHARED_MEMORY_BYTES,  # shared memory one program may use
 ) -> SplitKVPlan:
     """The shared split-KV plan, its masked part the new tokens (a sequence always has at least one)."""
     return plan_split_kv(
@@ -55,6 +62,7 @@ def plan_tree_attention(
         head_dim=head_dim,
         row_bytes=max(head_dim, _TUNED_HEAD_DIM) * element_size,
         num_sms=num_sms,
+        shared_bytes=shared_bytes,
     )
 
 
@@ -242,6 +250,7 @@ def default_plan(q: torch.Tensor, k_new: torch.Tensor, meta: AttentionMetadata) 
         head_dim=q.shape[2],
         num_sms=sm_count(q.device),
         element_size=q.element_size(),
+        shared_bytes=shared_memory_bytes(q.device),
     )
 
 

@@ -2,6 +2,11 @@
 Llama-3.1-8B-shaped model in bf16, for AMD MI300 (gfx942), AMD MI200 (gfx90a) and NVIDIA Hopper (sm_90),
 and each compiled kernel's shared memory fits the target (64 KiB of LDS on both AMD chips).
 
+Each target compiles the plans the runtime picks on that chip (its compute units and shared memory), with the
+alignment a launch has: tensors' pointers are 16-byte aligned, and Triton specialises on it. Without that
+hint the compiler cannot pipeline the loads through shared memory, and reports less than a launch needs (a
+128-key attention tile: 32 KiB unaligned, 66 KiB aligned, past the AMD chips' 64 KiB).
+
 No GPU is needed: ``triton.compile`` on an ``ASTSource`` runs the whole pipeline on the CPU. Triton
 3.6.0's wheel carries what each backend needs offline: for AMD, LLVM's AMDGPU backend and lld are linked
 into libtriton (``make_hsaco`` links in process) and ``backends/amd/lib`` has the ocml/ockl bitcode;
@@ -35,10 +40,10 @@ from diffspec.settings import REPO_ROOT, DiffSpecSettings
 # Llama-3.1-8B: 32 query heads over 8 KV heads of 128 dims, hidden 4096, MLP 14336.
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 32, 8, 128, 4096, 14336
 DTYPE = "bf16"  # the runtime's dtype on a GPU
-TARGETS = {  # name -> (backend, arch, warp size, shared memory per program in bytes)
-    "gfx942": ("hip", "gfx942", 64, 64 * 1024),
-    "gfx90a": ("hip", "gfx90a", 64, 64 * 1024),
-    "sm_90": ("cuda", 90, 32, 227 * 1024),
+TARGETS = {  # name -> (backend, arch, warp size, shared memory per program in bytes, compute units)
+    "gfx942": ("hip", "gfx942", 64, 64 * 1024, 304),  # MI300X
+    "gfx90a": ("hip", "gfx90a", 64, 64 * 1024, 110),  # MI250X, one die
+    "sm_90": ("cuda", 90, 32, 227 * 1024, 132),  # H200
 }
 BINARY = {"hip": "hsaco", "cuda": "cubin"}
 
@@ -63,20 +68,21 @@ def scalars(names: str, kind: str) -> dict[str, str]:
     return {name: kind for name in names.split()}
 
 
-def tree_attention_cases() -> list[Case]:
+def tree_attention_cases(chips: list[tuple[int, int]]) -> list[Case]:
     """One case per distinct launch over the CUDA-graph buckets (batch sizes x tree sizes), at a short and a
-    128K block table, for an H200's 132 SMs and an MI300X's 304 CUs."""
+    128K block table, on each chip of ``chips`` (compute units, shared memory per program)."""
     from diffspec_kernels.split_kv_triton import merge_launch
     from diffspec_kernels.tree_attention_triton import plan_tree_attention
 
     settings = DiffSpecSettings()
     group = NUM_HEADS // NUM_KV_HEADS
     launches = [
-        (batch * tree * NUM_HEADS, plan_tree_attention(batch, NUM_KV_HEADS, group, tree, context, HEAD_DIM, num_sms))
+        (batch * tree * NUM_HEADS,
+         plan_tree_attention(batch, NUM_KV_HEADS, group, tree, context, HEAD_DIM, num_sms, shared_bytes=shared))
         for batch in (int(b) for b in settings.graph_batch_sizes.split(","))
         for tree in (int(t) for t in settings.graph_tree_sizes.split(","))
         for context in (4096, 131072)
-        for num_sms in (132, 304)
+        for num_sms, shared in chips
     ]  # (merged rows, plan)
     tiles = sorted({(p.block_m, p.block_n, p.num_warps, p.num_stages) for _, p in launches})
     merges = sorted({merge_launch(rows, p.num_splits + 1)[1:] for rows, p in launches})  # (BLOCK_R, BLOCK_P, PART_CHUNK)
@@ -114,19 +120,20 @@ def tree_attention_cases() -> list[Case]:
     ]  # fmt: skip
 
 
-def draft_attention_cases() -> list[Case]:
+def draft_attention_cases(chips: list[tuple[int, int]]) -> list[Case]:
     """One case per distinct tile over the proposal's buckets (sessions x frontier rows) at a short and a 128K
-    context, with per-session lengths (the proposal) and without (the drafter's one-session call)."""
+    context on each chip of ``chips``, with per-session lengths (the proposal) and without (the drafter's
+    one-session call)."""
     from draft_service.tree_proposal import BATCH_BUCKETS, WIDTH_BUCKETS
     from diffspec_kernels.draft_attention_triton import plan_draft_attention
 
     group = NUM_HEADS // NUM_KV_HEADS
     plans = [
-        plan_draft_attention(batch, NUM_KV_HEADS, group, rows, context, 64, HEAD_DIM, 2, num_sms)
+        plan_draft_attention(batch, NUM_KV_HEADS, group, rows, context, 64, HEAD_DIM, 2, num_sms, shared_bytes=shared)
         for batch in BATCH_BUCKETS
         for rows in WIDTH_BUCKETS
         for context in (4096, 131072)
-        for num_sms in (132, 304)
+        for num_sms, shared in chips
     ]
     tiles = sorted({(p.block_m, p.block_n, p.num_warps, p.num_stages) for p in plans})
     signature = {
@@ -223,12 +230,15 @@ def int8_linear_cases() -> list[Case]:
     return cases
 
 
-def kernel_cases() -> list[Case]:
+def kernel_cases(target_name: str | None = None) -> list[Case]:
+    """The launches of the runtime's plans on ``target_name``'s chip; None: on every target's."""
+    names = list(TARGETS) if target_name is None else [target_name]
+    chips = sorted({(TARGETS[name][4], TARGETS[name][3]) for name in names})  # (compute units, shared memory)
     token_size = NUM_KV_HEADS * HEAD_DIM
     norm_block = 1 << (HIDDEN - 1).bit_length()
     return [
-        *tree_attention_cases(),
-        *draft_attention_cases(),
+        *tree_attention_cases(chips),
+        *draft_attention_cases(chips),
         *tree_frontier_cases(),
         *tree_rerank_cases(),
         *int8_linear_cases(),
@@ -316,12 +326,14 @@ def compile_for(target_name: str) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    backend, arch, warp_size, _ = TARGETS[target_name]
+    backend, arch, warp_size, _, _ = TARGETS[target_name]
     target = GPUTarget(backend, arch, warp_size)
     records = []
-    for case in kernel_cases():
+    for case in kernel_cases(target_name):
         fn = getattr(importlib.import_module(case.module), case.kernel)
-        source = ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs)
+        aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+                   for name, kind in case.signature.items() if kind.startswith("*")}  # fmt: skip
+        source = ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs, attrs=aligned)
         compiled = triton.compile(
             source, target=target,
             options={"num_warps": case.num_warps, "num_stages": case.num_stages, "enable_fp_fusion": case.fp_fusion},
@@ -393,7 +405,7 @@ def compilations(request: pytest.FixtureRequest) -> Compilations:
 def test_every_kernel_compiles_and_fits(target_name: str, compilations: Compilations):
     records, error = compilations.result(target_name, timeout=1200)  # three targets, on a busy machine
     assert records is not None, error[-4000:]
-    assert [r["case"] for r in records] == [c.name for c in kernel_cases()]
+    assert [r["case"] for r in records] == [c.name for c in kernel_cases(target_name)]
     limit = TARGETS[target_name][3]
     assert all(r["bytes"] > 0 for r in records)
     too_big = [r for r in records if r["shared"] > limit]

@@ -64,3 +64,20 @@ DRAFT_PLANS = [
 def test_draft_attention_plan(shape: tuple[int, ...], expected: tuple[int, int, int, int]) -> None:
     plan = plan_draft_attention(*shape)
     assert (plan.block_m, plan.block_n, plan.num_splits, plan.num_warps, plan.num_stages) == (*expected, 2)
+
+
+# (rows of a decode step and of a 16-row draft frontier, and a 256-row tree) on a chip with 64 KiB of shared memory
+# per program (AMD's LDS): 64-key tiles where the H200 takes 128-key ones; the others already fit
+AMD_SHARED = 64 * 1024
+
+
+@pytest.mark.parametrize(
+    "max_q_len, h200_block_n, amd_block_n", [(1, 128, 64), (4, 128, 64), (16, 64, 64), (64, 64, 64)]
+)
+def test_a_chip_with_less_shared_memory_takes_key_tiles_that_fit(max_q_len, h200_block_n, amd_block_n):
+    shape = (1, 8, 4, max_q_len, 65536, 128, 304, 2)
+    h200, amd = plan_tree_attention(*shape), plan_tree_attention(*shape, shared_bytes=AMD_SHARED)
+    assert (h200.block_n, amd.block_n) == (h200_block_n, amd_block_n)
+    assert (h200.block_m, h200.num_splits, h200.num_warps) == (amd.block_m, amd.num_splits, amd.num_warps)
+    draft = plan_draft_attention(1, 8, 4, max_q_len, 65536, 0, 128, 2, 304, shared_bytes=AMD_SHARED)
+    assert draft.block_n == amd_block_n
