@@ -45,10 +45,11 @@ class SplitKVPlan:
 
 @functools.lru_cache(maxsize=None)
 def shared_memory_bytes(device: torch.device) -> int:
-    """Shared memory (LDS on ROCm) one program may use, which bounds a plan's tiles."""
+    """Shared memory (LDS on ROCm) one program may use, which bounds a plan's tiles: what Triton checks a
+    launch against (the opt-in maximum on NVIDIA; torch reports only the 48 KiB default there)."""
     if device.type == "cuda":
-        properties = torch.cuda.get_device_properties(device)
-        return getattr(properties, "shared_memory_per_block_optin", 0) or properties.shared_memory_per_block
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
     return TUNED_SHARED_MEMORY_BYTES  # the Triton interpreter on CPU: the plans of the GPU they were tuned on
 
 

@@ -5,8 +5,10 @@ by the cap, and the small shapes the interpreted kernel tests run."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from diffspec_kernels.draft_attention_triton import plan_draft_attention
+from diffspec_kernels.split_plan import TUNED_SHARED_MEMORY_BYTES, shared_memory_bytes
 from diffspec_kernels.tree_attention_triton import plan_tree_attention
 
 # (num_seqs, num_kv_heads, group, max_q_len, max_context_len, head_dim, num_sms, element_size)
@@ -81,3 +83,13 @@ def test_a_chip_with_less_shared_memory_takes_key_tiles_that_fit(max_q_len, h200
     assert (h200.block_m, h200.num_splits, h200.num_warps) == (amd.block_m, amd.num_splits, amd.num_warps)
     draft = plan_draft_attention(1, 8, 4, max_q_len, 65536, 0, 128, 2, 304, shared_bytes=AMD_SHARED)
     assert draft.block_n == amd_block_n
+
+
+@pytest.mark.gpu
+def test_the_gpu_reports_the_shared_memory_a_launch_may_use():
+    """Triton's opt-in maximum, not torch's 48 KiB default: on Hopper the tuned plans keep their 128-key tiles."""
+    shared = shared_memory_bytes(torch.device("cuda"))
+    assert shared >= 64 * 1024
+    if torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0):
+        assert shared == TUNED_SHARED_MEMORY_BYTES
+        assert plan_tree_attention(1, 8, 4, 1, 65536, 128, 132, shared_bytes=shared).block_n == 128
