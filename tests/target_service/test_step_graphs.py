@@ -64,7 +64,7 @@ def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int, devic
         for i, sid in enumerate(batch):
             good = truth[sid][emitted[sid] : emitted[sid] + 1 + (r + i) % 4]
             tree = _tree(runtime.pending_token(sid), good, extra=(3 * r + i) % 13, seed=r)
-            steps.append(VerifyStep(sid, pending_tree(tree, capacity=24) if device_trees and i % 2 == 0 else tree))
+            steps.append(VerifyStep(sid, pending_tree(tree, 24, device=runtime.device) if device_trees and i % 2 == 0 else tree))
         handed: dict[str, DeviceAccept] = {}
         results = runtime.step(TargetBatch(verifies=steps, on_verify_queued=handed.update)).verifies
         assert list(results) == [step.session_id for step in steps]
@@ -214,6 +214,9 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_target_dir):
     got = _run(graphed, truth, rounds=12)
     assert graphed.step_graphs is not None and graphed.step_graphs.num_recorded >= 4
     _assert_same(got, want)
+    # pending trees on the GPU: the replays read them in place and hand their acceptance on the device (``_run``
+    # checks it against the host's)
+    _assert_same(_run(graphed, truth, rounds=12, device_trees=True), want)
     assert graphed.pool.num_free_pages == graphed.pool.num_pages
 
 
