@@ -7,6 +7,10 @@ timing does not need real text) are started, then each step is timed with CUDA e
 host clocks, median of several:
 
 - ``accept_ms``: committing 5 entries per session (a typical accepted path plus the bonus token);
+- ``device_write_ms`` and ``settle_ms``: the same accept as an engine in one process makes it for greedy
+  sessions: the entries written from the device's acceptance (host time to launch it, which the verify's
+  forward hides), then settled against the host's acceptance (until the device is done too, the part left
+  on the step's critical path);
 - ``propose_ms``: the proposal call, wall time to trees on the host;
 - ``launch_ms``: host time of the graph's launch alone (``CUDAGraph.replay`` returning);
 - ``graph_gpu_ms``: the replayed graph's GPU time (CUDA events around the replay);
@@ -37,7 +41,8 @@ from typing import Callable
 import torch
 
 from bench.kernels import copy_bandwidth, median_ms
-from draft_service.drafter import Drafter, Extension, ProposalRequest
+from diffspec.device_accept import DeviceAccept
+from draft_service.drafter import DeviceExtension, Drafter, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.options import DraftOptions, validate_options
 from draft_service.serving_weights import Quantization
@@ -85,6 +90,19 @@ def measure(
         # each accept grows the context by a few entries: the proposal's capacity stays in one bucket
         drafter.extend_many([Extension(s, accept_features, [7] * ACCEPTED_PER_STEP) for s in sessions])
 
+    written = DeviceAccept(
+        accept_features,
+        torch.full((ACCEPTED_PER_STEP,), 7, device=device),
+        torch.tensor(ACCEPTED_PER_STEP, device=device),
+        ACCEPTED_PER_STEP,
+    )
+
+    def write_on_device() -> None:
+        drafter.extend_on_device([DeviceExtension(s, written) for s in sessions])
+
+    def settle() -> None:
+        drafter.commit_accepted([Extension(s, accept_features, [7] * ACCEPTED_PER_STEP) for s in sessions])
+
     for _ in range(3):  # the proposal shape is recorded as a graph the first time it comes
         drafter.propose_many(requests)
     proposer = drafter.proposer
@@ -105,11 +123,33 @@ def measure(
         "attended_tokens_per_session": attended // batch,
         **_kernel_profile(lambda: proposer._search(run)),
         "accept_ms": round(1e3 * _host_seconds(accept, sync=True), 3),
+        **_device_accept_ms(write_on_device, settle),
         **_host_profile(accept, "accept"),
         "propose_ms": round(1e3 * _host_seconds(lambda: drafter.propose_many(requests), sync=True), 3),
         "launch_ms": round(1e3 * _host_seconds(run.graph.replay, sync=False), 3),
         "graph_gpu_ms": round(median_ms(run.graph.replay), 3),
         "floor_ms": round(1e3 * floor, 3),
+    }
+
+
+def _device_accept_ms(write_on_device: Callable[[], None], settle: Callable[[], None]) -> dict:
+    """Median host ms of writing an accept's entries on the device (launches only) and of settling them (until
+    the device has done that too), each write followed by its settle as the engine makes them; the write's own
+    device work is waited for between the two, as a verify's forward would have covered it."""
+    writes, settles = [], []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        write_on_device()
+        writes.append(time.perf_counter() - started)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        settle()
+        torch.cuda.synchronize()
+        settles.append(time.perf_counter() - started)
+    return {
+        "device_write_ms": round(1e3 * statistics.median(writes), 3),
+        "settle_ms": round(1e3 * statistics.median(settles), 3),
     }
 
 
