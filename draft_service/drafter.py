@@ -85,6 +85,7 @@ class Drafter:
         self.proposer = TreeProposer(head, self.weights, capture=graphed)
         self.staging = PinnedStaging(head.fc.weight.device)  # an accept's tokens, positions and last rows; scoring ids
         self.chunk_pools: dict[int, ChunkEncodingPool] = {}  # per chunk size: the salience sessions' chunk encodings
+        self._to_rescore: dict[int, tuple[DraftContext, torch.Tensor]] = {}  # id -> (context, its root query)
 
     @torch.no_grad()
     def start(
@@ -122,10 +123,12 @@ class Drafter:
         keeping each session's last query and hidden input of the last decoder layer.
 
         A salience working set is chosen from the scores of the accept before (``draft_context``), or with
-        ``select_now`` from this pass's before it returns (a prompt's first set).
+        ``select_now`` from this pass's before it returns (a prompt's first set). The scores this pass's roots
+        give are computed after the next proposal is launched (``_rescore``): only the accept after it reads them.
         """
         if not extensions:
             return
+        self._rescore()  # an accept with no proposal since the last one: its scores first
         take_queued_selections([e.session.context for e in extensions])  # the sets the last accept's scores chose
         sessions, counts = [e.session for e in extensions], [len(e.next_tokens) for e in extensions]
         ends = list(itertools.accumulate(counts))  # 1 past each session's last row
@@ -138,9 +141,12 @@ class Drafter:
         for extension, n in zip(extensions, counts):
             extension.session.num_entries += n
             extension.session.root_token = extension.next_tokens[-1]
-        refresh_all([s.context for s in sessions], queries, wait=select_now)
         for session, query, hidden in zip(sessions, queries, hiddens):
             session.root_query, session.root_hidden = query, hidden
+        if select_now:
+            refresh_all([s.context for s in sessions], queries, wait=True)
+        else:
+            self._to_rescore.update((id(s.context), (s.context, s.root_query)) for s in sessions)
 
     @torch.no_grad()
     def extend_on_device(self, extensions: list[DeviceExtension]) -> None:
@@ -186,10 +192,9 @@ class Drafter:
                 continue
             self.discard_unsettled(session)
             extend.append(extension)
-        if settled:
-            contexts = [s.context for s in settled]
-            take_queued_selections(contexts)
-            refresh_all(contexts, torch.stack([s.root_query for s in settled]), wait=False)
+        self._rescore()
+        take_queued_selections([s.context for s in settled])
+        self._to_rescore.update((id(s.context), (s.context, s.root_query)) for s in settled)
         self.extend_many(extend)
 
     @staticmethod
@@ -287,8 +292,20 @@ class Drafter:
 
     def propose_pending(self, requests: list[ProposalRequest]) -> list[DraftTree | PendingTree]:
         """``propose_many`` without waiting for the proposal: trees grown on a device stay pending until their
-        nodes are read, so a target in the same process can queue their verify first."""
-        return self.proposer.propose(requests)
+        nodes are read, so a target in the same process can queue their verify first. The last accept's chunk
+        scoring is queued behind the proposal: its host work overlaps the proposal on the device."""
+        trees = self.proposer.propose(requests)
+        self._rescore()
+        return trees
+
+    def _rescore(self) -> None:
+        """Score the chunks of every salience context committed to since the last call, against its newest root
+        query, in one batch (``refresh_all``): the next accept of each takes the working set those scores choose.
+        """
+        if self._to_rescore:
+            contexts, queries = zip(*self._to_rescore.values())
+            self._to_rescore = {}
+            refresh_all(list(contexts), torch.stack(queries), wait=False)
 
 
 @dataclass(frozen=True)

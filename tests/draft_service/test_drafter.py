@@ -404,8 +404,9 @@ def host_waits(work: Callable[[], object]) -> int:
 
 
 def test_an_accept_chooses_the_working_set_its_predecessor_scored_and_leaves_nothing_out(drafter):
-    """A prompt's working set is chosen at once; an accept's scores choose the set at the next accept, and
-    meanwhile every entry past the chunks the set was chosen among is attended as the tail."""
+    """A prompt's working set is chosen at once; an accept's chunks are scored once the next proposal is launched,
+    those scores choose the set at the next accept, and meanwhile every entry past the chunks the set was chosen
+    among is attended as the tail."""
     session = start_sessions(drafter, (300,), SALIENCE)[0]
     context, size = session.context, SALIENCE.chunk_size
     assert context.selects and context.covered_chunks == context.index.num_chunks == 300 // size
@@ -417,7 +418,9 @@ def test_an_accept_chooses_the_working_set_its_predecessor_scored_and_leaves_not
         features = torch.randn(n, 3 * c.target_hidden_size, generator=generator)
         drafter.extend(session, features, torch.randint(0, c.vocab_size, (n,), generator=generator).tolist())
 
-    accept(size)  # completes a full chunk: scored, but the set stays the prompt's
+    accept(size)  # completes a full chunk: scored behind the next proposal, and the set stays the prompt's
+    assert context.index.num_chunks == 300 // size and context.covered_chunks == 300 // size
+    drafter.propose_many([ProposalRequest(session, *POLICIES["full"])])
     assert context.index.num_chunks == 300 // size + 1 and context.covered_chunks == 300 // size
     assert context.attended_tokens == arena_tokens + session.num_entries - context.covered_chunks * size
     keys = context.committed(0)[0]
