@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, dtype_name, resolve_device, resolve_dtype, upload
 from diffspec.device_accept import DeviceAccept, VerifyQueued
+from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, dtype_name, resolve_device, resolve_dtype, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import SamplingParams, sample, target_probs, token_logprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
