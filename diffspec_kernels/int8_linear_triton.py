@@ -34,7 +34,7 @@ def int8_linear_plan(rows: int) -> Int8LinearPlan:
     return Int8LinearPlan(64, 64, 64, num_warps=4, num_stages=3)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count moves from call to call: one compile for all of them
 def _int8_linear_kernel(
     x_ptr,  # [M, K] float (bf16 / fp16 / fp32), row stride x_stride, unit column stride
     q_ptr,  # [N, K] int8, contiguous

@@ -76,3 +76,18 @@ def test_qkv_rope_compiles_once_across_row_counts():
         module.qkv_rope_triton(qkv, cos, cos.clone(), heads, kv_heads)
 
     assert _compiles(module._qkv_rope_kernel, [lambda n=n: rope(n) for n in (1, 3, 16, 17)]) == 1
+
+
+def test_int8_linear_compiles_once_for_every_row_count_of_a_tile():
+    """A draft depth's and an accept's rows (1 to 16 share one 16-row tile) compile once; the tile's plan is
+    what changes with more rows, not the row count."""
+    from diffspec_kernels import int8_linear_triton as module
+    from diffspec_kernels.int8_linear_ref import quantize_int8
+
+    q, scale = quantize_int8(torch.randn(96, 256))
+    q, scale = q.to(DEVICE), scale.to(DEVICE)
+
+    def multiply(rows: int) -> None:
+        module.int8_linear_triton(torch.randn(rows, 256, device=DEVICE).to(torch.bfloat16), q, scale)
+
+    assert _compiles(module._int8_linear_kernel, [lambda n=n: multiply(n) for n in (1, 5, 10, 16)]) == 1
