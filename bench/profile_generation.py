@@ -7,7 +7,9 @@ untimed first after the warm-ups a server runs, so graph recording stays out of 
 ``--profiler cprofile`` (the default) lists Python functions; a GPU's queued work shows up at
 the calls that wait for it (a tensor read back to the host). ``--profiler torch`` lists the
 phases the runtimes mark (``draft.accept``, ``draft.propose.search``, ``target.verify``, ...)
-with their host time and the GPU time of the kernels they launched, then the costliest ops.
+with their host time and the GPU time of the kernels they launched, how much of an iteration the device is
+busy (all iterations, and those without prompt work: the idle rest is host time on the critical path), then
+the costliest ops.
 ``--profiler syncs`` (a GPU only) counts the host's waits for the GPU per iteration by source line.
 ``--profiler stacks`` samples the loop thread's Python stack on the wall clock: each function's share
 of an iteration, waits for the GPU included, with no per-call cost added to what it measures.
@@ -33,7 +35,8 @@ import warnings
 from typing import Callable, Iterator
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.batching import MODES, concurrent
 from bench.warmup import warm_up_draft, warm_up_target
@@ -41,6 +44,8 @@ from diffspec.settings import DiffSpecSettings
 from gateway.assembly import build_engine
 
 PHASE_PREFIXES = ("draft.", "target.")  # the ranges the runtimes mark
+ITERATION = "engine.iteration"  # the range each profiled iteration is marked with
+PROMPT_PHASE = "target.prefill"  # marked only where a target call computes prompt chunks
 REPOSITORY = str(Path(__file__).resolve().parents[1])
 
 
@@ -71,7 +76,8 @@ class TorchProfileReport:
     def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
         def call(step: Callable[[], None]) -> None:
             self.iterations += 1
-            step()
+            with record_function(ITERATION):
+                step()
 
         with self.profile:
             yield call
@@ -86,9 +92,23 @@ class TorchProfileReport:
                 host_ms, gpu_ms = event.cpu_time_total / 1e3 / n, event.device_time_total / 1e3 / n
                 print(f"{event.key:32} {event.count / n:8.2f} {host_ms:8.3f} {gpu_ms:8.3f}")
         if torch.cuda.is_available():
+            self._print_device_busy()
             self._print_kernels_by_phase(n)
             print(events.table(sort_by="self_cuda_time_total", row_limit=rows))
         print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+
+    def _print_device_busy(self) -> None:
+        events = self.profile.events()
+        windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == ITERATION and not _on_device(e)]
+        prompts = [e.time_range.start for e in events if e.name == PROMPT_PHASE and not _on_device(e)]
+        decoding = [w for w in windows if not any(w[0] <= start < w[1] for start in prompts)]
+        work = [(e.time_range.start, e.time_range.end) for e in events if _on_device(e) and not _annotation(e)]
+        for label, chosen in (("iterations", windows), ("iterations without prompt work", decoding)):
+            if chosen:
+                wall_ms = sum(end - start for start, end in chosen) / len(chosen) / 1e3
+                busy_ms = busy_us(chosen, work) / len(chosen) / 1e3
+                print(f"{len(chosen)} {label}: {wall_ms:.3f} ms each, the device busy {busy_ms:.3f} ms of it "
+                      f"(idle {wall_ms - busy_ms:.3f} ms)")
 
     def _print_kernels_by_phase(self, iterations: int, per_phase: int = 10) -> None:
         """Each phase's kernels (a graph's included, under the phase that replayed it): how many per iteration,
@@ -198,6 +218,27 @@ class StackSampleReport:
             for site, count in table.most_common(rows):
                 print(f"{count * ms_per_sample:8.3f}  {site}")
             print()
+
+
+def busy_us(windows: list[tuple[float, float]], work: list[tuple[float, float]]) -> float:
+    """Microseconds of the (disjoint) ``windows`` during which at least one interval of ``work`` runs: the
+    intervals' union, clipped to each window."""
+    union: list[list[float]] = []
+    for start, end in sorted(work):
+        if union and start <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], end)
+        else:
+            union.append([start, end])
+    return sum(max(0.0, min(end, w_end) - max(start, w_start)) for w_start, w_end in windows for start, end in union)
+
+
+def _on_device(event) -> bool:  # noqa: ANN001 (a torch.autograd.profiler FunctionEvent)
+    return event.device_type != DeviceType.CPU
+
+
+def _annotation(event) -> bool:  # noqa: ANN001
+    """A marked range as the device timeline repeats it (it spans gaps between kernels: not work)."""
+    return event.is_user_annotation or event.name == ITERATION or event.name.startswith(PHASE_PREFIXES)
 
 
 def _short(path: str) -> str:

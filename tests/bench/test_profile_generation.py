@@ -1,0 +1,35 @@
+"""The engine profile's device-busy arithmetic: which intervals count as the device's work, and their union
+inside the iterations' windows."""
+
+from __future__ import annotations
+
+import pytest
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
+
+from bench.profile_generation import ITERATION, _annotation, _on_device, busy_us
+
+# (iteration windows, device work intervals) -> microseconds the device is busy inside the windows
+CASES = [
+    ([(0, 10)], [], 0.0),
+    ([(0, 10)], [(2, 4), (6, 8)], 4.0),  # gaps between kernels are idle
+    ([(0, 10)], [(2, 6), (4, 8)], 6.0),  # overlapping kernels count once
+    ([(0, 10)], [(-5, 3), (9, 20)], 4.0),  # work queued before or running past a window is clipped to it
+    ([(0, 10), (20, 30)], [(5, 25)], 10.0),  # the host's time between iterations is not an iteration's
+    ([(0, 10), (20, 30)], [(5, 12), (8, 9), (25, 40), (50, 60)], 10.0),
+]
+
+
+@pytest.mark.parametrize("windows, work, busy", CASES)
+def test_busy_time_is_the_union_of_work_inside_the_windows(windows, work, busy):
+    assert busy_us(windows, work) == busy
+
+
+def test_marked_ranges_on_the_device_timeline_are_not_work():
+    kernel = FunctionEvent(1, "nvjet_sm90_tst_128x8", 0, 0, 5, device_type=DeviceType.CUDA)
+    repeated = FunctionEvent(2, "draft.propose.search", 0, 0, 50, device_type=DeviceType.CUDA)
+    iteration = FunctionEvent(3, ITERATION, 0, 0, 100, device_type=DeviceType.CUDA)
+    host = FunctionEvent(4, "aten::linear", 0, 0, 5)
+    assert _on_device(kernel) and not _annotation(kernel)
+    assert _on_device(repeated) and _annotation(repeated) and _annotation(iteration)
+    assert not _on_device(host)
