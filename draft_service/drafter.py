@@ -153,12 +153,19 @@ class Drafter:
         """Write entries whose tokens and count only the device knows yet (a greedy verify's acceptance, computed
         behind its forward): each session writes all ``max_entries`` rows its accept may hold and takes its root
         from the last real one, so nothing here waits for the forward. The entries stay unsettled until
-        ``commit_accepted`` compares them with the host's acceptance and keeps the real ones."""
+        ``commit_accepted`` compares them with the host's acceptance and keeps the real ones.
+
+        A salience session takes the working set its last scores chose here too, as an accept would: the
+        scores' copy was queued behind the proposal this verify follows, so reading it waits at most for that
+        proposal, while the host has the verify to wait for anyway; the arenas' update is queued behind the
+        verify, before the next proposal reads them."""
         if not extensions:
             return
         sessions = [e.session for e in extensions]
         if any(s.unsettled is not None for s in sessions):
             raise ValueError("a session's last entries written on the device are not settled yet")
+        self._rescore()
+        take_queued_selections([s.context for s in sessions])
         counts = [e.accept.max_entries for e in extensions]
         ends = list(itertools.accumulate(counts))
         rows = self.staging.upload([*_positions(sessions, counts), *(end - n for end, n in zip(ends, counts))])
@@ -192,9 +199,7 @@ class Drafter:
                 continue
             self.discard_unsettled(session)
             extend.append(extension)
-        self._rescore()
-        take_queued_selections([s.context for s in settled])
-        self._to_rescore.update((id(s.context), (s.context, s.root_query)) for s in settled)
+        self._to_rescore.update((id(s.context), (s.context, s.root_query)) for s in settled)  # their sets taken
         self.extend_many(extend)
 
     @staticmethod
