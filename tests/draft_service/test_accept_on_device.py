@@ -109,7 +109,8 @@ def test_discarding_restores_the_session_and_a_second_write_before_settling_is_r
 @pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
 def test_writing_entries_on_the_device_never_waits_for_the_gpu(salience):
     """Inputs go up through pinned memory, the last real row is picked by a device index, and the check's copy is
-    queued: the host only launches."""
+    queued: the host only launches. (A session with a working set to take reads its scores' copy, queued behind
+    the proposal before the verify: these sessions have none queued.)"""
     drafter = Drafter(load_head(torch.device("cuda"), torch.bfloat16), cuda_graphs=False)
     sessions = start_sessions(drafter, CONTEXT_LENGTHS, salience)
     accepts = [(f.bfloat16(), t) for f, t in _accepts(drafter, seed=1)]
