@@ -229,21 +229,31 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def head_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of a benchmark of the head on the GPU: its target (for the embedding), its directory, the output."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-model", type=Path, required=True, help="the target (its embedding feeds the head)")
     parser.add_argument("--draft-model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    return parser
+
+
+def parse_with_gpu_head(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Eagle3Head]:
+    """The flags, and the head on the GPU (exit status 2 without one)."""
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog} needs a GPU\n")
+    return args, load_gpu_head(args.base_model, args.draft_model)
+
+
+def main() -> int:
+    parser = head_parser(__doc__)
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384, 65536])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--tree-config", default="64:0.0:8")
     parser.add_argument("--draft-quantization", nargs="+", default=["none"], choices=["none", "int8"],
                         help="the head's per-depth matmuls; each value measures every point")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("draft_times needs a GPU", file=sys.stderr)
-        return 2
-    head = load_gpu_head(args.base_model, args.draft_model)
+    args, head = parse_with_gpu_head(parser)
     bandwidth = copy_bandwidth()
     rows = []
     for context in args.contexts:

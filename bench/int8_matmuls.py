@@ -13,7 +13,6 @@ and the best is kept.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.draft_times import load_gpu_head, write_rows
+from bench.draft_times import head_parser, parse_with_gpu_head, write_rows
 from bench.kernels import copy_bandwidth, median_ms
 from draft_service.serving_weights import ServingLinear, ServingWeights
 
@@ -98,17 +97,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-model", type=Path, required=True, help="the target (its embedding feeds the head)")
-    parser.add_argument("--draft-model", type=Path, required=True)
+    parser = head_parser(__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--sweep", action="store_true", help="time every tiling up to 16 rows; keep the best")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("int8_matmuls needs a GPU", file=sys.stderr)
-        return 2
-    head = load_gpu_head(args.base_model, args.draft_model)
+    args, head = parse_with_gpu_head(parser)
     dense, int8 = named_linears(head.serving_weights("none")), named_linears(head.serving_weights("int8"))
     bandwidth = copy_bandwidth()
     rows = []
