@@ -146,7 +146,7 @@ class Drafter:
         if select_now:
             refresh_all([s.context for s in sessions], queries, wait=True)
         else:
-            self._to_rescore.update((id(s.context), (s.context, s.root_query)) for s in sessions)
+            self._queue_rescore(sessions)
 
     @torch.no_grad()
     def extend_on_device(self, extensions: list[DeviceExtension]) -> None:
@@ -199,7 +199,7 @@ class Drafter:
                 continue
             self.discard_unsettled(session)
             extend.append(extension)
-        self._to_rescore.update((id(s.context), (s.context, s.root_query)) for s in settled)  # their sets taken
+        self._queue_rescore(settled)  # their sets were taken when their entries were written
         self.extend_many(extend)
 
     @staticmethod
@@ -237,7 +237,7 @@ class Drafter:
         num_layers = self.head.config.num_layers
         firsts = [s.num_entries for s in sessions]
         total = sum(counts)
-        joined = upload(_joined(features) if len(features) > 1 else features[0], device).to(dtype)
+        joined = upload(_joined(features), device).to(dtype)
         ends = list(itertools.accumulate(counts))  # 1 past each session's last row
         starts = [end - n for end, n in zip(ends, counts)]
         claims = [s.context.claim(n) for s, n in zip(sessions, counts)]  # [session][layer]: keys, values
@@ -302,6 +302,12 @@ class Drafter:
         trees = self.proposer.propose(requests)
         self._rescore()
         return trees
+
+    def _queue_rescore(self, sessions: list[DraftSession]) -> None:
+        """Have the salience sessions' chunks scored against their new roots at the next ``_rescore`` (sessions
+        over the whole context have nothing to score)."""
+        salient = [s for s in sessions if s.context.salience is not None]
+        self._to_rescore.update((id(s.context), (s.context, s.root_query)) for s in salient)
 
     def _rescore(self) -> None:
         """Score the chunks of every salience context committed to since the last call, against its newest root
