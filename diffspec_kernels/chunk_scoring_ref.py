@@ -46,8 +46,10 @@ def chunk_scores_reference(
     kmin = key_min[page_table].flatten(1, 2).transpose(1, 2).float()  # [batch, kv_heads, chunks, hd]
     kmax = key_max[page_table].flatten(1, 2).transpose(1, 2).float()
     # max(q_i * kmax_i, q_i * kmin_i) takes kmax_i where q_i > 0, kmin_i where q_i < 0 (kmin <= kmax): two
-    # matrix products rather than the [batch, chunks, heads, hd] products themselves
-    bounds = kmax @ qf.clamp(min=0) + kmin @ qf.clamp(max=0)  # [batch, kv_heads, chunks, group]
+    # matrix products rather than the [batch, chunks, heads, hd] products themselves, in float32 even under a
+    # caller's autocast (the trainer's bf16), as the ranking of the scores requires
+    with torch.autocast(q.device.type, enabled=False):
+        bounds = kmax @ qf.clamp(min=0) + kmin @ qf.clamp(max=0)  # [batch, kv_heads, chunks, group]
     scores = bounds.amax(dim=(1, 3))  # [batch, chunks]
     past = torch.arange(scores.shape[1], device=q.device) >= num_chunks[:, None]
     return scores.masked_fill(past, float("-inf"))

@@ -111,3 +111,13 @@ def test_the_scorer_refuses_mismatched_inputs(bad):
     }  # fmt: skip
     with pytest.raises(ValueError):
         chunk_scores_reference(**(inputs | bad))
+
+
+def test_reference_scores_in_float32_under_a_callers_autocast():
+    """The trainer scores working sets under bf16 autocast; the ranking takes float32 scores, the ones outside it."""
+    inputs = pooled_inputs((40, 7), 16, 8, 2, 64, torch.bfloat16, torch.device("cpu"))
+    plain = chunk_scores_reference(*inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = chunk_scores_reference(*inputs)
+    assert autocast.dtype == torch.float32
+    torch.testing.assert_close(autocast, plain, rtol=0, atol=0)

@@ -110,11 +110,15 @@ def test_discarding_restores_the_session_and_a_second_write_before_settling_is_r
 def test_writing_entries_on_the_device_never_waits_for_the_gpu(salience):
     """Inputs go up through pinned memory, the last real row is picked by a device index, and the check's copy is
     queued: the host only launches. (A session with a working set to take reads its scores' copy, queued behind
-    the proposal before the verify: these sessions have none queued.)"""
+    the proposal before the verify: these sessions have none queued.) The second round is the one measured: the
+    first compiles kernels and allocates the pinned buffers a process keeps."""
     drafter = Drafter(load_head(torch.device("cuda"), torch.bfloat16), cuda_graphs=False)
     sessions = start_sessions(drafter, CONTEXT_LENGTHS, salience)
-    accepts = [(f.bfloat16(), t) for f, t in _accepts(drafter, seed=1)]
-    extensions = _extensions(sessions, accepts)
-    assert host_waits(lambda: drafter.extend_on_device(extensions)) == 0
-    drafter.commit_accepted([Extension(s, f[: len(t)], t) for s, (f, t) in zip(sessions, accepts)])
-    assert all(s.unsettled is None for s in sessions)
+    waits = []
+    for seed in (1, 2):
+        accepts = [(f.bfloat16(), t) for f, t in _accepts(drafter, seed=seed)]
+        extensions = _extensions(sessions, accepts)
+        waits = host_waits(lambda: drafter.extend_on_device(extensions))
+        drafter.commit_accepted([Extension(s, f[: len(t)], t) for s, (f, t) in zip(sessions, accepts)])
+        assert all(s.unsettled is None for s in sessions)
+    assert waits == []

@@ -387,11 +387,11 @@ def test_a_batch_accept_never_waits_for_the_gpu(salience, num_layers):
         Extension(s, torch.randn(n, 3 * c.target_hidden_size, generator=generator).to(device), [1] * n)
         for s, n in zip(sessions, (1, 3, 2, 5))
     ]
-    assert host_waits(lambda: eager.extend_many(extensions)) == 0
+    assert host_waits(lambda: eager.extend_many(extensions)) == []
 
 
-def host_waits(work: Callable[[], object]) -> int:
-    """How many times ``work`` made the host wait for the GPU (CUDA's sync debug mode warns at each)."""
+def host_waits(work: Callable[[], object]) -> list[str]:
+    """Where ``work`` made the host wait for the GPU: CUDA's sync debug mode warns at each (file:line: message)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -400,7 +400,7 @@ def host_waits(work: Callable[[], object]) -> int:
             work()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def test_an_accept_chooses_the_working_set_its_predecessor_scored_and_leaves_nothing_out(drafter):
