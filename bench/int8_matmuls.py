@@ -5,8 +5,8 @@ copy bandwidth measured in the same run: ``% copy bandwidth`` = weight bytes / t
 (a matmul only reads its weights, a copy reads and writes, so 100% is not a hard ceiling). Rows: 1 (one
 chain), 10 (one session's frontier of the full tree), 64, 160 (16 sessions' frontiers) and 1,024 (a
 prompt's ingest). Times are medians of ``triton.testing.do_bench`` with L2 cleared before each call.
-With ``--sweep``, every tiling of ``plan_variants`` runs at each shape of up to 16 rows (a batch-1 depth)
-and the best is kept.
+With ``--sweep``, every tiling of ``plan_variants`` runs at each shape of up to 160 rows and the best is
+kept.
 
     python -m bench.int8_matmuls --base-model /tmp/b8/target --draft-model /tmp/b8/head --out bench/results/int8_matmuls_8b.json
 """
@@ -26,6 +26,7 @@ from bench.kernels import copy_bandwidth, median_ms
 from draft_service.serving_weights import ServingLinear, ServingWeights
 
 ROWS = (1, 10, 64, 160, 1024)
+SWEPT_ROWS = 160  # the sweep's largest row count: 16 sessions' frontiers (an ingest's 1,024 rows are cuBLAS's)
 
 
 def named_linears(weights: ServingWeights) -> dict[str, ServingLinear]:
@@ -35,13 +36,19 @@ def named_linears(weights: ServingWeights) -> dict[str, ServingLinear]:
 
 
 def plan_variants(rows: int) -> list:
-    """Tilings for a few rows: strips of N, steps of K, warps and pipeline stages."""
+    """Tilings for ``rows``: up to 16 rows (a batch-1 depth) one M tile with every strip of N, step of K, warp
+    count and stage count; more rows (a batch's frontiers) M tiles of 16 to 64 rows with the shorter K steps
+    that keep their operand tiles in registers."""
     from diffspec_kernels.int8_linear_triton import Int8LinearPlan
 
-    block_m = max(16, 1 << (rows - 1).bit_length())
+    if rows <= 16:
+        return [
+            Int8LinearPlan(16, n, k, warps, stages)
+            for n, k, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4))
+        ]
     return [
-        Int8LinearPlan(block_m, n, k, warps, stages)
-        for n, k, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4))
+        Int8LinearPlan(m, n, k, warps, 3)
+        for m, n, k, warps in itertools.product((16, 32, 64), (32, 64), (64, 128), (4, 8))
     ]
 
 
@@ -64,7 +71,7 @@ def measure(name: str, dense: ServingLinear, int8: ServingLinear, rows: int, ban
         "int8_relative_error": round(error, 6),
         "plan": vars(int8_linear_plan(rows)),
     }  # fmt: skip
-    if sweep and rows <= 16:
+    if sweep and rows <= SWEPT_ROWS:
         timed = [(median_ms(lambda p=p: int8_linear_triton(x, int8.weight, int8.scale, p), rep_ms=20), p)
                  for p in plan_variants(rows)]  # fmt: skip
         best_ms, best = min(timed, key=lambda t: t[0])
@@ -99,7 +106,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     parser = head_parser(__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    parser.add_argument("--sweep", action="store_true", help="time every tiling up to 16 rows; keep the best")
+    parser.add_argument("--sweep", action="store_true", help="time every tiling up to 160 rows; keep the best")
     args, head = parse_with_gpu_head(parser)
     dense, int8 = named_linears(head.serving_weights("none")), named_linears(head.serving_weights("int8"))
     bandwidth = copy_bandwidth()
