@@ -14,7 +14,6 @@ import argparse
 from pydantic import BaseModel, ConfigDict, Field
 
 from cli.flags import model_from_flags
-from diffspec.client import generate_request
 from diffspec.errors import InvalidRequest
 from diffspec.sampling_params import MAX_LOGPROBS
 from diffspec.v1 import gateway_pb2
@@ -62,6 +61,8 @@ def request_from_flags(args: argparse.Namespace, text: str) -> gateway_pb2.Gener
         raise InvalidRequest("the prompt is empty")  # the gateway's rule, found before anything loads
     sampling = model_from_flags(SamplingFlags, args)
     given = {name: getattr(args, name) for name in REQUEST_FIELDS if getattr(args, name) is not None}
+    from diffspec.client import generate_request  # the gRPC stubs: not for the commands that only train
+
     message = generate_request(text, **sampling.model_dump(include=sampling.model_fields_set), **given)
     check_draft_fields(message.policy, message.tree_config)
     return message

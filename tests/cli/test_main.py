@@ -146,3 +146,11 @@ def test_connection_flags_reach_a_gateway():
     """TLS and token flags are how generate reaches a gateway, not model flags: the call is made (and fails to connect)."""
     run = run_cli("generate", "--gateway", "127.0.0.1:1", "--auth-token", "t", "--prompt", "x", timeout=60)
     assert run.returncode != 0 and "gateway unavailable" in run.stderr and "in-process" not in run.stderr, run.stderr
+
+
+def test_training_a_head_imports_no_grpc():
+    """A training machine's grpcio may not match the stubs' (their import refuses it): train-draft and the
+    trainer load without them."""
+    code = "import sys, cli.main, draft_service.trainer; print(sorted(m for m in sys.modules if 'grpc' in m))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
