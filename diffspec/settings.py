@@ -69,6 +69,12 @@ class DiffSpecSettings(BaseSettings):
         "channel int8, activations in dtype (half the bytes a draft depth reads from a bf16 head). Output is "
         "lossless either way (the target verifies every token); int8 may cost some acceptance.",
     )
+    accept_on_device: bool = Field(
+        True,
+        description="With the draft and the target in one process: a greedy verify's accepted entries are written "
+        "to the draft from the device's acceptance while the verify runs, and checked against the host's when it "
+        "has read the results (off: the draft commits them after the results, as across processes).",
+    )
     tuning_profile: str = Field(
         "",
         description="tuned_profile.json written by python -m bench.reproduce: a request that sets no policy, tree "

@@ -53,6 +53,7 @@ def engine_limits(settings: DiffSpecSettings) -> EngineLimits:
         max_batch_tokens=settings.max_batch_tokens,
         prefill_chunk=settings.prefill_chunk,
         quota=QuotaLimits(settings.client_max_requests, settings.client_max_tokens),
+        accept_on_device=settings.accept_on_device,
     )
 
 

@@ -60,6 +60,7 @@ class EngineLimits:
     max_batch_tokens: int  # tokens one iteration computes: trees first, then prompt chunks
     prefill_chunk: int  # most prompt tokens of one request per iteration
     quota: QuotaLimits = QuotaLimits()  # what one client may hold
+    accept_on_device: bool = True  # an in-process draft writes greedy accepts while the verify runs
 
 
 @dataclass
@@ -139,7 +140,7 @@ class EngineCore:
         self._draft_releases: dict[str, RunningRequest | None] = {}  # session -> request waiting for its stats
         self._verify_cost: VerifyCost | None = None
         # the draft writes accepted entries from the device's acceptance during the verify (both in this process)
-        self._draft_on_device = draft if isinstance(draft, AcceptsOnDevice) else None
+        self._draft_on_device = draft if limits.accept_on_device and isinstance(draft, AcceptsOnDevice) else None
         self._accepted_on_device: list[str] = []  # this iteration's requests whose entries it wrote so
         self._on_device_seconds = 0.0  # the host time that took, inside this iteration's target call
         self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()

@@ -137,6 +137,19 @@ def test_sixteen_streams_each_equal_the_request_alone(engine, prompt_ids):
     assert_all_released(engine)
 
 
+
+def test_with_accepts_off_the_device_the_crowd_is_the_same(engine, target, draft, tokenizer, prompt_ids):
+    """``accept_on_device`` off: the draft commits every accept after the results, and each stream's tokens are
+    those of the engine that writes greedy accepts during the verify."""
+    requests = [request(case, prompt_ids) for case in CROWD]
+    want = crowd(engine, requests)
+    off = recording_engine(target, draft, tokenizer, replace(LIMITS, accept_on_device=False))
+    try:
+        assert crowd(off, requests) == want
+    finally:
+        off.close()
+    assert off.draft.written_on_device == [] and len(off.draft.batches) > 0
+
 # -- (b) a failing request fails alone ------------------------------------------------------
 
 
