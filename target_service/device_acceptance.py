@@ -40,11 +40,13 @@ def greedy_device_accept(
     matches = ((tokens == choices[parents.clamp(min=0)]) | (index == 0)) & real
     ancestors = tree.ancestor_mask[:nodes, :nodes]  # [nodes, nodes]: j is i or an ancestor of i
     on_matching_path = ~(ancestors & ~matches[None, :]).any(dim=1) & real
-    leaf = torch.where(on_matching_path, depths, -1).argmax()  # [] the deepest: the accepted path's end
-    num_entries = depths[leaf] + 1
+    # [1] the deepest: the accepted path's end. One element, not a 0-dim tensor: indexing with a 0-dim tensor
+    # reads it back to the host (``item``), which would wait for the forward this runs behind
+    leaf = torch.where(on_matching_path, depths, -1).argmax(dim=0, keepdim=True)
+    num_entries = (depths[leaf] + 1).squeeze(0)
     max_entries = max_depth + 1
     # the path's node at each depth: scatter its nodes by depth (the others into a spare last slot)
-    slots = torch.where(ancestors[leaf], depths, max_entries)
+    slots = torch.where(ancestors[leaf].squeeze(0), depths, max_entries)
     by_depth = torch.zeros(max_entries + 1, dtype=torch.int64, device=device).scatter_(0, slots, index)
     entry = torch.arange(max_entries, device=device)
     path = torch.where(entry < num_entries, by_depth[:max_entries], leaf)  # [max_entries], padded with the leaf

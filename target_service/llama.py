@@ -75,7 +75,8 @@ class PagedForwardOutput:
         if layers == self.feature_layers:
             return picked
         blocks = picked.unflatten(-1, (len(self.feature_layers), -1))
-        return blocks[:, [self.feature_layers.index(layer) for layer in layers]].flatten(-2)
+        positions = torch.tensor([self.feature_layers.index(layer) for layer in layers], dtype=torch.int64)
+        return blocks.index_select(1, upload(positions, blocks.device)).flatten(-2)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, layer: LayerWeights, name: str) -> torch.Tensor:

@@ -17,6 +17,7 @@ from tests.draft_service.test_drafter import (
     load_head,
     start_sessions,
 )
+from tests.host_reads import host_reads
 
 COUNTS = (1, 4, 2, 6)  # entries each session's accept commits
 MAX_ENTRIES = (3, 6, 2, 9)  # rows the device wrote for it: its tree's depth bound + 1
@@ -103,6 +104,17 @@ def test_discarding_restores_the_session_and_a_second_write_before_settling_is_r
         drafter.discard_unsettled(session)
         assert (session.num_entries, session.context.length, session.unsettled) == (entries, length, None)
         assert torch.equal(session.root_query, query) and torch.equal(session.root_hidden, hidden)
+
+
+@pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
+def test_writing_entries_on_the_device_reads_no_value_back(drafter, salience):
+    """The CPU's view of the GPU test below: no op of the write reads a tensor's value to the host."""
+    sessions = start_sessions(drafter, CONTEXT_LENGTHS, salience, seed=4)
+    for seed in (1, 2):  # the second round takes a working set the first one's scores chose
+        accepts = _accepts(drafter, seed=seed)
+        extensions = _extensions(sessions, accepts)
+        assert host_reads(lambda: drafter.extend_on_device(extensions)) == []
+        drafter.commit_accepted([Extension(s, f[: len(t)], t) for s, (f, t) in zip(sessions, accepts)])
 
 
 @pytest.mark.gpu

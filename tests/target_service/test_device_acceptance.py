@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from diffspec.acceptance import accept_greedy
 from diffspec.tree import DraftTree
 from target_service.device_acceptance import greedy_device_accept
 from target_service.llama import PagedForwardOutput
+from tests.host_reads import host_reads
 from tests.target_service.trees import pending_tree
 
 HIDDEN, LAYERS = 3, (1, 4)
@@ -73,3 +76,16 @@ def test_a_subset_of_the_layers_is_picked_in_the_session_s_order():
     got = greedy_device_accept(pending.on_device, 4, 2, argmax, 0, forward, (4,))
     assert int(got.num_entries) == 2 and got.next_tokens.tolist() == [11, 7, 7]
     assert torch.equal(got.features, forward.features_of([0, 1, 1], (4,)))
+
+
+def test_the_device_path_reads_nothing_back():
+    """It runs behind the forward: a value read on the host (a 0-dim index, an ``item``) would wait for it."""
+    generator = torch.Generator().manual_seed(3)
+    tree = _tree(17, generator)
+    depth_bound = tree.max_depth + 1
+    pending = pending_tree(tree, 20, depth_bound)
+    argmax = torch.tensor(_argmax(tree, generator, follow=0.9) + [0] * 3)
+    forward = _forward(argmax.numel())
+    for layers in (LAYERS, (4,)):  # every layer the forward computed, and a subset
+        accept = functools.partial(greedy_device_accept, pending.on_device, 20, depth_bound, argmax, 0, forward, layers)
+        assert host_reads(accept) == [], layers
