@@ -159,13 +159,15 @@ class EngineCore:
         """Queue a request; raises ResourceExhausted when ``max_requests`` are already in the engine or its
         client holds its quota, InvalidRequest when the KV pool could never hold it."""
         self.admission.check_fits(request)
-        with self._admitted_lock:
+        running = RunningRequest.create(request_id, request, sink, self.info, self.tokenizer, deadline)
+        with self._admitted_lock:  # queued under the lock: a close either sees it in the inbox or refuses it
+            if self._stopping:
+                raise PeerUnavailable("the server is shutting down")
             if self._admitted >= self.limits.max_requests:
                 raise ResourceExhausted(f"{self._admitted} generations in flight (max_sessions); retry later")
             self.quotas.admit(request.client, _quota_tokens(request))
             self._admitted += 1
-        running = RunningRequest.create(request_id, request, sink, self.info, self.tokenizer, deadline)
-        self._inbox.put(_Submit(running))
+            self._inbox.put(_Submit(running))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -178,7 +180,9 @@ class EngineCore:
         return self._admitted
 
     def close(self) -> None:
-        self._stopping = True
+        """Stop the loop: what still runs or waits fails with UNAVAILABLE, and the backends get every release."""
+        with self._admitted_lock:  # no submit slips in behind the loop's last look at its inbox
+            self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
 
@@ -196,8 +200,23 @@ class EngineCore:
                 log.exception("engine iteration failed")
                 for running in list(self._requests.values()):
                     self._fail(running, failure)
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Fail every request, admitted or still in the inbox, then send their releases in one last iteration, so
+        backends that outlive this loop (a shared runtime, a remote service) keep nothing of them."""
+        shutting_down = PeerUnavailable("the server is shutting down")
+        while not self._inbox.empty():
+            item = self._inbox.get_nowait()
+            if isinstance(item, _Submit):
+                self._fail(item.running, shutting_down)
         for running in list(self._requests.values()):
-            self._fail(running, PeerUnavailable("the server is shutting down"))
+            self._fail(running, shutting_down)
+        if self._target_releases or self._draft_releases:
+            try:
+                self.step()  # releases alone: nothing is left to run
+            except Exception:  # noqa: BLE001 - a backend that fails now frees its sessions when its peer goes
+                log.exception("sending the last releases failed")
 
     def has_work(self) -> bool:
         return bool(self._requests or self._target_releases or self._draft_releases or not self._inbox.empty())

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import pytest
 
-from diffspec.errors import DeadlineExceeded, InvalidRequest, ResourceExhausted
+from diffspec.errors import DeadlineExceeded, InvalidRequest, PeerUnavailable, ResourceExhausted
 from diffspec.sampling import SamplingParams
 from diffspec.settings import BUNDLED_DRAFT, DiffSpecSettings
 from diffspec.tree import DraftTree
@@ -149,6 +149,24 @@ def test_with_accepts_off_the_device_the_crowd_is_the_same(engine, target, draft
     finally:
         off.close()
     assert off.draft.written_on_device == [] and len(off.draft.batches) > 0
+
+
+def test_closing_the_engine_frees_everything_and_refuses_what_comes_after(target, draft, tokenizer, prompt_ids):
+    """Backends that outlive an engine (shared runtimes, remote services) keep nothing of its requests, whether
+    they ended just before the close or still ran; the running one ends UNAVAILABLE, and so does a later one."""
+    engine = recording_engine(target, draft, tokenizer, LIMITS)
+    timeline = Timeline()
+    crowd(engine, [request(case, prompt_ids) for case in CROWD[:4]])  # ended: their releases may still be queued
+    engine.core.submit("running", GenerationRequest(prompt_ids[0], 4000, draft=FULL), timeline.sink("running"))
+    timeline.wait_until(lambda: timeline.tokens("running"))
+    engine.close()
+    failure = timeline.chunks("running")[-1]
+    assert isinstance(failure, PeerUnavailable) and "shutting down" in str(failure)
+    info = target.info()  # at once: the close sent every release
+    assert info.num_free_pages == info.num_pages and info.active_sessions == 0 and not draft.sessions
+    assert engine.core.num_requests == 0
+    with pytest.raises(PeerUnavailable, match="shutting down"):
+        engine.core.submit("late", GenerationRequest(prompt_ids[0], 4), Timeline().sink("late"))
 
 # -- (b) a failing request fails alone ------------------------------------------------------
 
