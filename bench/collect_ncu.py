@@ -334,7 +334,7 @@ def drive(args: argparse.Namespace) -> int:
     engine = build_engine(settings)
     warm_up_target(engine)
     core = engine.core
-    core.close()  # this thread runs the loop's iterations
+    core.detach_loop()  # this thread runs the loop's iterations
     texts = read_texts(args.data)
     ids = max((engine.tokenizer(t)["input_ids"] for t in texts[:64]), key=len)
     prompt = cut_to_context(ids, args.context)

@@ -275,7 +275,7 @@ def main() -> int:
     args = parser.parse_args()
     settings = DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model, num_pages=8192)
     engine = build_engine(settings)
-    engine.core.close()  # the loop runs in this thread instead, under the profiler
+    engine.core.detach_loop()  # the loop runs in this thread instead, under the profiler
     warm_up_target(engine)  # as a server before traffic: no graph recording inside the profiled runs
     warm_up_draft(engine)
     texts = [json.loads(line)["text"] for line in args.data.read_text().splitlines()[: args.streams]]

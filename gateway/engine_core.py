@@ -145,7 +145,8 @@ class EngineCore:
         self._on_device_seconds = 0.0  # the host time that took, inside this iteration's target call
         self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._stopping = False
+        self._stopping = False  # closed: the loop fails what is left and ends
+        self._detaching = False  # the caller takes over the loop: its thread ends, the engine stays as it is
         self._admitted = 0  # requests submitted and not yet ended, counted on the submitting side
         self._admitted_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="diffspec-engine", daemon=True)
@@ -186,10 +187,17 @@ class EngineCore:
         self._wake.set()
         self._thread.join(timeout=30)
 
+    def detach_loop(self) -> None:
+        """End the loop's thread and leave everything else as it is: the caller runs ``step`` itself (the Nsight
+        Compute driver brackets single iterations)."""
+        self._detaching = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
     # -- the loop (engine thread) ----------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping:
+        while not self._stopping and not self._detaching:
             if not self.has_work():
                 self._wake.wait()
                 self._wake.clear()
@@ -200,7 +208,8 @@ class EngineCore:
                 log.exception("engine iteration failed")
                 for running in list(self._requests.values()):
                     self._fail(running, failure)
-        self._shut_down()
+        if self._stopping:
+            self._shut_down()
 
     def _shut_down(self) -> None:
         """Fail every request, admitted or still in the inbox, then send their releases in one last iteration, so
