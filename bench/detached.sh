@@ -7,16 +7,19 @@
 #
 # The job outlives the command that started it for as long as the machine stays held, so poll again before
 # the machine's idle release. It runs in a copy because every call re-sends the working tree, which must not
-# change under a running job. Each start or poll ends by packing DIR into $OUT/<DIR's name>.tgz, so what the
-# job wrote so far comes back even when the machine does not stay; a reproduce run continues from there with
-# --resume. The job's output is DIR/job.log; DIR/job.rc holds its exit status once it has ended.
+# change under a running job. Each start or poll ends by packing DIR's files under 8 MiB into $OUT/<DIR's
+# name>.tgz, so what the job wrote so far comes back even when the machine does not stay; a reproduce run
+# continues from there with --resume. The job's output is DIR/job.log; DIR/job.rc holds its exit status once it has ended.
 set -u
 ROOT=${DETACHED_ROOT:-/tmp/detached}  # the copy the job runs in
 
 pack() {  # DIR: the job's folder into $OUT, and where it stands
     local dir=$1
     mkdir -p "$OUT"
-    tar -C "$ROOT" -czf "$OUT/$(basename "$dir").tgz" "$dir"
+    # files over 8 MiB (a trained head, checkpoints) stay on the machine: one of them would keep the whole
+    # archive from coming back
+    (cd "$ROOT" && find "$dir" -type f -size +8388607c -printf "detached: left on the machine: %p (%s bytes)\n")
+    (cd "$ROOT" && find "$dir" -type f -size -8388608c -print0) | tar -C "$ROOT" --null -T - -czf "$OUT/$(basename "$dir").tgz"
     tail -n 15 "$ROOT/$dir/job.log"
     if [ -e "$ROOT/$dir/job.rc" ]; then echo "detached: ended, rc $(cat "$ROOT/$dir/job.rc")"; else echo "detached: running"; fi
 }

@@ -40,3 +40,15 @@ def test_a_poll_on_a_machine_without_the_job_says_so_at_once(tmp_path):
     done = subprocess.run(["bash", "bench/detached.sh", "poll", "results/job", "600"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 3 and "machine was released" in done.stderr
+
+
+def test_a_file_over_8_mib_stays_on_the_machine_and_the_rest_comes_back(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DETACHED_ROOT": str(tmp_path / "copy")}
+    job = "head -c 8388608 /dev/zero > results/job/weights.bin; head -c 8388607 /dev/zero > results/job/just_under.bin"
+    detached("start", "results/job", "30", job, env=env)
+    polled = detached("poll", "results/job", "30", env=env)
+    assert "left on the machine: results/job/weights.bin (8388608 bytes)" in polled
+    with tarfile.open(tmp_path / "out" / "job.tgz") as packed:
+        names = set(packed.getnames())
+    assert "results/job/just_under.bin" in names and "results/job/job.rc" in names
+    assert "results/job/weights.bin" not in names
