@@ -75,6 +75,12 @@ class DiffSpecSettings(BaseSettings):
         "to the draft from the device's acceptance while the verify runs, and checked against the host's when it "
         "has read the results (off: the draft commits them after the results, as across processes).",
     )
+    propose_ahead: bool = Field(
+        True,
+        description="With accept_on_device: when every draft session's accepted entries were written so, the next "
+        "proposal is queued behind them at once, so the GPU runs it while the host reads the verify's results "
+        "(off: the next step proposes after the results). The same trees either way.",
+    )
     tuning_profile: str = Field(
         "",
         description="tuned_profile.json written by python -m bench.reproduce: a request that sets no policy, tree "

@@ -90,6 +90,7 @@ class DraftBackend(Protocol):
 @runtime_checkable
 class AcceptsOnDevice(Protocol):
     """A draft in the target's process: it writes a greedy verify's accepted entries from the device's acceptance
-    while that verify runs (``DraftRuntime.accept_on_device``); the next step's accepts settle them."""
+    while that verify runs (``DraftRuntime.accept_on_device``), and may queue the next proposal behind them; the
+    next step's accepts settle them."""
 
     def accept_on_device(self, accepts: dict[str, DeviceAccept]) -> set[str]: ...

@@ -12,7 +12,7 @@ Layers. Chunks are scored on the last decoder layer's keys against its query of 
 from an arena of its own that takes the same selections.
 
 When. A prompt's working set is chosen at once (``refresh_all(..., wait=True)``). An accept's choice
-is only queued, and only once the next proposal is launched (``Drafter._rescore``), so its host work
+is only queued, and only once the next proposal is launched (``Drafter.rescore``), so its host work
 overlaps that proposal on the device: the device ranks the chunks and copies the best to the host behind
 the proposal, and the context takes the new working set at its next accept, when the copy is long done. The proposal in
 between attends to the set chosen a step earlier, and the tail past the chunks that set chose among

@@ -14,7 +14,10 @@ Accept. Verification commits the root and the accepted nodes; their target featu
 the emitted tokens (accepted drafts then the bonus) as the next committed entries. In one process
 with a greedy target, the entries are written from the device's acceptance while the verify still
 runs (``extend_on_device``) and settled against the host's acceptance afterwards
-(``commit_accepted``), so the host's share of an accept is off the step's critical path.
+(``commit_accepted``), so the host's share of an accept is off the step's critical path. The next
+proposal may then be queued at once, behind that write: sessions with unsettled entries propose
+from them, their root token and entry count read on the device (``tree_proposal``), so the
+proposal runs on the GPU while the host reads the verify's results.
 
 Layers. Every decoder layer of the head keeps its own draft KV. A tree node runs all layers, each
 over that layer's committed KV and its ancestors' entries of that layer. A session's root query
@@ -53,9 +56,11 @@ class UnsettledEntries:
 
     check: HostCopy  # of a batch's [max_entries + 1] int64 per session: emitted tokens, then how many are real
     first: int  # where this session's come in it
-    max_entries: int
+    max_entries: int  # entries written past the committed ones; the real ones are the first of them
     root_query: torch.Tensor  # the session's root before them, back in place if the host disagrees
     root_hidden: torch.Tensor
+    real_entries: torch.Tensor  # [1] int64 on the device: how many of the written entries are real
+    root_token: torch.Tensor  # [1] int64 on the device: the last real entry's token, the next tree's root
 
     def agrees_with(self, emitted: list[int]) -> bool:
         """Whether the device's entries are these (its copy finished behind the forward the host has read)."""
@@ -124,11 +129,11 @@ class Drafter:
 
         A salience working set is chosen from the scores of the accept before (``draft_context``), or with
         ``select_now`` from this pass's before it returns (a prompt's first set). The scores this pass's roots
-        give are computed after the next proposal is launched (``_rescore``): only the accept after it reads them.
+        give are computed after the next proposal is launched (``rescore``): only the accept after it reads them.
         """
         if not extensions:
             return
-        self._rescore()  # an accept with no proposal since the last one: its scores first
+        self.rescore()  # an accept with no proposal since the last one: its scores first
         take_queued_selections([e.session.context for e in extensions])  # the sets the last accept's scores chose
         sessions, counts = [e.session for e in extensions], [len(e.next_tokens) for e in extensions]
         ends = list(itertools.accumulate(counts))  # 1 past each session's last row
@@ -164,14 +169,16 @@ class Drafter:
         sessions = [e.session for e in extensions]
         if any(s.unsettled is not None for s in sessions):
             raise ValueError("a session's last entries written on the device are not settled yet")
-        self._rescore()
+        self.rescore()
         take_queued_selections([s.context for s in sessions])
         counts = [e.accept.max_entries for e in extensions]
         ends = list(itertools.accumulate(counts))
         rows = self.staging.upload([*_positions(sessions, counts), *(end - n for end, n in zip(ends, counts))])
         positions, starts = rows.split([ends[-1], len(extensions)])
-        last_rows = starts + torch.stack([e.accept.num_entries for e in extensions]) - 1
+        real = torch.stack([e.accept.num_entries for e in extensions]).view(-1)  # [sessions] int64
+        last_rows = starts + real - 1
         tokens = _joined([e.accept.next_tokens for e in extensions])
+        roots = tokens[last_rows]  # [sessions]: a device index, nothing read back
         # one copy of every session's tokens and count, queued before the writes: settling waits for the
         # acceptance, not for them
         check = HostCopy(torch.cat([t for e in extensions for t in (e.accept.next_tokens, e.accept.num_entries[None])]))
@@ -179,14 +186,17 @@ class Drafter:
         queries, hiddens = self._write_entries(sessions, counts, features, tokens, positions, last_rows)
         for i, (session, end, n, query, hidden) in enumerate(zip(sessions, ends, counts, queries, hiddens)):
             first = end - n + i  # each session's rows, then its count
-            session.unsettled = UnsettledEntries(check, first, n, session.root_query, session.root_hidden)
+            session.unsettled = UnsettledEntries(
+                check, first, n, session.root_query, session.root_hidden, real[i : i + 1], roots[i : i + 1]
+            )
             session.root_query, session.root_hidden = query, hidden
 
     @torch.no_grad()
-    def commit_accepted(self, extensions: list[Extension]) -> None:
+    def commit_accepted(self, extensions: list[Extension]) -> list[DraftSession]:
         """Commit what the host accepted. A session whose entries ``extend_on_device`` wrote keeps those that are
         these (the device and the host read one argmax, so they agree); any other session, or one whose device
-        entries differ, is extended here (``extend_many``)."""
+        entries differ, is extended here (``extend_many``). Returns the sessions that kept their device entries:
+        a proposal queued from those entries is theirs."""
         settled, extend = [], []
         for extension in extensions:
             session, unsettled = extension.session, extension.session.unsettled
@@ -201,6 +211,7 @@ class Drafter:
             extend.append(extension)
         self._queue_rescore(settled)  # their sets were taken when their entries were written
         self.extend_many(extend)
+        return settled
 
     @staticmethod
     def discard_unsettled(session: DraftSession) -> None:
@@ -298,21 +309,25 @@ class Drafter:
     def propose_pending(self, requests: list[ProposalRequest]) -> list[DraftTree | PendingTree]:
         """``propose_many`` without waiting for the proposal: trees grown on a device stay pending until their
         nodes are read, so a target in the same process can queue their verify first. The last accept's chunk
-        scoring is queued behind the proposal: its host work overlaps the proposal on the device."""
+        scoring is queued behind the proposal: its host work overlaps the proposal on the device.
+
+        The sessions propose either all from settled entries or all from entries ``extend_on_device`` wrote
+        (whose root and count only the device knows yet); the latter's trees are theirs once
+        ``commit_accepted`` keeps those entries."""
         trees = self.proposer.propose(requests)
-        self._rescore()
+        self.rescore()
         return trees
 
     def _queue_rescore(self, sessions: list[DraftSession]) -> None:
-        """Have the salience sessions' chunks scored against their new roots at the next ``_rescore`` (sessions
+        """Have the salience sessions' chunks scored against their new roots at the next ``rescore`` (sessions
         over the whole context have nothing to score)."""
         salient = [s for s in sessions if s.context.salience is not None]
         self._to_rescore.update((id(s.context), (s.context, s.root_query)) for s in salient)
 
-    def _rescore(self) -> None:
+    def rescore(self) -> None:
         """Score the chunks of every salience context committed to since the last call, against its newest root
         query, in one batch (``refresh_all``): the next accept of each takes the working set those scores choose.
-        """
+        Called after each proposal's launch, so that the scoring runs behind it on the device."""
         if self._to_rescore:
             contexts, queries = zip(*self._to_rescore.values())
             self._to_rescore = {}

@@ -45,4 +45,7 @@ def load_draft_runtime(settings: DiffSpecSettings, target: TargetRuntime | None 
         embedding = load_target_embedding(settings.base_model, device, dtype)
     head = Eagle3Head.load(settings.draft_model, embedding, device, dtype)
     batches = parse_sizes(settings.graph_batch_sizes)  # the batches the target records graphs for
-    return DraftRuntime(head, working_set_config(settings), settings.cuda_graphs, batches, settings.draft_quantization)
+    return DraftRuntime(
+        head, working_set_config(settings), settings.cuda_graphs, batches, settings.draft_quantization,
+        propose_ahead=settings.propose_ahead,
+    )  # fmt: skip

@@ -6,6 +6,14 @@ then grow every requested session's tree together, one head pass per depth for t
 the verified trees teach (the hazard profiles, the online planners, the bound audit) is learnt
 last, while the device runs the proposal: between a verify's results and the next proposal's
 launch the host does only what that proposal needs.
+
+Ahead. In one process with a greedy target, the accepted entries are written from the device's
+acceptance while the verify runs (``accept_on_device``). When every session is written so, their
+next proposal is planned and queued right then, behind the write (``propose_ahead``): the GPU goes
+from the verify to the proposal while the host reads the results, and the next ``step`` takes those
+trees once its accepts keep the entries they grew from. A step whose sessions differ (one started,
+ended or failed) or whose entries the host did not keep proposes anew, as without it. The plan is
+the one the step would make: it is made from the steps observed before the verify either way.
 """
 
 from __future__ import annotations
@@ -71,6 +79,18 @@ class _VerifiedStep:
     candidate: Candidate | None  # the tree's candidate when an online session's planner learns from the step
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """A batch proposal queued on the device; its sessions record it as their last proposal when they take it."""
+
+    session_ids: tuple[str, ...]
+    chosen: tuple[Candidate, ...]  # each session's tree
+    trees: tuple[DraftTree | PendingTree, ...]
+    within: tuple[Bound | None, ...]  # the online bound each tree kept within (``_within_bound``)
+    observed: frozenset[int]  # the sessions whose planners learn from this step (``_observed``)
+    timed: _TimedProposal
+
+
 @dataclass
 class _SessionState:
     drafter_state: DraftSession
@@ -94,9 +114,11 @@ class DraftRuntime:
         cuda_graphs: bool = True,
         warm_up_batches: tuple[int, ...] = (1,),
         quantization: Quantization = "none",
+        propose_ahead: bool = True,
     ) -> None:
         """``warm_up_batches``: the batch sizes ``warm_up`` proposes at (a server's expected batches).
-        ``quantization``: of the head's per-depth matmuls (``serving_weights``)."""
+        ``quantization``: of the head's per-depth matmuls (``serving_weights``). ``propose_ahead``: queue the
+        next proposal behind entries written on the device (the module's docstring)."""
         self.head = head
         self.warm_up_batches = warm_up_batches
         self.working_set = working_set
@@ -109,7 +131,10 @@ class DraftRuntime:
         self.proposals = 0  # batch proposals so far: whose trees the planners learn from (``_observed``)
         self.batch_plan = BatchPlanner()  # the bound every online session's tree keeps within, and when one probes
         self.bound_audit = BoundAudit()  # per bound: what the batch planner predicted, what its steps delivered
+        self.propose_ahead = propose_ahead
+        self.proposals_ahead = 0  # proposals queued ahead that a step took
         self._timed_proposal: _TimedProposal | None = None
+        self._ahead: _Launched | None = None  # queued by ``accept_on_device``, for the next step to take
         self._proposing_step_started: float | None = None  # when the last step began, if it proposed
         self._lock = threading.Lock()
 
@@ -142,13 +167,13 @@ class DraftRuntime:
                     extensions.append((accept.session_id, extension))
                     if step is not None:
                         verified[accept.session_id] = step
-                self._extend_all(extensions, failures)
+                settled = self._extend_all(extensions, failures)
             proposes = [sid for sid in batch.proposes if sid not in failures]
             for sid in proposes:
                 if sid not in self.sessions:
                     failures[sid] = InvalidRequest(f"unknown draft session {sid!r}")
             with record_function("draft.propose"):
-                trees = self._propose([sid for sid in proposes if sid not in failures])
+                trees = self._propose([sid for sid in proposes if sid not in failures], settled)
             self._proposing_step_started = started if trees else None
             with record_function("draft.observe"):  # host work the device's proposal hides
                 for sid, step in verified.items():
@@ -160,8 +185,9 @@ class DraftRuntime:
 
     def accept_on_device(self, accepts: dict[str, DeviceAccept]) -> set[str]:
         """Write the entries of verify acceptances the device computed (greedy sessions, in one process with the
-        target), while that verify runs; the next ``step``'s accepts settle them. Returns the sessions written;
-        the others (unknown here, or whose write failed) are extended by their accept as usual."""
+        target), while that verify runs; the next ``step``'s accepts settle them. When they are every session's,
+        the next proposal is queued behind them (``propose_ahead``). Returns the sessions written; the others
+        (unknown here, or whose write failed) are extended by their accept as usual."""
         with self._lock:
             ids = [sid for sid in accepts if sid in self.sessions]
             sessions = [self.sessions[sid].drafter_state for sid in ids]
@@ -173,7 +199,20 @@ class DraftRuntime:
                 for session in sessions:
                     self.drafter.discard_unsettled(session)
                 return set()
+            if self.propose_ahead and ids and len(ids) == len(self.sessions):
+                with record_function("draft.propose_ahead"):
+                    self._ahead = self._launch_ahead(ids)
             return set(ids)
+
+    def _launch_ahead(self, session_ids: list[str]) -> _Launched | None:
+        """The proposal the next step would make for these sessions, queued now from their unsettled entries; None
+        when it cannot be (a tree with no depth needs its root on the host)."""
+        sessions = [self.sessions[sid] for sid in session_ids]
+        try:
+            return self._launch(session_ids, sessions)
+        except (RuntimeError, ValueError) as failure:
+            log.warning("no proposal ahead, the next step proposes: %s", failure)
+            return None
 
     @torch.no_grad()
     def warm_up(self, context_tokens: int = 256) -> int:
@@ -245,13 +284,17 @@ class DraftRuntime:
         session.last_tree, session.observe_as = None, None  # taken for observation, or nothing of them was verified
         return Extension(session.drafter_state, features, emitted), step
 
-    def _extend_all(self, extensions: list[tuple[str, Extension]], failures: dict[str, DiffSpecError]) -> None:
+    def _extend_all(self, extensions: list[tuple[str, Extension]], failures: dict[str, DiffSpecError]) -> set[str]:
         """Every accepted session's entries in one drafter pass (those written on the device already settled:
-        ``accept_on_device``); if that pass fails, each of them fails."""
+        ``accept_on_device``); if that pass fails, each of them fails. Returns the sessions that kept the entries
+        written on the device."""
         try:
-            self.drafter.commit_accepted([extension for _, extension in extensions])
+            kept = self.drafter.commit_accepted([extension for _, extension in extensions])
         except (RuntimeError, ValueError) as failure:
             failures.update({sid: InvalidRequest(f"draft extension failed: {failure}") for sid, _ in extensions})
+            return set()
+        kept_ids = {id(session) for session in kept}
+        return {sid for sid, extension in extensions if id(extension.session) in kept_ids}
 
     def _observe_step_cost(self, started: float, verify_seconds: float) -> None:
         """The step that ended now, when the last one proposed and this batch carries its verify's cost: from
@@ -266,19 +309,36 @@ class DraftRuntime:
                 overhead = step_seconds - proposal_seconds - verify_seconds
                 self.bound_audit.measured(last.bound, StepSeconds(overhead, proposal_seconds, verify_seconds))
 
-    def _propose(self, session_ids: list[str]) -> dict[str, DraftTree | PendingTree]:
-        """Trees for several sessions, grown together (one head pass per depth for all)."""
+    def _propose(self, session_ids: list[str], settled: set[str]) -> dict[str, DraftTree | PendingTree]:
+        """Trees for several sessions, grown together (one head pass per depth for all): the ones queued ahead
+        when they are these sessions' and grew from entries their accepts kept (``settled``), else new ones."""
+        ahead, self._ahead = self._ahead, None
         if not session_ids:
             return {}
         sessions = [self.sessions[sid] for sid in session_ids]
-        for session in sessions:  # entries written on the device that no accept settled: not this step's
-            self.drafter.discard_unsettled(session.drafter_state)
-        with record_function("draft.plan"):
-            chosen = self._plan_batch(sessions)
-        requests = [ProposalRequest(s.drafter_state, list(c.plan), c.budget) for s, c in zip(sessions, chosen)]
+        if ahead is not None and set(ahead.session_ids) == set(session_ids) and settled.issuperset(session_ids):
+            launched = ahead
+            self.proposals_ahead += 1
+            self.drafter.rescore()  # the settled sessions' chunk scoring, behind the proposal as after a launch
+        else:
+            for session in sessions:  # entries written on the device that no accept settled: not this step's
+                self.drafter.discard_unsettled(session.drafter_state)
+            launched = self._launch(session_ids, sessions)
         last = self._timed_proposal
         if last is not None and not last.first_of_shape:  # it ran on the device by now: its span is a read
             self.step_cost.observe_draft(last.depth, last.timer.seconds(), last.batch)
+        self._timed_proposal = launched.timed
+        for i, sid in enumerate(launched.session_ids):
+            session = self.sessions[sid]
+            session.last_tree, session.proposed_within = launched.trees[i], launched.within[i]
+            session.observe_as = launched.chosen[i] if i in launched.observed else None
+        return dict(zip(launched.session_ids, launched.trees))
+
+    def _launch(self, session_ids: list[str], sessions: list[_SessionState]) -> _Launched:
+        """Plan the batch's trees and queue their proposal on the device."""
+        with record_function("draft.plan"):
+            chosen = self._plan_batch(sessions)
+        requests = [ProposalRequest(s.drafter_state, list(c.plan), c.budget) for s, c in zip(sessions, chosen)]
         shapes_met = len(self.drafter.proposer.shapes_met)
         timer = DeviceTimer(self.head.fc.weight.device)
         timer.start()
@@ -287,14 +347,9 @@ class DraftRuntime:
         first_of_shape = len(self.drafter.proposer.shapes_met) > shapes_met
         within = self._within_bound(sessions, chosen)
         step_bound = within[0] if None not in within else None  # every tree within: the step measures the bound
-        self._timed_proposal = _TimedProposal(
-            max(c.depth for c in chosen), len(sessions), timer, step_bound, first_of_shape
-        )
-        observed = set(self._observed(sessions, chosen))
-        for i, (session, tree, bound) in enumerate(zip(sessions, trees, within)):
-            session.last_tree, session.proposed_within = tree, bound
-            session.observe_as = chosen[i] if i in observed else None
-        return dict(zip(session_ids, trees))
+        timed = _TimedProposal(max(c.depth for c in chosen), len(sessions), timer, step_bound, first_of_shape)
+        observed = frozenset(self._observed(sessions, chosen))
+        return _Launched(tuple(session_ids), tuple(chosen), tuple(trees), tuple(within), observed, timed)
 
     def _within_bound(self, sessions: list[_SessionState], chosen: list[Candidate]) -> list[Bound | None]:
         """Per session, the online bound its tree kept within (``bound_audit``); None without online sessions,

@@ -23,6 +23,10 @@ nodes are first needed (``PendingTree``), so a target in the same process queues
 Staging. Before a run the contexts of every layer are copied into a static buffer per (batch,
 capacity) (device to device; keys past a session's length are masked) and the per-session facts go
 in with one host-to-device copy. Padded sessions have no plan: they grow nothing and keep no node.
+Sessions whose last entries were written from a verify's device acceptance and not settled yet
+(``Drafter.extend_on_device``) stage every written entry, and their root token, entry count and
+context length are completed on the device from how many of those entries are real: such a
+proposal is queued behind the verify without the host knowing its acceptance.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from draft_service.tree_kv import TreeKV
 from draft_service.tree_search import Candidates, Frontier, TreeTensors, grow, rerank, root_frontier, top_children
 
 if TYPE_CHECKING:
-    from draft_service.drafter import ProposalRequest
+    from draft_service.drafter import ProposalRequest, UnsettledEntries
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -159,6 +163,8 @@ class TreeProposer:
         lengths = [context.attended_tokens for context in contexts]
         shape = ProposalShape.of(requests, lengths)
         if shape.depth == 0:
+            if any(r.session.unsettled is not None for r in requests):
+                raise ValueError("a root-only tree needs its root on the host: settle the session's entries first")
             return [DraftTree.root_only(r.session.root_token) for r in requests]
         with record_function("draft.propose.stage"):
             run = self._stage(shape, requests, contexts, lengths)
@@ -172,6 +178,12 @@ class TreeProposer:
     ) -> _Run:
         run = self._runs.get(shape) or self._allocate(shape)
         copy_contexts(contexts, *run.context)
+        unsettled = [r.session.unsettled for r in requests]
+        from_device = unsettled[0] is not None
+        if any((entries is not None) != from_device for entries in unsettled):
+            raise ValueError("a proposal's sessions are all settled or all unsettled")
+        if from_device:  # the host knows the committed entries only; the device adds the real written ones
+            lengths = [length - entries.max_entries for length, entries in zip(lengths, unsettled)]
         padding = [0] * (FACTS + 2 * shape.depth)  # a padded session has no plan and keeps no node
         facts = [_session_facts(r, length, shape.depth) for r, length in zip(requests, lengths)]
         run.host_facts.copy_(torch.tensor([*facts, *[padding] * (shape.batch - len(requests))]))
@@ -179,6 +191,8 @@ class TreeProposer:
         min_log_probs = [math.log(t) if t > 0 else -math.inf for t in thresholds]  # as the host search's floats
         run.host_min_log_prob.copy_(torch.tensor(min_log_probs, dtype=torch.float64))
         run.facts.copy_(run.host_facts, non_blocking=True)
+        if from_device:
+            _add_real_entries(run.facts[: len(requests)], unsettled)
         run.min_log_prob.copy_(run.host_min_log_prob, non_blocking=True)
         sessions = [r.session for r in requests]
         torch._foreach_copy_(
@@ -337,6 +351,15 @@ def _session_facts(request: ProposalRequest, context_length: int, depth: int) ->
     children = [step.children for step in plan]
     numbers = [session.root_token, session.num_entries, budget.total_tokens, context_length]
     return [*numbers, *expand_rows, *padding, *children, *padding]
+
+
+def _add_real_entries(facts: torch.Tensor, unsettled: list[UnsettledEntries]) -> None:
+    """facts [sessions, columns] of sessions proposing from unsettled entries, staged from what the host knows:
+    each gets its real written entries (counted on the device) and the last one's token as its root."""
+    real = torch.cat([entries.real_entries for entries in unsettled])  # [sessions] int64
+    facts[:, NUM_ENTRIES] += real
+    facts[:, CONTEXT_LENGTH] += real
+    facts[:, ROOT_TOKEN] = torch.cat([entries.root_token for entries in unsettled])
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:

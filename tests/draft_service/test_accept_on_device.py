@@ -77,6 +77,48 @@ def test_settled_device_entries_equal_an_ordinary_accept(drafter, salience):
         _assert_same_sessions(drafter, early, ordinary)
 
 
+@pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
+@pytest.mark.parametrize("policy", ["full", "full-threshold"])
+def test_a_proposal_from_unsettled_entries_grows_the_settled_session_s_trees(drafter, salience, policy):
+    """Queued before the host knows the acceptance, a proposal takes its root, entry count and context length
+    from the device: the trees a proposal after the settled accept grows, round after round."""
+    ahead, ordinary = (start_sessions(drafter, CONTEXT_LENGTHS, salience, seed=6) for _ in range(2))
+    plan, budget = POLICIES[policy]
+    for round_ in range(3):
+        accepts = _accepts(drafter, seed=10 + round_)
+        drafter.extend_on_device(_extensions(ahead, accepts))
+        early = drafter.propose_pending([ProposalRequest(s, plan, budget) for s in ahead])
+        drafter.commit_accepted([Extension(s, f[: len(t)], t) for s, (f, t) in zip(ahead, accepts)])
+        drafter.extend_many([Extension(s, f[: len(t)], t) for s, (f, t) in zip(ordinary, accepts)])
+        settled = drafter.propose_many([ProposalRequest(s, plan, budget) for s in ordinary])
+        for pending, want, (_, tokens) in zip(early, settled, accepts):
+            got = pending.tree()
+            assert int(got.tokens[0]) == tokens[-1]  # the root: the last emitted token, found on the device
+            assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+            torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_proposal_mixing_settled_and_unsettled_sessions_or_growing_no_depth_from_them_is_refused(drafter):
+    sessions = start_sessions(drafter, CONTEXT_LENGTHS[:2], None, seed=8)
+    accepts = _accepts(drafter, seed=4)[:1]
+    drafter.extend_on_device(_extensions(sessions[:1], accepts))
+    plan, budget = POLICIES["full"]
+    with pytest.raises(ValueError, match="all settled or all unsettled"):
+        drafter.propose_pending([ProposalRequest(s, plan, budget) for s in sessions])
+    with pytest.raises(ValueError, match="root on the host"):  # a root-only tree's root would be the stale one
+        drafter.propose_pending([ProposalRequest(sessions[0], [], budget)])
+
+
+def test_a_proposal_from_unsettled_entries_reads_no_value_back(drafter):
+    """The CPU's view of queueing it behind the verify: nothing of the acceptance comes to the host."""
+    sessions = start_sessions(drafter, CONTEXT_LENGTHS, None, seed=3)
+    plan, budget = POLICIES["full"]
+    requests = [ProposalRequest(s, plan, budget) for s in sessions]
+    drafter.extend_on_device(_extensions(sessions, _accepts(drafter, seed=2)))
+    drafter.propose_pending(requests)  # the shape's buffers allocated
+    assert host_reads(lambda: drafter.propose_pending(requests)) == []
+
+
 def test_entries_the_host_did_not_accept_are_replaced_by_its_own(drafter):
     """The device's tokens or count differ from the host's acceptance (which decides): the session is extended
     with the host's entries instead, as if nothing had been written."""
@@ -134,3 +176,29 @@ def test_writing_entries_on_the_device_never_waits_for_the_gpu(salience):
         drafter.commit_accepted([Extension(s, f[: len(t)], t) for s, (f, t) in zip(sessions, accepts)])
         assert all(s.unsettled is None for s in sessions)
     assert waits == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("salience", [None, SALIENCE], ids=["full-context", "salience"])
+def test_a_graphed_proposal_from_unsettled_entries_equals_the_eager_one_and_never_waits(salience):
+    """Queued behind the verify, the proposal's graph reads the root and counts the device completed: the eager
+    run's trees, and the host only launches (the second round is measured: the first records the graph)."""
+    head = load_head(torch.device("cuda"), torch.bfloat16)
+    graphed, eager = Drafter(head, cuda_graphs=True), Drafter(head, cuda_graphs=False)
+    pairs = [start_sessions(d, CONTEXT_LENGTHS, salience, seed=1) for d in (graphed, eager)]
+    plan, budget = POLICIES["full"]
+    for seed in (1, 2):
+        accepts = [(f.bfloat16(), t) for f, t in _accepts(graphed, seed=seed)]
+        trees, waits = [], []
+        for d, sessions in zip((graphed, eager), pairs):
+            d.extend_on_device(_extensions(sessions, accepts))
+            requests = [ProposalRequest(s, plan, budget) for s in sessions]
+            if d is graphed:
+                waits = host_waits(lambda: trees.append(d.propose_pending(requests)))
+            else:
+                trees.append(d.propose_pending(requests))
+            d.commit_accepted([Extension(s, f[: len(t)], t) for s, (f, t) in zip(sessions, accepts)])
+        for got, want in zip(*trees):
+            assert got.tree().tokens.tolist() == want.tree().tokens.tolist()
+            assert got.tree().parents.tolist() == want.tree().parents.tolist()
+    assert graphed.proposer.num_recorded >= 1 and waits == []

@@ -151,6 +151,24 @@ def test_with_accepts_off_the_device_the_crowd_is_the_same(engine, target, draft
     assert off.draft.written_on_device == [] and len(off.draft.batches) > 0
 
 
+def test_proposals_queued_ahead_give_the_greedy_crowd_the_same_tokens(engine, draft, prompt_ids):
+    """Greedy drafting streams alone: every session's accepts are written on the device, so each step's proposal
+    is queued behind the verify before it. With ``propose_ahead`` off the steps propose after the results, and
+    each stream's tokens are the same."""
+    requests = [request(case, prompt_ids) for case in CROWD if case.draft is not None and case.sampling is GREEDY]
+    taken_before = draft.proposals_ahead
+    ahead = crowd(engine, requests)
+    assert draft.proposals_ahead - taken_before >= NEW_TOKENS // 4  # the steps ran on proposals queued ahead
+    draft.propose_ahead = False
+    try:
+        taken_before = draft.proposals_ahead
+        assert crowd(engine, requests) == ahead
+        assert draft.proposals_ahead == taken_before
+    finally:
+        draft.propose_ahead = True
+    assert_all_released(engine)
+
+
 def test_closing_the_engine_frees_everything_and_refuses_what_comes_after(target, draft, tokenizer, prompt_ids):
     """Backends that outlive an engine (shared runtimes, remote services) keep nothing of its requests, whether
     they ended just before the close or still ran; the running one ends UNAVAILABLE, and so does a later one."""
