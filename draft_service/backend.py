@@ -91,6 +91,7 @@ class DraftBackend(Protocol):
 class AcceptsOnDevice(Protocol):
     """A draft in the target's process: it writes a greedy verify's accepted entries from the device's acceptance
     while that verify runs (``DraftRuntime.accept_on_device``), and may queue the next proposal behind them; the
-    next step's accepts settle them."""
+    next step's accepts settle them. ``joining``: a session not among them will propose at the next step (a
+    request that starts drafting), so that proposal is not queued ahead."""
 
-    def accept_on_device(self, accepts: dict[str, DeviceAccept]) -> set[str]: ...
+    def accept_on_device(self, accepts: dict[str, DeviceAccept], joining: bool = False) -> set[str]: ...

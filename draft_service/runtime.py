@@ -8,12 +8,13 @@ last, while the device runs the proposal: between a verify's results and the nex
 launch the host does only what that proposal needs.
 
 Ahead. In one process with a greedy target, the accepted entries are written from the device's
-acceptance while the verify runs (``accept_on_device``). When every session is written so, their
-next proposal is planned and queued right then, behind the write (``propose_ahead``): the GPU goes
-from the verify to the proposal while the host reads the results, and the next ``step`` takes those
-trees once its accepts keep the entries they grew from. A step whose sessions differ (one started,
-ended or failed) or whose entries the host did not keep proposes anew, as without it. The plan is
-the one the step would make: it is made from the steps observed before the verify either way.
+acceptance while the verify runs (``accept_on_device``). When every session is written so and none
+joins at the next step, their next proposal is planned and queued right then, behind the write
+(``propose_ahead``): the GPU goes from the verify to the proposal while the host reads the results,
+and the next ``step`` takes those trees once its accepts keep the entries they grew from (the trees
+of sessions that ended meanwhile are dropped). A step with a session the proposal does not hold,
+or whose entries the host did not keep, proposes anew, as without it. The plan is the one the step
+would make: it is made from the steps observed before the verify either way.
 """
 
 from __future__ import annotations
@@ -87,8 +88,21 @@ class _Launched:
     chosen: tuple[Candidate, ...]  # each session's tree
     trees: tuple[DraftTree | PendingTree, ...]
     within: tuple[Bound | None, ...]  # the online bound each tree kept within (``_within_bound``)
-    observed: frozenset[int]  # the sessions whose planners learn from this step (``_observed``)
+    observed: frozenset[str]  # the sessions whose planners learn from this step (``_observed``)
     timed: _TimedProposal
+
+    def of(self, session_ids: list[str]) -> _Launched:
+        """The part of it these sessions take (the others ended: their trees are dropped)."""
+        index = {sid: i for i, sid in enumerate(self.session_ids)}
+        picked = [index[sid] for sid in session_ids]
+        return _Launched(
+            tuple(session_ids),
+            tuple(self.chosen[i] for i in picked),
+            tuple(self.trees[i] for i in picked),
+            tuple(self.within[i] for i in picked),
+            self.observed & set(session_ids),
+            self.timed,
+        )
 
 
 @dataclass
@@ -183,11 +197,12 @@ class DraftRuntime:
                 self.sessions.pop(sid, None)
         return DraftBatchResult(trees, released, failures)
 
-    def accept_on_device(self, accepts: dict[str, DeviceAccept]) -> set[str]:
+    def accept_on_device(self, accepts: dict[str, DeviceAccept], joining: bool = False) -> set[str]:
         """Write the entries of verify acceptances the device computed (greedy sessions, in one process with the
-        target), while that verify runs; the next ``step``'s accepts settle them. When they are every session's,
-        the next proposal is queued behind them (``propose_ahead``). Returns the sessions written; the others
-        (unknown here, or whose write failed) are extended by their accept as usual."""
+        target), while that verify runs; the next ``step``'s accepts settle them. When they are every session's
+        and no other session is ``joining`` the next step (one that starts drafting), the next proposal is
+        queued behind them (``propose_ahead``). Returns the sessions written; the others (unknown here, or
+        whose write failed) are extended by their accept as usual."""
         with self._lock:
             ids = [sid for sid in accepts if sid in self.sessions]
             sessions = [self.sessions[sid].drafter_state for sid in ids]
@@ -199,7 +214,7 @@ class DraftRuntime:
                 for session in sessions:
                     self.drafter.discard_unsettled(session)
                 return set()
-            if self.propose_ahead and ids and len(ids) == len(self.sessions):
+            if self.propose_ahead and ids and len(ids) == len(self.sessions) and not joining:
                 with record_function("draft.propose_ahead"):
                     self._ahead = self._launch_ahead(ids)
             return set(ids)
@@ -311,13 +326,13 @@ class DraftRuntime:
 
     def _propose(self, session_ids: list[str], settled: set[str]) -> dict[str, DraftTree | PendingTree]:
         """Trees for several sessions, grown together (one head pass per depth for all): the ones queued ahead
-        when they are these sessions' and grew from entries their accepts kept (``settled``), else new ones."""
+        when it holds these sessions and they grew from entries their accepts kept (``settled``), else new ones."""
         ahead, self._ahead = self._ahead, None
         if not session_ids:
             return {}
         sessions = [self.sessions[sid] for sid in session_ids]
-        if ahead is not None and set(ahead.session_ids) == set(session_ids) and settled.issuperset(session_ids):
-            launched = ahead
+        if ahead is not None and settled.issuperset(session_ids) and set(ahead.session_ids).issuperset(session_ids):
+            launched = ahead.of(session_ids)
             self.proposals_ahead += 1
             self.drafter.rescore()  # the settled sessions' chunk scoring, behind the proposal as after a launch
         else:
@@ -331,7 +346,7 @@ class DraftRuntime:
         for i, sid in enumerate(launched.session_ids):
             session = self.sessions[sid]
             session.last_tree, session.proposed_within = launched.trees[i], launched.within[i]
-            session.observe_as = launched.chosen[i] if i in launched.observed else None
+            session.observe_as = launched.chosen[i] if sid in launched.observed else None
         return dict(zip(launched.session_ids, launched.trees))
 
     def _launch(self, session_ids: list[str], sessions: list[_SessionState]) -> _Launched:
@@ -348,7 +363,7 @@ class DraftRuntime:
         within = self._within_bound(sessions, chosen)
         step_bound = within[0] if None not in within else None  # every tree within: the step measures the bound
         timed = _TimedProposal(max(c.depth for c in chosen), len(sessions), timer, step_bound, first_of_shape)
-        observed = frozenset(self._observed(sessions, chosen))
+        observed = frozenset(session_ids[i] for i in self._observed(sessions, chosen))
         return _Launched(tuple(session_ids), tuple(chosen), tuple(trees), tuple(within), observed, timed)
 
     def _within_bound(self, sessions: list[_SessionState], chosen: list[Candidate]) -> list[Bound | None]:

@@ -365,8 +365,10 @@ class EngineCore:
             if running is not None and running.drafting and running.draft_session:
                 drafting[session_id] = accept
         if drafting and self._draft_on_device is not None:
+            # a request whose first token this call reports starts drafting at the next step
+            joining = any(r.drafting and r.awaiting_first_token for r in self._requests.values())
             try:
-                self._accepted_on_device = list(self._draft_on_device.accept_on_device(drafting))
+                self._accepted_on_device = list(self._draft_on_device.accept_on_device(drafting, joining))
             except Exception:  # noqa: BLE001 - the accepts extend as usual; the target's step goes on
                 log.exception("the draft failed to write accepted entries on the device")
         self._on_device_seconds = time.perf_counter() - started

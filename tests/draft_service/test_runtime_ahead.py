@@ -1,5 +1,6 @@
 """The proposal queued ahead (``DraftRuntime.accept_on_device`` with ``propose_ahead``): a step takes the trees the
-runtime would have proposed after the accepts, and proposes anew when its sessions are not the ones written."""
+runtime would have proposed after the accepts; none is queued when a session joins the next step, and a session
+that ended leaves its tree behind."""
 
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ def _verified(tree, depth: int, bonus: int, seed: int, hidden: int) -> tuple[Dra
     return DraftAccept("", emitted, features), device
 
 
-def _steps(propose_ahead: bool) -> tuple[list[list[int]], int]:
-    """Session a alone for three steps, then b joins (a step whose sessions changed), then both for three more.
-    Returns every tree's tokens and parents, and the proposals taken from those queued ahead."""
+def _steps(propose_ahead: bool) -> tuple[list[list[int]], DraftRuntime]:
+    """Session a alone for two steps; b joins at the third (announced to the write before it, as the engine does
+    for a request whose first token is due); both for three; a ends at the sixth; b alone at the last. Returns
+    every tree's tokens and parents, and the runtime."""
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False, propose_ahead=propose_ahead)
     hidden = 3 * runtime.head.config.target_hidden_size
     trees = runtime.step(DraftBatch(starts=[_start(runtime, "a", 0)], proposes=["a"])).trees
@@ -54,15 +56,20 @@ def _steps(propose_ahead: bool) -> tuple[list[list[int]], int]:
             accepts.append(DraftAccept(sid, host.emitted_tokens, host.features))
             on_device[sid] = device
             seen.append(DraftTree.of(tree).tokens.tolist() + DraftTree.of(tree).parents.tolist())
-        assert runtime.accept_on_device(on_device) == set(on_device)
-        starts = [_start(runtime, "b", 3)] if step == 2 else []
-        proposes = ["a", "b"] if step >= 2 else ["a"]
-        trees = runtime.step(DraftBatch(starts=starts, accepts=accepts, proposes=proposes)).trees
-    return seen, runtime.proposals_ahead
+        assert runtime.accept_on_device(on_device, joining=step == 2) == set(on_device)
+        batch = DraftBatch(accepts=accepts, proposes=["a", "b"] if 2 <= step < 5 else ["a"] if step < 2 else ["b"])
+        if step == 2:
+            batch.starts.append(_start(runtime, "b", 3))
+        if step == 5:  # a's request ended with this verify: no accept, a release
+            batch = DraftBatch(releases=["a"], accepts=[a for a in accepts if a.session_id == "b"], proposes=["b"])
+        trees = runtime.step(batch).trees
+    return seen, runtime
 
 
 def test_the_trees_queued_ahead_are_the_ones_the_steps_would_propose():
-    ahead, taken = _steps(propose_ahead=True)
-    after, none_taken = _steps(propose_ahead=False)
+    ahead, with_ahead = _steps(propose_ahead=True)
+    after, without = _steps(propose_ahead=False)
     assert ahead == after
-    assert (taken, none_taken) == (6, 0)  # every step but the one b started in
+    assert (with_ahead.proposals_ahead, without.proposals_ahead) == (6, 0)  # every step but the one b joined at
+    assert with_ahead.proposals == without.proposals == 8  # none queued in vain: b's join was announced
+    assert "a" not in with_ahead.sessions and not with_ahead.sessions["b"].drafter_state.unsettled

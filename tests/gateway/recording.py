@@ -41,6 +41,7 @@ class RecordingDraft:
         self.core: EngineCore | None = None
         self.batches: list[tuple[int, DraftBatch]] = []  # (iteration, batch)
         self.written_on_device: list[tuple[int, set[str]]] = []  # (iteration, sessions) of each accept_on_device
+        self.joining_at: list[int] = []  # iterations whose accept_on_device was told a session joins next
 
     @property
     def sessions(self) -> dict:
@@ -50,8 +51,10 @@ class RecordingDraft:
         self.batches.append((self.core.timing.iterations if self.core else -1, batch))
         return self.inner.step(batch)
 
-    def accept_on_device(self, accepts: dict[str, DeviceAccept]) -> set[str]:
-        written = self.inner.accept_on_device(accepts)
+    def accept_on_device(self, accepts: dict[str, DeviceAccept], joining: bool = False) -> set[str]:
+        written = self.inner.accept_on_device(accepts, joining)
+        if joining:
+            self.joining_at.append(self.core.timing.iterations if self.core else -1)
         self.written_on_device.append((self.core.timing.iterations if self.core else -1, written))
         return written
 

@@ -169,6 +169,26 @@ def test_proposals_queued_ahead_give_the_greedy_crowd_the_same_tokens(engine, dr
     assert_all_released(engine)
 
 
+def test_a_request_that_starts_drafting_is_announced_so_no_proposal_is_queued_in_vain(engine, draft, prompt_ids):
+    """A stream joins two decoding ones: the write before its first token is told, so no proposal is queued
+    ahead for the others alone. Every proposal made is taken but the last one, queued behind the last verify
+    before its request ended; and each stream's tokens are its own."""
+    cases = [Case(0, FULL), Case(3, FULL), Case(2, CHAIN)]
+    alone = [collect(engine, request(case, prompt_ids, 48))[0] for case in cases]
+    proposals, batches = draft.proposals, len(engine.draft.batches)
+    timeline = Timeline()
+    for name, case in zip("ab", cases):
+        engine.core.submit(name, request(case, prompt_ids, 48), timeline.sink(name))
+    timeline.wait_until(lambda: len(timeline.tokens("a")) >= 12)  # a and b decode, c comes later
+    engine.core.submit("c", request(cases[2], prompt_ids, 48), timeline.sink("c"))
+    timeline.wait_until(lambda: all(timeline.finished(name) for name in "abc"))
+    assert [timeline.tokens(name) for name in "abc"] == alone
+    proposing = sum(bool(batch.proposes) for _, batch in engine.draft.batches[batches:])
+    assert draft.proposals - proposals == proposing + 1
+    assert len(engine.draft.joining_at) == 1  # c's first token was due in one target call
+    assert_all_released(engine)
+
+
 def test_closing_the_engine_frees_everything_and_refuses_what_comes_after(target, draft, tokenizer, prompt_ids):
     """Backends that outlive an engine (shared runtimes, remote services) keep nothing of its requests, whether
     they ended just before the close or still ran; the running one ends UNAVAILABLE, and so does a later one."""
