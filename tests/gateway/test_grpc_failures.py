@@ -140,9 +140,12 @@ def test_one_step_stream_carries_a_gateways_sessions_and_a_killed_gateway_frees_
         wait_until(lambda: counts() == (0, 0), 10, "the dead gateway's sessions freed")
         info = target_info(trio)
         assert info.num_free_pages == info.num_pages
-        # one stream each ended, cancelled by the gateway's death: it carried all four sessions
-        assert step_streams_ended(trio.target, "Target") == {"CANCELLED": 1}
-        assert step_streams_ended(trio.draft, "Draft") == {"CANCELLED": 1}
+        # one stream each ended with the gateway's death: it carried all four sessions. A killed peer's stream
+        # reads EOF first, with the call not yet cancelled; it ends CANCELLED if the cancel arrives while the
+        # handler still releases the sessions, else OK (grpc.aio; CI runs have seen both): either is that one stream
+        for service, server in (("Target", trio.target), ("Draft", trio.draft)):
+            ended = step_streams_ended(server, service)
+            assert sum(ended.values()) == 1 and set(ended) <= {"CANCELLED", "OK"}, (service, ended)
     finally:
         trio.stop()
 
