@@ -176,12 +176,12 @@ class TreeProposer:
     def _stage(
         self, shape: ProposalShape, requests: list[ProposalRequest], contexts: list[DraftContext], lengths: list[int]
     ) -> _Run:
-        run = self._runs.get(shape) or self._allocate(shape)
-        copy_contexts(contexts, *run.context)
         unsettled = [r.session.unsettled for r in requests]
         from_device = unsettled[0] is not None
         if any((entries is not None) != from_device for entries in unsettled):
             raise ValueError("a proposal's sessions are all settled or all unsettled")
+        run = self._runs.get(shape) or self._allocate(shape)
+        copy_contexts(contexts, *run.context)
         if from_device:  # the host knows the committed entries only; the device adds the real written ones
             lengths = [length - entries.max_entries for length, entries in zip(lengths, unsettled)]
         padding = [0] * (FACTS + 2 * shape.depth)  # a padded session has no plan and keeps no node
