@@ -15,6 +15,7 @@ divergence's fp32 replays take minutes, so a judging stopped part-way resumes to
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 from pathlib import Path
 
@@ -102,15 +103,19 @@ def _decode_verdict(line: str) -> tuple[RunKey, ExactnessResult]:
 def load_run_document(path: Path) -> dict:
     """A reproduce run's document as ``results.json`` holds it, from that file or from a run folder. A folder
     without ``results.json`` (a run still going, or stopped before its judging ended) gives its recorded runs
-    from ``runs.jsonl``, as ``{"runs": [...]}``: what the analyses that read only the runs need."""
+    from ``runs.jsonl``, or ``runs.jsonl.gz`` as ``bench/results/`` keeps them, as ``{"runs": [...]}``: what the
+    analyses that read only the runs need."""
     if path.is_dir() and (path / "results.json").exists():
         path = path / "results.json"
     if path.is_file() and path.suffix == ".json":
         return json.loads(path.read_text())
-    runs_path = path / RUNS_FILE if path.is_dir() else path
-    if not runs_path.exists():
+    if path.is_dir():
+        packed = path / f"{RUNS_FILE}.gz"
+        path = packed if not (path / RUNS_FILE).exists() and packed.exists() else path / RUNS_FILE
+    if not path.exists():
         raise SystemExit(f"{path}: neither a results.json nor a reproduce run folder with {RUNS_FILE}")
-    return {"runs": [json.loads(line) for line in runs_path.read_text().splitlines() if line]}
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return {"runs": [json.loads(line) for line in text.splitlines() if line]}
 
 
 def run_folder(path: Path) -> Path:

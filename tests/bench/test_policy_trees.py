@@ -3,6 +3,7 @@ exact figures, and the CPU smoke run)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 
@@ -58,3 +59,13 @@ def test_an_unfinished_runs_folder_is_read_from_its_runs_record(smoke_run, tmp_p
     assert from_record == policy_trees.analyse(out_dir, tmp_path / "results")  # the folder's results.json
     with pytest.raises(SystemExit, match="neither a results.json nor"):
         load_run_document(tmp_path / "record" / "nothing-here")
+
+
+def test_a_runs_record_kept_compressed_reads_the_same(smoke_run, tmp_path):
+    """``bench/results/`` keeps a run's records as ``runs.jsonl.gz``."""
+    _, out_dir, _ = smoke_run
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    (packed / f"{RUNS_FILE}.gz").write_bytes(gzip.compress((out_dir / RUNS_FILE).read_bytes()))
+    assert load_run_document(packed) == load_run_document(out_dir / RUNS_FILE)
+    assert policy_trees.analyse(packed, tmp_path / "from_packed") == policy_trees.analyse(out_dir, tmp_path / "plain")
