@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, get_args
 
 import torch
 
@@ -251,7 +251,7 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384, 65536])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--tree-config", default="64:0.0:8")
-    parser.add_argument("--draft-quantization", nargs="+", default=["none"], choices=["none", "int8"],
+    parser.add_argument("--draft-quantization", nargs="+", default=["none"], choices=get_args(Quantization),
                         help="the head's per-depth matmuls; each value measures every point")
     args, head = parse_with_gpu_head(parser)
     bandwidth = copy_bandwidth()

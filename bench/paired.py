@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 from bench.reproduce.arms import BASELINE_TREE_CONFIG, DIFFSPEC, Arm, baseline_arms, diffspec_arm
 from bench.reproduce.exactness import ExactnessResult, first_divergence
@@ -29,7 +30,7 @@ from bench.reproduce.report import markdown, summarise, to_dicts
 from bench.reproduce.runs import Engine, RunRecord, generate_run
 from bench.warmup import warm_up_generations, warm_up_target
 from diffspec.errors import InvalidRequest
-from diffspec.settings import DiffSpecSettings
+from diffspec.settings import DiffSpecSettings, DraftQuantization
 from draft_service.tree_budget import TreeBudget
 from gateway.assembly import build_engine, load_tokenizer
 
@@ -95,7 +96,7 @@ def main() -> int:
     parser.add_argument("--working-set-tokens", type=int, default=2048)
     parser.add_argument("--tree-config", default=BASELINE_TREE_CONFIG, type=tree_config_arg,
                         help="the tree budget total_tokens:threshold:depth every speculative configuration drafts within")
-    parser.add_argument("--draft-quantization", default="none", choices=["none", "int8"],
+    parser.add_argument("--draft-quantization", default="none", choices=get_args(DraftQuantization),
                         help="the draft head's per-depth matmuls (DIFFSPEC_DRAFT_QUANTIZATION)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

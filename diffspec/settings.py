@@ -16,6 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_TARGET = REPO_ROOT / "models" / "tiny-code"
 BUNDLED_DRAFT = REPO_ROOT / "models" / "tiny-code-eagle3"
 SHARED_DIR = REPO_ROOT.parent / "shared"
+DraftQuantization = Literal["none", "int8", "auto"]  # draft_service/serving_weights.py says what each does
 
 
 class DiffSpecSettings(BaseSettings):
@@ -63,11 +64,13 @@ class DiffSpecSettings(BaseSettings):
     policy: str = Field("full", description="Tree policy: auto, chain, uniform<K>, full, online.")
     tree_config: str = Field("64:0.08:8", description="Tree budget total_tokens:threshold:depth.")
     salience: bool = Field(False, description="Draft attends to a salience-selected working set of chunks.")
-    draft_quantization: Literal["none", "int8"] = Field(
+    draft_quantization: DraftQuantization = Field(
         "none",
         description="Weights of the draft head's per-depth matmuls: none = the head's dtype; int8 = per-output-"
-        "channel int8, activations in dtype (half the bytes a draft depth reads from a bf16 head). Output is "
-        "lossless either way (the target verifies every token); int8 may cost some acceptance.",
+        "channel int8, activations in dtype (half the bytes a draft depth reads from a bf16 head); auto = int8 "
+        "for the large matrices at up to 16 rows (one session's frontier), the dtype otherwise, where each "
+        "measured faster. Output is lossless either way (the target verifies every token); int8 may cost some "
+        "acceptance.",
     )
     accept_on_device: bool = Field(
         True,

@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 from diffspec.errors import CheckpointError
+from draft_service import serving_weights
 from draft_service.eagle3_head import Eagle3Config, Eagle3Head
+from draft_service.serving_weights import INT8_MAX_ROWS, ServingLinear
 from draft_service.vocab_map import build_vocab_map, target_to_draft_index
 from diffspec.model_config import RopeConfig
 from diffspec_kernels.layer_ops_ref import apply_rotary
@@ -224,6 +228,22 @@ def test_int8_serving_weights_read_about_half_the_bytes() -> None:
     rows += int8.lm_head.weight.shape[0]
     # a float32 head's 4 bytes a weight become 1, plus one float32 scale per output row
     assert int8.bytes_per_depth == full.bytes_per_depth // 4 + 4 * rows
+
+
+def test_auto_multiplies_the_large_matrices_in_int8_at_few_rows_and_in_the_dtype_past_them(monkeypatch) -> None:
+    monkeypatch.setattr(serving_weights, "AUTO_INT8_MIN_ELEMENTS", 64 * 32)  # the real bound: 8B-shaped matrices
+    gen = torch.Generator().manual_seed(5)
+    large, small = torch.randn(64, 32, generator=gen), torch.randn(63, 32, generator=gen)
+    auto_large, auto_small = ServingLinear.of(large, "auto"), ServingLinear.of(small, "auto")
+    int8 = ServingLinear.of(large, "int8")
+    assert auto_large.weight.dtype == torch.int8 and auto_large.dense is large
+    assert auto_small.scale is None and auto_small.weight is small  # under the bound: the dtype only
+    few = torch.randn(2, INT8_MAX_ROWS // 2, 32, generator=gen)  # exactly INT8_MAX_ROWS rows
+    many = torch.randn(INT8_MAX_ROWS + 1, 32, generator=gen)
+    assert torch.equal(auto_large(few), int8(few))
+    assert torch.equal(auto_large(many), F.linear(many, large))
+    assert not torch.equal(int8(many), F.linear(many, large))  # the two paths differ: the rows chose one
+    assert auto_large.nbytes == int8.nbytes  # what a few rows read
 
 
 # -- configs as vLLM reads them ----------------------------------------------------------------
