@@ -272,7 +272,8 @@ def bench_draft_attention(batch: int, context_len: int, copy_bytes_per_s: float)
 def plan_variants(base: TreeAttentionPlan, rows: int) -> list[TreeAttentionPlan]:
     """The launch plans a sweep times around ``base`` for ``rows`` query rows per KV head, ``base`` first and
     none twice: its key tiles, stages and split counts; from 128 rows, row tiles of 64 and 128 over 4 and 8
-    warps (a program per SM or two); past ``base``'s row tile, one 256-row tile instead of several."""
+    warps (a program per SM or two); past ``base``'s row tile, one 256-row tile instead of several; and
+    ``base`` with its key loop pipelined (``SplitKVPlan.key_loop_stages``) or warp-specialised."""
     block_ns = (32, 64, 128) if base.block_m >= 128 else (64, 128)
     split_counts = sorted({max(1, base.num_splits // 2), base.num_splits, 2 * base.num_splits})
     plans = [base] + [
@@ -289,7 +290,16 @@ def plan_variants(base: TreeAttentionPlan, rows: int) -> list[TreeAttentionPlan]
             dataclasses.replace(base, block_m=256, num_warps=num_warps, block_n=block_n, num_stages=num_stages)
             for num_warps, block_n, num_stages in itertools.product((8, 16), (32, 64), (2, 3))
         ]
+    # the committed keys' loop pipelined with its block-table reads, and with its warps specialised
+    plans += [
+        dataclasses.replace(base, key_loop_stages=stages, key_loop_warp_specialize=specialize)
+        for stages, specialize in itertools.product((None, 2, 3, 4), (False, True))
+    ]
     return list(dict.fromkeys(plans))
+
+
+# a plan too large for the chip, or one its compiler refuses (warp specialisation where Triton does not do it)
+REFUSED_PLANS = (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError, RuntimeError)
 
 
 def sweep_plans(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s: float) -> list[dict]:
@@ -303,7 +313,7 @@ def sweep_plans(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s
         result |= {"plan": dataclasses.asdict(plan), "is_default": plan == base}
         try:
             ms = time_triton(problem, plan)
-        except triton.runtime.errors.OutOfResources as error:
+        except REFUSED_PLANS as error:
             results.append({**result, "error": str(error)})
             continue
         fraction = problem.kv_bytes / (ms * 1e-3) / copy_bytes_per_s

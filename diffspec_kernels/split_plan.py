@@ -41,6 +41,11 @@ class SplitKVPlan:
     num_splits: int  # programs along the committed keys per (sequence, kv head, row tile)
     num_warps: int
     num_stages: int
+    # The tree kernel's loop over committed keys, as ``tl.range`` takes it. None: the kernel's num_stages
+    # pipelines only the key and value loads (they feed a dot), so each tile waits for its block-table read;
+    # a count pipelines that loop this deep, block-table reads included.
+    key_loop_stages: int | None = None
+    key_loop_warp_specialize: bool = False  # Triton's automatic warp specialisation of that loop
 
 
 @functools.lru_cache(maxsize=None)

@@ -132,6 +132,8 @@ def _tree_attention_partials_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    KEY_LOOP_STAGES: tl.constexpr,  # None: plain range (the plan's key_loop_stages)
+    KEY_LOOP_WARP_SPECIALIZE: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -165,7 +167,7 @@ def _tree_attention_partials_kernel(
         end = tl.minimum(start + chunk, context_len)
         num_full_tiles = (end - start) // BLOCK_N
         block_table_ptr = block_tables_ptr + seq.to(tl.int64) * max_pages_per_seq
-        for tile in range(num_full_tiles):
+        for tile in tl.range(num_full_tiles, num_stages=KEY_LOOP_STAGES, warp_specialize=KEY_LOOP_WARP_SPECIALIZE):
             acc, m_i, l_i = _attend_context_tile(
                 acc, m_i, l_i, q, k_pages_ptr, v_pages_ptr, block_table_ptr, start + tile * BLOCK_N, end,
                 head_offset, qk_scale, num_kv_heads, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED=False,
@@ -234,6 +236,7 @@ def run_tree_attention(
         partial_out, partial_lse,
         scale * LOG2_E, num_kv_heads, group, plan.num_splits, meta.block_tables.shape[1], meta.max_q_len,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HEAD_DIM=head_dim, PAGE_SIZE=meta.page_size,
+        KEY_LOOP_STAGES=plan.key_loop_stages, KEY_LOOP_WARP_SPECIALIZE=plan.key_loop_warp_specialize,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     merge_partials(partial_out, partial_lse, out)

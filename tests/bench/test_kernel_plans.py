@@ -20,3 +20,7 @@ def test_variants_start_at_the_default_and_cover_the_row_tiles(tree_size, row_ti
     assert any(p.num_warps == 4 and p.block_m == 128 for p in plans) == (tree_size >= 32)
     assert any(p.num_warps == 16 for p in plans) == wide
     assert {p.num_splits for p in plans} == {max(1, base.num_splits // 2), base.num_splits, 2 * base.num_splits}
+    # the default plan's key loop, pipelined 2-4 deep and warp-specialised, each way
+    loops = {(p.key_loop_stages, p.key_loop_warp_specialize) for p in plans if p.block_m == base.block_m}
+    assert loops == {(stages, specialize) for stages in (None, 2, 3, 4) for specialize in (False, True)}
+    assert base.key_loop_stages is None and not base.key_loop_warp_specialize
