@@ -23,6 +23,7 @@ A proposal's rows are fixed per shape, so a captured graph always takes one of t
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
