@@ -189,6 +189,28 @@ def test_a_request_that_starts_drafting_is_announced_so_no_proposal_is_queued_in
     assert_all_released(engine)
 
 
+def test_an_aborted_stream_leaves_the_others_proposals_queued_ahead_and_their_tokens(engine, draft, prompt_ids):
+    """Three greedy drafting streams run on proposals queued ahead; one is aborted mid-stream. The next step
+    takes the queued trees of the other two (the aborted one's is dropped), their tokens are their own, and the
+    aborted one's pages and draft session are free."""
+    cases, lengths = [Case(0, FULL), Case(3, FULL), Case(1, CHAIN)], [64, 64, 1000]  # v runs on till aborted
+    alone = [collect(engine, request(case, prompt_ids, n))[0] for case, n in zip(cases, lengths)]
+    taken, proposals, batches = draft.proposals_ahead, draft.proposals, len(engine.draft.batches)
+    timeline = Timeline()
+    for name, case, n in zip("abv", cases, lengths):
+        engine.core.submit(name, request(case, prompt_ids, n), timeline.sink(name))
+    timeline.wait_until(lambda: len(timeline.tokens("v")) >= 8)
+    engine.core.abort("v")  # its client left: nothing more is sent to it
+    timeline.wait_until(lambda: timeline.finished("a") and timeline.finished("b") and not engine.core.num_requests)
+    assert [timeline.tokens(name) for name in "ab"] == alone[:2]
+    assert timeline.tokens("v") == alone[2][: len(timeline.tokens("v"))] and len(timeline.tokens("v")) < 1000
+    assert draft.proposals_ahead - taken >= 64 // 4  # the survivors kept running on queued proposals
+    # one proposal in vain, the last one's: the aborted stream's and each ended one's left the others theirs
+    proposing = sum(bool(batch.proposes) for _, batch in engine.draft.batches[batches:])
+    assert draft.proposals - proposals == proposing + 1
+    assert_all_released(engine)
+
+
 def test_closing_the_engine_frees_everything_and_refuses_what_comes_after(target, draft, tokenizer, prompt_ids):
     """Backends that outlive an engine (shared runtimes, remote services) keep nothing of its requests, whether
     they ended just before the close or still ran; the running one ends UNAVAILABLE, and so does a later one."""
