@@ -192,12 +192,12 @@ class Drafter:
             session.root_query, session.root_hidden = query, hidden
 
     @torch.no_grad()
-    def commit_accepted(self, extensions: list[Extension]) -> list[DraftSession]:
+    def commit_accepted(self, extensions: list[Extension]) -> list[bool]:
         """Commit what the host accepted. A session whose entries ``extend_on_device`` wrote keeps those that are
         these (the device and the host read one argmax, so they agree); any other session, or one whose device
-        entries differ, is extended here (``extend_many``). Returns the sessions that kept their device entries:
-        a proposal queued from those entries is theirs."""
-        settled, extend = [], []
+        entries differ, is extended here (``extend_many``). Returns, per extension, whether its session kept its
+        device entries: a proposal queued from those entries is then its own."""
+        settled, extend, kept = [], [], []
         for extension in extensions:
             session, unsettled = extension.session, extension.session.unsettled
             if unsettled is not None and unsettled.agrees_with(extension.next_tokens):
@@ -206,12 +206,14 @@ class Drafter:
                 session.context.keep(session.num_entries)
                 session.root_token = extension.next_tokens[-1]
                 settled.append(session)
+                kept.append(True)
                 continue
             self.discard_unsettled(session)
             extend.append(extension)
+            kept.append(False)
         self._queue_rescore(settled)  # their sets were taken when their entries were written
         self.extend_many(extend)
-        return settled
+        return kept
 
     @staticmethod
     def discard_unsettled(session: DraftSession) -> None:

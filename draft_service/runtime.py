@@ -222,9 +222,8 @@ class DraftRuntime:
     def _launch_ahead(self, session_ids: list[str]) -> _Launched | None:
         """The proposal the next step would make for these sessions, queued now from their unsettled entries; None
         when it cannot be (a tree with no depth needs its root on the host)."""
-        sessions = [self.sessions[sid] for sid in session_ids]
         try:
-            return self._launch(session_ids, sessions)
+            return self._launch(session_ids)
         except (RuntimeError, ValueError) as failure:
             log.warning("no proposal ahead, the next step proposes: %s", failure)
             return None
@@ -308,8 +307,7 @@ class DraftRuntime:
         except (RuntimeError, ValueError) as failure:
             failures.update({sid: InvalidRequest(f"draft extension failed: {failure}") for sid, _ in extensions})
             return set()
-        kept_ids = {id(session) for session in kept}
-        return {sid for sid, extension in extensions if id(extension.session) in kept_ids}
+        return {sid for (sid, _), settled in zip(extensions, kept) if settled}
 
     def _observe_step_cost(self, started: float, verify_seconds: float) -> None:
         """The step that ended now, when the last one proposed and this batch carries its verify's cost: from
@@ -330,15 +328,14 @@ class DraftRuntime:
         ahead, self._ahead = self._ahead, None
         if not session_ids:
             return {}
-        sessions = [self.sessions[sid] for sid in session_ids]
         if ahead is not None and settled.issuperset(session_ids) and set(ahead.session_ids).issuperset(session_ids):
             launched = ahead.of(session_ids)
             self.proposals_ahead += 1
             self.drafter.rescore()  # the settled sessions' chunk scoring, behind the proposal as after a launch
         else:
-            for session in sessions:  # entries written on the device that no accept settled: not this step's
-                self.drafter.discard_unsettled(session.drafter_state)
-            launched = self._launch(session_ids, sessions)
+            for sid in session_ids:  # entries written on the device that no accept settled: not this step's
+                self.drafter.discard_unsettled(self.sessions[sid].drafter_state)
+            launched = self._launch(session_ids)
         last = self._timed_proposal
         if last is not None and not last.first_of_shape:  # it ran on the device by now: its span is a read
             self.step_cost.observe_draft(last.depth, last.timer.seconds(), last.batch)
@@ -349,8 +346,9 @@ class DraftRuntime:
             session.observe_as = launched.chosen[i] if sid in launched.observed else None
         return dict(zip(launched.session_ids, launched.trees))
 
-    def _launch(self, session_ids: list[str], sessions: list[_SessionState]) -> _Launched:
+    def _launch(self, session_ids: list[str]) -> _Launched:
         """Plan the batch's trees and queue their proposal on the device."""
+        sessions = [self.sessions[sid] for sid in session_ids]
         with record_function("draft.plan"):
             chosen = self._plan_batch(sessions)
         requests = [ProposalRequest(s.drafter_state, list(c.plan), c.budget) for s, c in zip(sessions, chosen)]
