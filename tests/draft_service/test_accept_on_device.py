@@ -13,6 +13,7 @@ from tests.draft_service.test_drafter import (
     CONTEXT_LENGTHS,
     POLICIES,
     SALIENCE,
+    graphed_and_eager,
     host_waits,
     load_head,
     start_sessions,
@@ -183,8 +184,7 @@ def test_writing_entries_on_the_device_never_waits_for_the_gpu(salience):
 def test_a_graphed_proposal_from_unsettled_entries_equals_the_eager_one_and_never_waits(salience):
     """Queued behind the verify, the proposal's graph reads the root and counts the device completed: the eager
     run's trees, and the host only launches (the second round is measured: the first records the graph)."""
-    head = load_head(torch.device("cuda"), torch.bfloat16)
-    graphed, eager = Drafter(head, cuda_graphs=True), Drafter(head, cuda_graphs=False)
+    graphed, eager = graphed_and_eager(torch.bfloat16)
     pairs = [start_sessions(d, CONTEXT_LENGTHS, salience, seed=1) for d in (graphed, eager)]
     plan, budget = POLICIES["full"]
     for seed in (1, 2):

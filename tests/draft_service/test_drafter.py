@@ -290,7 +290,7 @@ def test_the_full_tree_s_widths_give_the_bucketed_widths_trees(drafter, mix):
     torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=1e-5, atol=1e-6)
 
 
-def _graphed_and_eager(
+def graphed_and_eager(
     dtype: torch.dtype, num_layers: int = 1, quantization: Quantization = "none"
 ) -> tuple[Drafter, Drafter]:
     head = load_head(torch.device("cuda"), dtype, num_layers)
@@ -306,7 +306,7 @@ def _graphed_and_eager(
 def test_graph_replays_equal_the_eager_proposal(dtype, num_layers, quantization):
     """Each shape recorded once and replayed, proposal after proposal, as contexts grow, plans change and
     batches shrink to padded buckets, gives the eager run's trees and device trees (int8 matmuls too)."""
-    graphed, eager = _graphed_and_eager(dtype, num_layers, quantization)
+    graphed, eager = graphed_and_eager(dtype, num_layers, quantization)
     pairs = [start_sessions(d, CONTEXT_LENGTHS, None, 0) + start_sessions(d, CONTEXT_LENGTHS, SALIENCE, 1)
              for d in (graphed, eager)]  # fmt: skip
     names, generator = list(POLICIES), torch.Generator(device="cuda").manual_seed(0)
@@ -339,7 +339,7 @@ def test_graph_replays_equal_the_eager_proposal(dtype, num_layers, quantization)
 @pytest.mark.gpu
 def test_a_shape_is_recorded_the_first_time_it_comes():
     """The first proposal of a shape records its graph; the next replays it, and both give the same trees."""
-    graphed, _ = _graphed_and_eager(torch.bfloat16)
+    graphed, _ = graphed_and_eager(torch.bfloat16)
     plan, budget = POLICIES["full"]
     sessions = start_sessions(graphed, CONTEXT_LENGTHS, None)
     requests = [ProposalRequest(s, plan, budget) for s in sessions]
@@ -355,7 +355,7 @@ def test_a_shape_is_recorded_the_first_time_it_comes():
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_the_eager_proposal_never_syncs_the_gpu(num_layers):
     """The eager search (what the graph records) launches work only: CUDA's sync check raises on any host wait."""
-    _, eager = _graphed_and_eager(torch.bfloat16, num_layers)
+    _, eager = graphed_and_eager(torch.bfloat16, num_layers)
     plan, budget = POLICIES["full-threshold"]
     sessions = start_sessions(eager, CONTEXT_LENGTHS, None)
     requests = [ProposalRequest(s, plan, budget) for s in sessions]
@@ -379,7 +379,7 @@ def test_the_eager_proposal_never_syncs_the_gpu(num_layers):
 def test_a_batch_accept_never_waits_for_the_gpu(salience, num_layers):
     """Extending a batch uploads its inputs through pinned memory; the salience scores' copy is queued for
     the next accept (a deeper head's lower layers attend without a wait)."""
-    _, eager = _graphed_and_eager(torch.bfloat16, num_layers)
+    _, eager = graphed_and_eager(torch.bfloat16, num_layers)
     sessions = start_sessions(eager, CONTEXT_LENGTHS, salience)
     c, device = eager.head.config, eager.head.fc.weight.device
     generator = torch.Generator().manual_seed(5)

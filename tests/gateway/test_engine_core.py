@@ -169,13 +169,26 @@ def test_proposals_queued_ahead_give_the_greedy_crowd_the_same_tokens(engine, dr
     assert_all_released(engine)
 
 
+class PlanCount:
+    """The draft's batch plans from now on, against the steps that asked for a proposal."""
+
+    def __init__(self, engine: SpeculativeEngine, draft: DraftRuntime) -> None:
+        self.engine, self.draft = engine, draft
+        self.plans, self.batches = draft.proposals, len(engine.draft.batches)
+
+    def in_vain(self) -> int:
+        """Proposals planned since that no step took (each step that proposed took one)."""
+        proposing = sum(bool(batch.proposes) for _, batch in self.engine.draft.batches[self.batches :])
+        return self.draft.proposals - self.plans - proposing
+
+
 def test_a_request_that_starts_drafting_is_announced_so_no_proposal_is_queued_in_vain(engine, draft, prompt_ids):
     """A stream joins two decoding ones: the write before its first token is told, so no proposal is queued
     ahead for the others alone. Every proposal made is taken but the last one, queued behind the last verify
     before its request ended; and each stream's tokens are its own."""
     cases = [Case(0, FULL), Case(3, FULL), Case(2, CHAIN)]
     alone = [collect(engine, request(case, prompt_ids, 48))[0] for case in cases]
-    proposals, batches, joins = draft.proposals, len(engine.draft.batches), len(engine.draft.joining_at)
+    plans, joins = PlanCount(engine, draft), len(engine.draft.joining_at)
     timeline = Timeline()
     for name, case in zip("ab", cases):
         engine.core.submit(name, request(case, prompt_ids, 48), timeline.sink(name))
@@ -183,8 +196,7 @@ def test_a_request_that_starts_drafting_is_announced_so_no_proposal_is_queued_in
     engine.core.submit("c", request(cases[2], prompt_ids, 48), timeline.sink("c"))
     timeline.wait_until(lambda: all(timeline.finished(name) for name in "abc"))
     assert [timeline.tokens(name) for name in "abc"] == alone
-    proposing = sum(bool(batch.proposes) for _, batch in engine.draft.batches[batches:])
-    assert draft.proposals - proposals == proposing + 1
+    assert plans.in_vain() == 1
     assert len(engine.draft.joining_at) - joins == 1  # c's first token was due in one target call
     assert_all_released(engine)
 
@@ -195,7 +207,7 @@ def test_an_aborted_stream_leaves_the_others_proposals_queued_ahead_and_their_to
     aborted one's pages and draft session are free."""
     cases, lengths = [Case(0, FULL), Case(3, FULL), Case(1, CHAIN)], [64, 64, 1000]  # v runs on till aborted
     alone = [collect(engine, request(case, prompt_ids, n))[0] for case, n in zip(cases, lengths)]
-    taken, proposals, batches = draft.proposals_ahead, draft.proposals, len(engine.draft.batches)
+    taken, plans = draft.proposals_ahead, PlanCount(engine, draft)
     timeline = Timeline()
     for name, case, n in zip("abv", cases, lengths):
         engine.core.submit(name, request(case, prompt_ids, n), timeline.sink(name))
@@ -206,8 +218,7 @@ def test_an_aborted_stream_leaves_the_others_proposals_queued_ahead_and_their_to
     assert timeline.tokens("v") == alone[2][: len(timeline.tokens("v"))] and len(timeline.tokens("v")) < 1000
     assert draft.proposals_ahead - taken >= 64 // 4  # the survivors kept running on queued proposals
     # one proposal in vain, the last one's: the aborted stream's and each ended one's left the others theirs
-    proposing = sum(bool(batch.proposes) for _, batch in engine.draft.batches[batches:])
-    assert draft.proposals - proposals == proposing + 1
+    assert plans.in_vain() == 1
     assert_all_released(engine)
 
 
