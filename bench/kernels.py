@@ -298,7 +298,8 @@ def plan_variants(base: TreeAttentionPlan, rows: int) -> list[TreeAttentionPlan]
     return list(dict.fromkeys(plans))
 
 
-# a plan too large for the chip, or one its compiler refuses (warp specialisation where Triton does not do it)
+# a plan too large for the chip, or one its compiler refuses (warp specialisation where Triton does not do it); a
+# RuntimeError counts only while the device still works (``sweep_plans``)
 REFUSED_PLANS = (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError, RuntimeError)
 
 
@@ -314,6 +315,8 @@ def sweep_plans(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s
         try:
             ms = time_triton(problem, plan)
         except REFUSED_PLANS as error:
+            if isinstance(error, RuntimeError):
+                torch.cuda.synchronize()  # a CUDA error is no refusal: it sticks, and raises here again
             results.append({**result, "error": str(error)})
             continue
         fraction = problem.kv_bytes / (ms * 1e-3) / copy_bytes_per_s
