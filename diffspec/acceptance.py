@@ -11,6 +11,12 @@ verification step yields at least one token).
   is accepted with probability p(x) under the current residual p; on rejection p(x) is set to
   0 and p renormalised. If every child is rejected, the bonus is drawn from the residual.
   The emitted token is then distributed exactly as p, whatever the draft proposed.
+
+  Each test and each bonus draw takes its own uniform, drawn before the step (``SamplingDraws``:
+  one per node for its test, one per node for the bonus should the path end there). Independent
+  uniforms, one per decision, give the rule's law whichever decisions are reached, and drawn up
+  front they let every decision be computed in tensors at once (``sampling_outcomes``), on the
+  device behind the forward; the walk down the tree (``accept_sampling``) then only reads them.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffspec.sampling import sample
+from diffspec.devices import upload
 from diffspec.tree import DraftTree
 
 
@@ -42,25 +48,78 @@ def accept_greedy(tree: DraftTree, argmax: list[int]) -> Acceptance:
         node = match
 
 
-def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
-    """probs [num_nodes, vocab]: the target distribution at each node (after temperature/top-p)."""
-    tokens = tree.token_list()
+@dataclass(frozen=True)
+class SamplingDraws:
+    """The uniforms one sampled verification step may use, drawn from the request's generator before the step."""
+
+    accept: torch.Tensor  # [num_nodes] float64 in [0, 1): node i's draft is accepted when this is under its chance
+    bonus: torch.Tensor  # [num_nodes] float64 in [0, 1): draws the bonus token when the accepted path ends at node i
+
+    @staticmethod
+    def draw(num_nodes: int, generator: torch.Generator) -> SamplingDraws:
+        uniforms = torch.rand(2, num_nodes, generator=generator, dtype=torch.float64)
+        return SamplingDraws(uniforms[0], uniforms[1])
+
+    def first(self, num_nodes: int, device: torch.device) -> SamplingDraws:
+        """The first ``num_nodes`` nodes' draws, on ``device``."""
+        return SamplingDraws(upload(self.accept[:num_nodes], device), upload(self.bonus[:num_nodes], device))
+
+
+@dataclass(frozen=True)
+class SamplingOutcomes:
+    """Every decision a sampled step can reach, on the device the probabilities are on."""
+
+    accepted: torch.Tensor  # [num_nodes] bool: node i's draft is accepted if the target tries it (never the root's)
+    bonus: torch.Tensor  # [num_nodes] int64: the bonus token if the path ends at node i; -1: its row is no distribution
+
+
+def sampling_outcomes(
+    tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, draws: SamplingDraws
+) -> SamplingOutcomes:
+    """tokens, parents [num_nodes] int64 (parent -1: the root, or padding); probs [num_nodes, vocab]: the target's
+    distribution at each node; ``draws`` on the same device. No value is read back to the host.
+
+    A node is tried after its earlier siblings (lower indices) were rejected, so its chance is its token's
+    probability under its parent's distribution with their tokens removed, renormalised (0 for a token one of
+    them had). The bonus at a node is drawn from its distribution with every child's token removed (all were
+    rejected), by inverting the cumulative sum at its uniform; should rounding leave no mass, from the
+    distribution itself."""
+    num_nodes, vocab = probs.shape
+    rows, index = probs.double(), torch.arange(num_nodes, device=probs.device)
+    totals = rows.sum(dim=-1)  # [num_nodes]
+    is_child = parents >= 0
+    parent = parents.clamp(min=0)
+    earlier_sibling = (parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None]) & is_child[:, None]
+    repeated = (earlier_sibling & (tokens[:, None] == tokens[None, :])).any(dim=1)
+    p = torch.where(is_child & ~repeated, rows[parent, tokens], 0.0)  # [num_nodes]
+    remaining = totals[parent] - (earlier_sibling.double() * p[None, :]).sum(dim=1)
+    chance = torch.where(remaining > 0, p / remaining.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+    accepted = is_child & (draws.accept < chance)
+    # each child's token removed from its parent's row; the root and padding write into a spare last row
+    residual = torch.cat([rows, rows.new_zeros(1, vocab)])
+    residual.index_put_((torch.where(is_child, parent, num_nodes), tokens), rows.new_zeros(()))
+    residual = residual[:-1]
+    cumulative = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, rows).cumsum(dim=-1)
+    reached = cumulative[:, -1:].contiguous()  # [num_nodes, 1]
+    drawn = torch.searchsorted(cumulative, draws.bonus.unsqueeze(-1) * reached, right=True)
+    last_possible = torch.searchsorted(cumulative, reached)  # where the sum is reached: the last token with mass
+    bonus = torch.minimum(drawn, last_possible).squeeze(-1)
+    distribution = torch.isfinite(rows).all(dim=-1) & (totals > 0)  # NaN logits give none
+    return SamplingOutcomes(accepted, torch.where(distribution, bonus, -1))
+
+
+def accept_sampling(tree: DraftTree, outcomes: SamplingOutcomes) -> Acceptance:
+    """``outcomes``: a step's, on the host, for at least the tree's nodes. From the root, take the first child (in
+    order) whose draft is accepted; where none is, the bonus is that node's. Raises ValueError where the
+    target's distribution at that node is none."""
+    accepted, bonus = outcomes.accepted.tolist(), outcomes.bonus.tolist()
     children = tree.children()
     node, path = 0, []
     while True:
-        residual = probs[node].detach().to("cpu", torch.float64).clone()
-        accepted = None
-        for child in children[node]:
-            token = tokens[child]
-            total = residual.sum()
-            p = residual[token] / total if total > 0 else 0.0
-            if torch.rand((), generator=generator, dtype=torch.float64) < p:
-                accepted = child
-                break
-            residual[token] = 0.0
-        if accepted is None:
-            if residual.sum() <= 0:  # rounding left no mass: p itself is the right fallback
-                residual = probs[node].detach().to("cpu", torch.float64)
-            return Acceptance(accepted_nodes=path, bonus_token=sample(residual / residual.sum(), generator))
-        path.append(accepted)
-        node = accepted
+        match = next((c for c in children[node] if accepted[c]), None)
+        if match is None:
+            if bonus[node] < 0:
+                raise ValueError("the target's distribution at a verified node is not one (NaN, or no mass)")
+            return Acceptance(accepted_nodes=path, bonus_token=bonus[node])
+        path.append(match)
+        node = match

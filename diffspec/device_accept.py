@@ -1,4 +1,4 @@
-"""A verify's acceptance of one greedy session as the device computed it, handed from target to draft in one process.
+"""A verify's acceptance of one session as the device computed it, handed from target to draft in one process.
 
 Why: a draft in the same process commits the accepted entries while the verify still runs, instead of
 after the host has read its results (``target_service/device_acceptance.py`` computes it,

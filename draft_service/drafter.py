@@ -12,7 +12,7 @@ device, one head pass per depth for the whole batch, and is one CUDA graph on a 
 
 Accept. Verification commits the root and the accepted nodes; their target features pair with
 the emitted tokens (accepted drafts then the bonus) as the next committed entries. In one process
-with a greedy target, the entries are written from the device's acceptance while the verify still
+with the target, the entries are written from the device's acceptance while the verify still
 runs (``extend_on_device``) and settled against the host's acceptance afterwards
 (``commit_accepted``), so the host's share of an accept is off the step's critical path. The next
 proposal may then be queued at once, behind that write: sessions with unsettled entries propose
@@ -155,7 +155,7 @@ class Drafter:
 
     @torch.no_grad()
     def extend_on_device(self, extensions: list[DeviceExtension]) -> None:
-        """Write entries whose tokens and count only the device knows yet (a greedy verify's acceptance, computed
+        """Write entries whose tokens and count only the device knows yet (a verify's acceptance, computed
         behind its forward): each session writes all ``max_entries`` rows its accept may hold and takes its root
         from the last real one, so nothing here waits for the forward. The entries stay unsettled until
         ``commit_accepted`` compares them with the host's acceptance and keeps the real ones.
@@ -194,9 +194,10 @@ class Drafter:
     @torch.no_grad()
     def commit_accepted(self, extensions: list[Extension]) -> list[bool]:
         """Commit what the host accepted. A session whose entries ``extend_on_device`` wrote keeps those that are
-        these (the device and the host read one argmax, so they agree); any other session, or one whose device
-        entries differ, is extended here (``extend_many``). Returns, per extension, whether its session kept its
-        device entries: a proposal queued from those entries is then its own."""
+        these (the device and the host read one argmax, or one step's sampling outcomes, so they agree); any
+        other session, or one whose device entries differ, is extended here (``extend_many``). Returns, per
+        extension, whether its session kept its device entries: a proposal queued from those entries is then
+        its own."""
         settled, extend, kept = [], [], []
         for extension in extensions:
             session, unsettled = extension.session, extension.session.unsettled

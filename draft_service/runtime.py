@@ -7,9 +7,9 @@ the verified trees teach (the hazard profiles, the online planners, the bound au
 last, while the device runs the proposal: between a verify's results and the next proposal's
 launch the host does only what that proposal needs.
 
-Ahead. In one process with a greedy target, the accepted entries are written from the device's
-acceptance while the verify runs (``accept_on_device``). When every session is written so and none
-joins at the next step, their next proposal is planned and queued right then, behind the write
+Ahead. In one process with the target, the accepted entries are written from the device's
+acceptance while the verify runs (``accept_on_device``). When every session that goes on past the verify
+is written so and none joins at the next step, their next proposal is planned and queued right then, behind the write
 (``propose_ahead``): the GPU goes from the verify to the proposal while the host reads the results,
 and the next ``step`` takes those trees once its accepts keep the entries they grew from (the trees
 of sessions that ended meanwhile are dropped). A step with a session the proposal does not hold,
@@ -197,14 +197,18 @@ class DraftRuntime:
                 self.sessions.pop(sid, None)
         return DraftBatchResult(trees, released, failures)
 
-    def accept_on_device(self, accepts: dict[str, DeviceAccept], joining: bool = False) -> set[str]:
-        """Write the entries of verify acceptances the device computed (greedy sessions, in one process with the
-        target), while that verify runs; the next ``step``'s accepts settle them. When they are every session's
-        and no other session is ``joining`` the next step (one that starts drafting), the next proposal is
-        queued behind them (``propose_ahead``). Returns the sessions written; the others (unknown here, or
-        whose write failed) are extended by their accept as usual."""
+    def accept_on_device(
+        self, accepts: dict[str, DeviceAccept], joining: bool = False, ending: frozenset[str] = frozenset()
+    ) -> set[str]:
+        """Write the entries of verify acceptances the device computed (in one process with the target), while
+        that verify runs; the next ``step``'s accepts settle them. Sessions the verify surely
+        ends (``ending``: their last token) need neither. When the written ones are every other session and no
+        session is ``joining`` the next step (one that starts drafting), the next proposal is queued behind
+        them (``propose_ahead``). Returns the sessions written; the others (unknown here, or whose write
+        failed) are extended by their accept as usual."""
         with self._lock:
-            ids = [sid for sid in accepts if sid in self.sessions]
+            ids = [sid for sid in accepts if sid in self.sessions and sid not in ending]
+            continuing = len(self.sessions.keys() - ending)
             sessions = [self.sessions[sid].drafter_state for sid in ids]
             try:
                 with record_function("draft.accept_on_device"):
@@ -214,7 +218,7 @@ class DraftRuntime:
                 for session in sessions:
                     self.drafter.discard_unsettled(session)
                 return set()
-            if self.propose_ahead and ids and len(ids) == len(self.sessions) and not joining:
+            if self.propose_ahead and ids and len(ids) == continuing and not joining:
                 with record_function("draft.propose_ahead"):
                     self._ahead = self._launch_ahead(ids)
             return set(ids)

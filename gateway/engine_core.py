@@ -10,7 +10,7 @@ Each iteration, on the engine's own thread:
      each prefilling request under the iteration's token budget (trees first, so a 64K prompt never
      stalls the streams already decoding). A finished prompt's first token (and last features) come
      with the next target call, which collects it: the GPU computes the prompt while the next draft
-     call does its host work. With draft and target in this process, the target hands the greedy
+     call does its host work. With draft and target in this process, the target hands the drafting
      requests' acceptances, computed on the device, to the draft once the verify is queued, and the
      draft writes their entries while the forward runs (the next draft call settles them);
   4. hands each request's tokens to its output sink.
@@ -60,7 +60,7 @@ class EngineLimits:
     max_batch_tokens: int  # tokens one iteration computes: trees first, then prompt chunks
     prefill_chunk: int  # most prompt tokens of one request per iteration
     quota: QuotaLimits = QuotaLimits()  # what one client may hold
-    accept_on_device: bool = True  # an in-process draft writes greedy accepts while the verify runs
+    accept_on_device: bool = True  # an in-process draft writes accepts while the verify runs
 
 
 @dataclass
@@ -297,7 +297,7 @@ class EngineCore:
             if running.pending_accept is not None:
                 accepts.append(running.pending_accept)
                 running.pending_accept = None
-            if running.draft_session:
+            if running.wants_proposal:
                 proposes.append(running.request_id)
         cost, self._verify_cost = self._verify_cost, None
         return DraftBatch(list(self._draft_releases), starts, accepts, proposes, cost)
@@ -359,16 +359,19 @@ class EngineCore:
         """The target queued the verify: the drafting requests' accepted entries go to the draft now, written from
         the device's acceptance while the forward runs (their accepts settle them in the next draft call)."""
         started = time.perf_counter()
-        drafting = {}
+        drafting, ending = {}, set()
         for session_id, accept in accepts.items():
             running = self._requests.get(session_id)
             if running is not None and running.drafting and running.draft_session:
                 drafting[session_id] = accept
+                if running.tokens_left <= 1:  # this verify emits its last token
+                    ending.add(session_id)
         if drafting and self._draft_on_device is not None:
             # a request whose first token this call reports starts drafting at the next step
             joining = any(r.drafting and r.awaiting_first_token for r in self._requests.values())
             try:
-                self._accepted_on_device = list(self._draft_on_device.accept_on_device(drafting, joining))
+                written = self._draft_on_device.accept_on_device(drafting, joining, frozenset(ending))
+                self._accepted_on_device = list(written)
             except Exception:  # noqa: BLE001 - the accepts extend as usual; the target's step goes on
                 log.exception("the draft failed to write accepted entries on the device")
         self._on_device_seconds = time.perf_counter() - started

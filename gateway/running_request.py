@@ -155,7 +155,7 @@ class RunningRequest:
         self.phase = Phase.DECODING
         self._emit([result.first_token], result.first_logprobs)
         features = concat_rows(self.prompt_features) if self.drafting else None
-        if features is not None and not self.finished:
+        if features is not None and not self.finished and self.tokens_left > 1:  # one left: an Auto step emits it
             assert self.request.draft is not None
             self.pending_start = DraftStart(
                 self.request_id, self.request.prompt_ids, features, result.first_token, self.request.draft
@@ -180,6 +180,18 @@ class RunningRequest:
         self.stats.fell_back_to_auto = True
         self.pending_start = self.pending_accept = self.tree = None
         self.prompt_features, self.inherited_features = [], None
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens it may still emit before ``max_new_tokens`` or the context's end."""
+        context_left = self.info.max_context - self.prompt_tokens - self.stats.new_tokens
+        return min(self.request.max_new_tokens - self.stats.new_tokens, context_left)
+
+    @property
+    def wants_proposal(self) -> bool:
+        """A drafting request whose next verify may emit more than one token: with one left, an Auto step
+        emits it, and a tree would be drafted and verified in vain."""
+        return self.drafting and self.draft_session and self.tokens_left > 1
 
     def next_tree(self) -> ProposedTree:
         """This iteration's proposal if it fits the context left, else one Auto step."""

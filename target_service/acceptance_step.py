@@ -1,8 +1,9 @@
 """The epilogue of a verify forward: each session's accepted path, its result, and what to commit.
 
-Greedy sessions share one read of the step's argmax (the only host sync of a step, ``greedy_argmax``); the sessions
-that want features share one gather of their committed rows. A session that asks for logprobs
-gets them from the rows its emitted tokens were decided at: the root's for the first, each
+Greedy sessions share one read of the step's argmax (the only host sync of a step, ``greedy_argmax``); a sampled
+session reads its step's outcomes, every decision its draws can reach, computed on the device behind the forward
+(``sampling_outcomes_of``); the sessions that want features share one gather of their committed rows. A session
+that asks for logprobs gets them from the rows its emitted tokens were decided at: the root's for the first, each
 accepted node's for the next, the same rows an Auto step would have used. Each session's
 acceptance is computed before anything of it changes, and a session whose acceptance fails (say,
 a sampling distribution that is not one) is reported on its own: the other sessions of the batch
@@ -15,11 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
-from diffspec.acceptance import Acceptance, accept_greedy, accept_sampling
+from diffspec.acceptance import (
+    Acceptance,
+    SamplingDraws,
+    SamplingOutcomes,
+    accept_greedy,
+    accept_sampling,
+    sampling_outcomes,
+)
+from diffspec.devices import HostCopy, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import target_probs, token_logprobs
+from diffspec.tree import DraftTree, PendingTree
 from target_service.backend import VerifyResult, VerifyStep
-from target_service.session import TargetSession
+from target_service.session import MAX_TREE_NODES, TargetSession
 from target_service.step_graphs import StepOutputs
 
 
@@ -42,17 +52,22 @@ class Commit:
 
 
 def accept_batch(
-    steps: list[VerifyStep], sessions: list[TargetSession], ran: StepOutputs, argmax: list[int]
+    steps: list[VerifyStep],
+    sessions: list[TargetSession],
+    ran: StepOutputs,
+    argmax: list[int],
+    sampled: dict[str, SamplingOutcomes],
 ) -> tuple[dict[str, VerifyResult], list[Commit], dict[str, DiffSpecError]]:
     """Per session: its result and its commit (root + accepted nodes), or why it failed. ``argmax``: the
-    forward's argmax token of every row, read once for the greedy sessions ([] when there are none)."""
+    forward's argmax token of every row, read once for the greedy sessions ([] when there are none);
+    ``sampled``: each sampled session's outcomes on the host."""
     results: dict[str, VerifyResult] = {}
     commits: list[Commit] = []
     failures: dict[str, DiffSpecError] = {}
     accepted: list[_Accepted] = []
     for step, session, offset in zip(steps, sessions, ran.row_offsets):
         try:
-            acceptance = _acceptance(step, session, ran, offset, argmax)
+            acceptance = _acceptance(step, session, offset, argmax, sampled)
         except (RuntimeError, ValueError) as failure:
             failures[step.session_id] = InvalidRequest(f"sampling failed for this request: {failure}")
             continue
@@ -98,12 +113,50 @@ def _features(accepted: list[_Accepted], ran: StepOutputs) -> list[torch.Tensor 
     return features
 
 
+def sampling_outcomes_of(
+    steps: list[VerifyStep], sessions: list[TargetSession], ran: StepOutputs
+) -> dict[str, SamplingOutcomes]:
+    """Each sampled session's outcomes on the forward's device: every decision its step's draws give, computed
+    behind the forward (nothing is read back).
+
+    A step draws for ``MAX_TREE_NODES`` nodes whatever its tree, node i taking the i-th pair, so a seeded
+    request's stream of draws does not depend on its trees' sizes or on how the forward padded them."""
+    outcomes = {}
+    device = ran.logits.device
+    ends = [*ran.row_offsets[1:], ran.logits.shape[0]]
+    for step, session, offset, end in zip(steps, sessions, ran.row_offsets, ends):
+        if session.sampling.greedy:
+            continue
+        assert session.generator is not None
+        draws = SamplingDraws.draw(MAX_TREE_NODES, session.generator)
+        tree = step.tree
+        # a pending tree's rows: its node bound in a bucket, its real nodes (first in its device copy) unpadded
+        nodes = min(tree.num_nodes, end - offset)
+        on_device = tree.device_copy(device) if isinstance(tree, PendingTree) else None
+        if on_device is not None:
+            tokens, parents = on_device.tokens[:nodes], on_device.parents[:nodes]
+        else:
+            host = DraftTree.of(tree)
+            tokens, parents = upload(host.tokens, device), upload(host.parents, device)
+        probs = target_probs(ran.logits[offset : offset + nodes], session.sampling)
+        outcomes[step.session_id] = sampling_outcomes(tokens, parents, probs, draws.first(nodes, device))
+    return outcomes
+
+
+class SampledReads:
+    """The sampled sessions' outcomes copied to the host, queued behind them: reading waits for the forward alone."""
+
+    def __init__(self, outcomes: dict[str, SamplingOutcomes]) -> None:
+        self._copies = {sid: HostCopy(torch.stack([o.accepted.long(), o.bonus])) for sid, o in outcomes.items()}
+
+    def get(self) -> dict[str, SamplingOutcomes]:
+        read = {sid: copy.get() for sid, copy in self._copies.items()}
+        return {sid: SamplingOutcomes(accepted.bool(), bonus) for sid, (accepted, bonus) in read.items()}
+
+
 def _acceptance(
-    step: VerifyStep, session: TargetSession, ran: StepOutputs, offset: int, argmax: list[int]
+    step: VerifyStep, session: TargetSession, offset: int, argmax: list[int], sampled: dict[str, SamplingOutcomes]
 ) -> Acceptance:
-    n = step.tree.num_nodes
     if session.sampling.greedy:
-        return accept_greedy(step.tree, argmax[offset : offset + n])
-    assert session.generator is not None
-    probs = target_probs(ran.logits[offset : offset + n], session.sampling)
-    return accept_sampling(step.tree, probs, session.generator)
+        return accept_greedy(step.tree, argmax[offset : offset + step.tree.num_nodes])
+    return accept_sampling(step.tree, sampled[step.session_id])

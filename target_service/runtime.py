@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
+from diffspec.acceptance import SamplingOutcomes
 from diffspec.device_accept import DeviceAccept, VerifyQueued
 from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, dtype_name, resolve_device, resolve_dtype, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
@@ -32,7 +33,13 @@ from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_lay
 from diffspec.tree import DraftTree, PendingTree
 from diffspec.tree_nodes import ProposedTree
 from diffspec_kernels.attention_metadata import AttentionMetadata, causal_mask
-from target_service.acceptance_step import Commit, accept_batch, greedy_argmax
+from target_service.acceptance_step import (
+    Commit,
+    SampledReads,
+    accept_batch,
+    greedy_argmax,
+    sampling_outcomes_of,
+)
 from target_service.attention_backends import GRAPH_SAFE_BACKENDS, attention_backend, resolve_backend_name
 from target_service.backend import (
     PrefillResult,
@@ -44,7 +51,7 @@ from target_service.backend import (
     VerifyResult,
     VerifyStep,
 )
-from target_service.device_acceptance import greedy_device_accept
+from target_service.device_acceptance import greedy_device_accept, sampled_device_accept
 from target_service.kv_cache import PagedKVCache
 from target_service.kv_pool import PagedKVPool
 from target_service.llama import LlamaModel, PagedForwardOutput
@@ -258,8 +265,8 @@ class TargetRuntime:
 
         A drafter's pending tree on this device goes into the forward from its device copy, so the forward
         is queued behind the proposal without the host waiting for it; its nodes are read (and checked)
-        once the forward is queued, for the acceptance. ``on_queued`` gets the greedy sessions' acceptances
-        computed on the device before the host reads the forward's argmax (``device_acceptance``)."""
+        once the forward is queued, for the acceptance. ``on_queued`` gets the sessions' acceptances computed on
+        the device (``device_acceptance``) before the host reads the forward's argmax and sampled outcomes."""
         timer = DeviceTimer(self.device)
         timer.start()  # on a GPU it fires when the device gets here: after a pending proposal, not before
         steps = [VerifyStep(step.session_id, self._verifiable(step.tree)) for step in steps]
@@ -277,33 +284,49 @@ class TargetRuntime:
         if ran is None:
             ran = self._forward_eager(inputs, feature_layers)
         timer.stop()
-        argmax = greedy_argmax([self.sessions[step.session_id] for step in valid], ran)
-        argmax_read = HostCopy(argmax) if argmax is not None else None  # queued before the draft's work
-        if on_queued is not None and argmax is not None:
-            on_queued(self._device_accepts(valid, ran, argmax))
+        sessions = [self.sessions[step.session_id] for step in valid]
+        argmax = greedy_argmax(sessions, ran)
+        outcomes = sampling_outcomes_of(valid, sessions, ran)
+        # their copies are queued before the draft's work: reading them waits for the forward alone
+        argmax_read = HostCopy(argmax) if argmax is not None else None
+        sampled_read = SampledReads(outcomes)
+        if on_queued is not None:
+            accepts = self._device_accepts(valid, ran, argmax, outcomes)
+            if accepts:
+                on_queued(accepts)
         valid, ran = self._with_host_trees(valid, ran, failures)
         sessions = [self.sessions[step.session_id] for step in valid]
         with record_function("target.verify.accept"):
             argmax_list = argmax_read.get().tolist() if argmax_read is not None else []
-            results, commits, rejected = accept_batch(valid, sessions, ran, argmax_list)
+            results, commits, rejected = accept_batch(valid, sessions, ran, argmax_list, sampled_read.get())
         failures.update(rejected)
         self._commit(ran.forward, commits)
         return results, timer.seconds(), ran.logits.shape[0]
 
     def _device_accepts(
-        self, steps: list[VerifyStep], ran: StepOutputs, argmax: torch.Tensor
+        self,
+        steps: list[VerifyStep],
+        ran: StepOutputs,
+        argmax: torch.Tensor | None,
+        outcomes: dict[str, SamplingOutcomes],
     ) -> dict[str, DeviceAccept]:
-        """The device acceptance of each greedy session that wants features and whose tree the forward read in
-        place (a drafter's pending tree on this device)."""
+        """The device acceptance of each session that wants features and whose tree the forward read in place (a
+        drafter's pending tree on this device): from the argmax if it is greedy, else from its outcomes."""
         accepts = {}
         for step, first_row in zip(steps, ran.row_offsets):
             session, tree = self.sessions[step.session_id], step.tree
             on_device = tree.device_copy(self.device) if isinstance(tree, PendingTree) else None
-            if on_device is None or not (session.sampling.greedy and session.want_features):
+            if on_device is None or not session.want_features:
                 continue
-            accepts[step.session_id] = greedy_device_accept(
-                on_device, tree.num_nodes, tree.max_depth, argmax, first_row, ran.forward, session.feature_layers
-            )
+            depth, layers = tree.max_depth, session.feature_layers
+            if argmax is not None and session.sampling.greedy:
+                accepts[step.session_id] = greedy_device_accept(
+                    on_device, tree.num_nodes, depth, argmax, first_row, ran.forward, layers
+                )
+            else:
+                accepts[step.session_id] = sampled_device_accept(
+                    on_device, depth, outcomes[step.session_id], first_row, ran.forward, layers
+                )
         return accepts
 
     def _verifiable(self, tree: ProposedTree) -> DraftTree | PendingTree:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from diffspec.acceptance import accept_greedy, accept_sampling
+from diffspec.acceptance import Acceptance, SamplingDraws, accept_greedy, accept_sampling, sampling_outcomes
 from diffspec.sampling import SamplingParams, target_probs
 from diffspec.tree import DraftTree
 
@@ -38,6 +38,53 @@ def test_greedy_walks_the_matching_path(argmax, nodes, bonus):
     assert result.accepted_nodes == nodes and result.bonus_token == bonus
 
 
+def accept_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
+    """One sampled step as the target takes it: draws, every outcome in tensors, then the walk."""
+    outcomes = sampling_outcomes(tree.tokens, tree.parents, probs, SamplingDraws.draw(tree.num_nodes, generator))
+    return accept_sampling(tree, outcomes)
+
+
+@pytest.mark.parametrize(
+    "children, accept_draws, bonus_draw, nodes, bonus",
+    [
+        # p = [0.1, 0.6, 0.3]: child 1 has chance 0.6; child 2, once 1 is rejected, 0.3 / 0.4 = 0.75
+        ([1, 2], [0.59, 0.99], 0.5, [1], None),  # the first child passes
+        ([1, 2], [0.6, 0.74], 0.5, [2], None),  # the first fails at its chance, the second passes under its own
+        ([1, 2], [0.6, 0.75], 0.99, [], 0),  # both fail: the bonus comes from what is left, token 0 alone
+        ([1, 1, 2], [0.9, 0.0, 0.75], 0.5, [], 0),  # a repeated token has no chance: it was rejected already
+        ([0], [0.1], 0.5, [], 1),  # 0 fails at 0.1; the residual [0, 0.6, 0.3] / 0.9 puts u = 0.5 on token 1
+        ([0], [0.1], 0.7, [], 2),  # and u = 0.7 past 0.6 / 0.9 on token 2
+    ],
+)
+def test_each_decision_takes_its_own_draw(children, accept_draws, bonus_draw, nodes, bonus):
+    tokens = [0, *children]
+    tree = DraftTree(torch.tensor(tokens), torch.tensor([-1] + [0] * len(children)), torch.ones(len(tokens)))
+    probs = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64).expand(tree.num_nodes, 3)
+    accept = torch.tensor([0.0, *accept_draws], dtype=torch.float64)
+    draws = SamplingDraws(accept, torch.full((tree.num_nodes,), bonus_draw, dtype=torch.float64))
+    outcomes = sampling_outcomes(tree.tokens, tree.parents, probs, draws)
+    result = accept_sampling(tree, outcomes)
+    assert result.accepted_nodes == nodes
+    if bonus is not None:
+        assert result.bonus_token == bonus
+    else:  # past an accepted leaf the bonus is its whole row's draw at u = 0.5: token 1
+        assert result.bonus_token == 1
+
+
+@pytest.mark.parametrize("row", [[float("nan"), 0.5, 0.5], [0.0, 0.0, 0.0]], ids=["NaN", "no mass"])
+def test_a_row_that_is_no_distribution_fails_the_step_where_it_is_drawn_from(row):
+    tree = DraftTree.chain([0, 1])
+    draws = SamplingDraws(torch.tensor([0.0, 0.99], dtype=torch.float64), torch.full((2,), 0.5, dtype=torch.float64))
+    broken = torch.tensor([row, [0.2, 0.3, 0.5]], dtype=torch.float64)
+    outcomes = sampling_outcomes(tree.tokens, tree.parents, broken, draws)
+    assert outcomes.bonus.tolist()[0] == -1 and not outcomes.accepted.any()
+    with pytest.raises(ValueError, match="not one"):
+        accept_sampling(tree, outcomes)
+    # the same row past the accepted path is never drawn from
+    fine = sampling_outcomes(tree.tokens, tree.parents, broken.flip(0), draws)
+    assert accept_sampling(tree, fine).accepted_nodes == [] and fine.bonus.tolist()[1] == -1
+
+
 def _tree_with_children(children: list[int]) -> DraftTree:
     """Root with the given depth-1 children; the first child also gets two grandchildren."""
     tokens = [0, *children, 1, 2]
@@ -64,7 +111,7 @@ def test_first_emitted_token_follows_the_target_distribution(temperature, top_p,
     counts = torch.zeros(vocab)
     gen = params.generator()
     for _ in range(trials):
-        result = accept_sampling(tree, probs, gen)
+        result = accept_sampled(tree, probs, gen)
         first = int(tree.tokens[result.accepted_nodes[0]]) if result.accepted_nodes else result.bonus_token
         counts[first] += 1
     support = p > 0
@@ -72,12 +119,41 @@ def test_first_emitted_token_follows_the_target_distribution(temperature, top_p,
     assert chisquare(counts[support].numpy(), (p[support] * trials).numpy()).pvalue > 1e-3
 
 
+def test_the_first_two_emitted_tokens_follow_the_target_jointly():
+    """Past the first token: a tree whose first child has children of its own, the same distribution at every
+    node, so the first two emitted tokens are independent draws from it (the second an accepted grandchild,
+    the bonus after an accepted child, or the token after the bonus's step, which a step never emits)."""
+    logits = torch.tensor([0.2, 1.5, -1.0, 0.8, -0.3, 2.0])
+    p = target_probs(logits, SamplingParams(temperature=1.0, seed=3))
+    tree = _tree_with_children([5, 1])  # root -> 5 (-> 1, 2), 1
+    probs, gen, trials = p.expand(tree.num_nodes, 6), torch.Generator().manual_seed(11), 6000
+    pairs = torch.zeros(6, 6)
+    counted = 0
+    for _ in range(trials):
+        result = accept_sampled(tree, probs, gen)
+        emitted = [int(tree.tokens[n]) for n in result.accepted_nodes] + [result.bonus_token]
+        if len(emitted) >= 2:
+            pairs[emitted[0], emitted[1]] += 1
+            counted += 1
+    # two tokens come out exactly when the first is accepted; given that, the pair's law is p(x1 | x1 in {5, 1})
+    # times p(x2)
+    first = torch.zeros(6)
+    first[[5, 1]] = p[[5, 1]] / p[[5, 1]].sum()
+    expected = (first[:, None] * p[None, :]).flatten() * counted
+    frequent = expected >= 5
+    observed = torch.cat([pairs.flatten()[frequent], pairs.flatten()[~frequent].sum().view(1)])
+    expected = torch.cat([expected[frequent], expected[~frequent].sum().view(1)])
+    keep = expected > 0  # pairs whose first token is no child never come out
+    assert counted > trials // 2
+    assert chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue > 1e-3
+
+
 def test_a_deterministic_draft_changes_nothing_but_speed():
     """A tree whose only child is the target's likeliest token is accepted with exactly p(x)."""
     p = torch.tensor([0.1, 0.6, 0.3])
     tree = DraftTree.chain([0, 1])
     gen = torch.Generator().manual_seed(0)
-    accepted = sum(bool(accept_sampling(tree, p.expand(2, 3), gen).accepted_nodes) for _ in range(4000))
+    accepted = sum(bool(accept_sampled(tree, p.expand(2, 3), gen).accepted_nodes) for _ in range(4000))
     assert abs(accepted / 4000 - 0.6) < 0.03
 
 

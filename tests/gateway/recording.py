@@ -51,8 +51,10 @@ class RecordingDraft:
         self.batches.append((self.core.timing.iterations if self.core else -1, batch))
         return self.inner.step(batch)
 
-    def accept_on_device(self, accepts: dict[str, DeviceAccept], joining: bool = False) -> set[str]:
-        written = self.inner.accept_on_device(accepts, joining)
+    def accept_on_device(
+        self, accepts: dict[str, DeviceAccept], joining: bool = False, ending: frozenset[str] = frozenset()
+    ) -> set[str]:
+        written = self.inner.accept_on_device(accepts, joining, ending)
         if joining:
             self.joining_at.append(self.core.timing.iterations if self.core else -1)
         self.written_on_device.append((self.core.timing.iterations if self.core else -1, written))

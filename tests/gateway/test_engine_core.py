@@ -124,10 +124,10 @@ def test_sixteen_streams_each_equal_the_request_alone(engine, prompt_ids):
     auto = [collect(engine, GenerationRequest(ids, NEW_TOKENS))[0] for ids in prompt_ids]
     written_before = len(engine.draft.written_on_device)
     assert crowd(engine, [request(case, prompt_ids) for case in CROWD]) == alone
-    # the greedy drafting streams' accepted entries were written from the device's acceptance during their
-    # verify (draft and target share this process); sampled and Auto streams took the host's accept alone
-    greedy_drafting = sum(case.draft is not None and case.sampling is GREEDY for case in CROWD)
-    assert max(len(written) for _, written in engine.draft.written_on_device[written_before:]) == greedy_drafting
+    # every drafting stream's accepted entries, greedy and sampled, were written from the device's acceptance
+    # during its verify (draft and target share this process)
+    drafting = sum(case.draft is not None for case in CROWD)
+    assert max(len(written) for _, written in engine.draft.written_on_device[written_before:]) == drafting
     for case, tokens in zip(CROWD, alone):
         assert len(tokens) == NEW_TOKENS
         if case.sampling is not SEEDED:  # greedy, or sampling that only the argmax survives
@@ -151,11 +151,18 @@ def test_with_accepts_off_the_device_the_crowd_is_the_same(engine, target, draft
     assert off.draft.written_on_device == [] and len(off.draft.batches) > 0
 
 
-def test_proposals_queued_ahead_give_the_greedy_crowd_the_same_tokens(engine, draft, prompt_ids):
-    """Greedy drafting streams alone: every session's accepts are written on the device, so each step's proposal
-    is queued behind the verify before it. With ``propose_ahead`` off the steps propose after the results, and
-    each stream's tokens are the same."""
-    requests = [request(case, prompt_ids) for case in CROWD if case.draft is not None and case.sampling is GREEDY]
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "sampled"])
+def test_proposals_queued_ahead_give_the_drafting_crowd_the_same_tokens(engine, draft, prompt_ids, sampling):
+    """Drafting streams alone: every session's accepts are written on the device (a sampled one's from its step's
+    outcomes), so each step's proposal is queued behind the verify before it. With ``propose_ahead`` off the
+    steps propose after the results, and each stream's tokens are the same. (Sampled streams with fixed policies
+    only: an ``online`` tree follows measured costs, so which tokens it samples, not their law, varies by run.)"""
+    cases = [
+        replace(case, sampling=sampling)
+        for case in CROWD
+        if case.draft is not None and (sampling is GREEDY or case.draft.policy != "online")
+    ]
+    requests = [request(case, prompt_ids) for case in cases]
     taken_before = draft.proposals_ahead
     ahead = crowd(engine, requests)
     assert draft.proposals_ahead - taken_before >= NEW_TOKENS // 4  # the steps ran on proposals queued ahead
@@ -219,6 +226,28 @@ def test_an_aborted_stream_leaves_the_others_proposals_queued_ahead_and_their_to
     assert draft.proposals_ahead - taken >= 64 // 4  # the survivors kept running on queued proposals
     # one proposal in vain, the last one's: the aborted stream's and each ended one's left the others theirs
     assert plans.in_vain() == 1
+    assert_all_released(engine)
+
+
+def test_a_request_with_one_token_left_takes_it_in_an_auto_step(engine, draft, prompt_ids):
+    """One token left: whatever its next verify accepts ends the request, so that verify is an Auto step (no
+    tree), the draft proposes nothing for it and nothing is queued behind it; its tokens are its own."""
+    longer = Timeline()
+    engine.core.submit("longer", request(Case(0, FULL), prompt_ids, 48), longer.sink("longer"))
+    longer.wait_until(lambda: longer.finished("longer"))
+    emitted = list(itertools.accumulate(len(c.token_ids) for c in longer.chunks("longer") if c.token_ids))
+    max_new_tokens = emitted[3] + 1  # the prompt's token, three verifies, then one token left
+    plans, verifies_before = PlanCount(engine, draft), len(engine.target.batches)
+    timeline = Timeline()
+    engine.core.submit("short", request(Case(0, FULL), prompt_ids, max_new_tokens), timeline.sink("short"))
+    timeline.wait_until(lambda: timeline.finished("short"))
+    assert timeline.tokens("short") == longer.tokens("longer")[:max_new_tokens]
+    trees = [v.tree for _, b in engine.target.batches[verifies_before:] for v in b.verifies if v.session_id == "short"]
+    assert [tree.num_nodes > 1 for tree in trees] == [True, True, True, False]
+    batches = [batch for _, batch in engine.draft.batches[plans.batches :]]
+    asked = [batch.proposes for batch in batches if "short" in {a.session_id for a in batch.accepts}]
+    assert [("short" in proposes) for proposes in asked] == [True, True, False]
+    assert plans.in_vain() == 1  # the one queued behind the third verify, which left one token
     assert_all_released(engine)
 
 

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from diffspec.acceptance import SamplingDraws, accept_sampling, sampling_outcomes
+from diffspec.sampling import target_probs
 from diffspec.sampling_params import SamplingParams
 from diffspec.tree import DraftTree
-from target_service.acceptance_step import accept_batch, greedy_argmax
+from target_service.acceptance_step import accept_batch, greedy_argmax, sampling_outcomes_of
 from target_service.backend import VerifyStep
 from target_service.llama import PagedForwardOutput
-from target_service.session import TargetSession
+from target_service.session import MAX_TREE_NODES, TargetSession
 from target_service.step_graphs import StepOutputs
 
 VOCAB, HIDDEN = 16, 4
@@ -59,7 +61,7 @@ def test_each_session_gets_its_own_rule_from_one_batch(padded):
     sessions = [
         TargetSession([0], SamplingParams(), None, case.want_features, 1, case.tree[0], case.layers) for case in CASES
     ]
-    results, commits, failures = accept_batch(steps, sessions, ran, greedy_argmax(sessions, ran).tolist())
+    results, commits, failures = accept_batch(steps, sessions, ran, greedy_argmax(sessions, ran).tolist(), {})
     assert not failures
     for b, (case, offset, commit) in enumerate(zip(CASES, offsets, commits)):
         result, rows = results[f"s{b}"], [offset + node for node in [0, *ACCEPTED[b]]]
@@ -81,3 +83,29 @@ def test_no_argmax_is_read_for_a_batch_without_a_greedy_session():
     assert greedy_argmax([sampled], ran) is None
     greedy = TargetSession([0], SamplingParams(), None, True, 1, 3, FORWARD_LAYERS)
     assert greedy_argmax([sampled, greedy], ran) is not None
+
+
+def test_a_sampled_session_walks_the_outcomes_of_its_own_rows_and_draws():
+    """A greedy and a sampled session in one batch: the sampled one's outcomes come from its rows of the logits
+    and from its generator, one pair of draws per node, and its acceptance walks them; the greedy one's is
+    its argmax path, as alone."""
+    cases = [CASES[0], Case([5, 6, 7], [6, 7, 2])]
+    ran = _ran([0, 3], 6, cases)
+    sampling = SamplingParams(temperature=0.3, seed=4)  # a peaked distribution: long paths, and not always
+    steps = [VerifyStep(f"s{b}", DraftTree.chain(case.tree)) for b, case in enumerate(cases)]
+    sessions = [
+        TargetSession([0], SamplingParams(), None, True, 1, 3, FORWARD_LAYERS),
+        TargetSession([0], sampling, sampling.generator(), True, 1, 5, FORWARD_LAYERS),
+    ]
+    outcomes = sampling_outcomes_of(steps, sessions, ran)
+    assert list(outcomes) == ["s1"]
+    twin, tree = sampling.generator(), steps[1].tree
+    draws = SamplingDraws.draw(MAX_TREE_NODES, twin).first(3, torch.device("cpu"))  # as many draws every step
+    probs = target_probs(ran.logits[3:6], sampling)
+    want = accept_sampling(tree, sampling_outcomes(tree.tokens, tree.parents, probs, draws))
+    assert torch.equal(sessions[1].generator.get_state(), twin.get_state())  # exactly its draws were taken
+    results, commits, failures = accept_batch(steps, sessions, ran, greedy_argmax(sessions, ran).tolist(), outcomes)
+    assert not failures
+    assert (results["s0"].accepted_nodes, results["s0"].bonus_token) == (ACCEPTED[0], BONUS[0])
+    assert (results["s1"].accepted_nodes, results["s1"].bonus_token) == (want.accepted_nodes, want.bonus_token)
+    assert commits[1].rows == [3 + node for node in [0, *want.accepted_nodes]]

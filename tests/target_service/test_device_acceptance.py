@@ -1,4 +1,5 @@
-"""A greedy session's acceptance computed on the device equals the host's rule, rows and tokens alike."""
+"""A session's acceptance computed on the device equals the host's rule, rows and tokens alike: a greedy one's
+from the argmax, a sampled one's from its step's outcomes."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import functools
 import pytest
 import torch
 
-from diffspec.acceptance import accept_greedy
-from diffspec.tree import DraftTree
-from target_service.device_acceptance import greedy_device_accept
+from diffspec.acceptance import Acceptance, SamplingDraws, accept_greedy, accept_sampling, sampling_outcomes
+from diffspec.device_accept import DeviceAccept
+from diffspec.tree import DraftTree, PendingTree
+from target_service.device_acceptance import greedy_device_accept, sampled_device_accept
 from target_service.llama import PagedForwardOutput
 from tests.host_reads import host_reads
 from tests.target_service.trees import pending_tree
@@ -57,7 +59,14 @@ def test_the_device_path_is_the_host_acceptance(seed):
 
     tree_bounds = pending.num_nodes, pending.max_depth
     got = greedy_device_accept(pending.on_device, *tree_bounds, argmax, first_row, forward, LAYERS)
-    want = accept_greedy(tree, choices)
+    assert_entries_are(got, accept_greedy(tree, choices), pending, first_row, forward)
+
+
+def assert_entries_are(
+    got: DeviceAccept, want: Acceptance, pending: PendingTree, first_row: int, forward: PagedForwardOutput
+) -> None:
+    """The device's entries are the host acceptance's path: its rows' features and the tokens after them."""
+    tree = pending.tree()
     count = 1 + len(want.accepted_nodes)
     assert got.max_entries == pending.max_depth + 1 and int(got.num_entries) == count
     path = [0, *want.accepted_nodes]
@@ -66,6 +75,38 @@ def test_the_device_path_is_the_host_acceptance(seed):
     assert got.next_tokens.tolist() == emitted + [want.bonus_token] * padding
     rows = [first_row + node for node in path + [path[-1]] * padding]
     assert torch.equal(got.features, forward.features_of(rows, LAYERS))
+
+
+def _probs(pending: PendingTree, generator: torch.Generator, follow: float, vocab: int = 1024) -> torch.Tensor:
+    """[capacity, vocab]: each node's distribution, ``follow`` of its mass on its children's tokens (if any)."""
+    tree, capacity = pending.tree(), pending.num_nodes
+    probs = torch.softmax(torch.randn(capacity, vocab, generator=generator), dim=-1)
+    for node, children in enumerate(tree.children()):
+        if children:
+            probs[node] *= 1 - follow
+        for child in children:
+            probs[node, tree.token_list()[child]] += follow / len(children)
+    return probs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_sampled_device_path_is_the_host_acceptance(seed):
+    """Random trees (a quarter with repeated sibling tokens, as a foreign tree may have), distributions and
+    draws: the device's entries are those of the host's walk over the same outcomes."""
+    generator = torch.Generator().manual_seed(seed)
+    num_nodes = [1, 2, 5, 17, 40][seed % 5]
+    tree = _tree(num_nodes, generator)
+    if seed % 4 == 3:
+        tree = DraftTree(tree.tokens % 13 + 10, tree.parents, tree.draft_probs)
+    first_row, capacity = 3 + seed % 7, num_nodes + seed % 4
+    pending = pending_tree(tree, capacity, depth_bound=tree.max_depth + seed % 3)
+    probs = _probs(pending, generator, follow=[0.0, 0.5, 0.9, 1.0][seed % 4])
+    on_device = pending.on_device
+    outcomes = sampling_outcomes(on_device.tokens, on_device.parents, probs, SamplingDraws.draw(capacity, generator))
+    forward = _forward(first_row + capacity + 5)
+
+    got = sampled_device_accept(on_device, pending.max_depth, outcomes, first_row, forward, LAYERS)
+    assert_entries_are(got, accept_sampling(tree, outcomes), pending, first_row, forward)
 
 
 def test_a_subset_of_the_layers_is_picked_in_the_session_s_order():
@@ -89,3 +130,17 @@ def test_the_device_path_reads_nothing_back():
     for layers in (LAYERS, (4,)):  # every layer the forward computed, and a subset
         accept = functools.partial(greedy_device_accept, pending.on_device, 20, depth_bound, argmax, 0, forward, layers)
         assert host_reads(accept) == [], layers
+
+
+def test_the_sampled_device_path_reads_nothing_back():
+    generator = torch.Generator().manual_seed(5)
+    tree = _tree(17, generator)
+    pending = pending_tree(tree, 20, tree.max_depth + 1)
+    on_device, probs, forward = pending.on_device, _probs(pending, generator, follow=0.8), _forward(20)
+    draws = SamplingDraws.draw(20, generator)
+
+    def accept() -> DeviceAccept:
+        outcomes = sampling_outcomes(on_device.tokens, on_device.parents, probs, draws)
+        return sampled_device_accept(on_device, pending.max_depth, outcomes, 0, forward, LAYERS)
+
+    assert host_reads(accept) == []

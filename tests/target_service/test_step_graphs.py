@@ -52,11 +52,17 @@ def _tree(root: int, truth: list[int], extra: int, seed: int) -> DraftTree:
     return DraftTree(tokens, parents, torch.ones(tokens.numel()))
 
 
-def _run(runtime: TargetRuntime, truth: dict[str, list[int]], rounds: int, device_trees: bool = False) -> list[tuple]:
+def _run(
+    runtime: TargetRuntime,
+    truth: dict[str, list[int]],
+    rounds: int,
+    device_trees: bool = False,
+    sampling: SamplingParams = GREEDY,
+) -> list[tuple]:
     """Prefill every prompt, then verify batches of trees of varying size and batch; record every result."""
     seen = []
     for sid, prompt in PROMPTS.items():
-        runtime.prefill(sid, prompt, GREEDY, want_features=True)
+        runtime.prefill(sid, prompt, sampling, want_features=True)
     emitted = {sid: 1 for sid in PROMPTS}
     for r in range(rounds):
         batch = list(PROMPTS)[: 1 + r % 3]  # batches of 1, 2, 3 sessions (3 pads to a bucket of 4)
@@ -128,6 +134,16 @@ def test_trees_left_on_the_device_verify_as_host_trees(tiny_target_dir, truth):
     _assert_same(_run(padded, truth, rounds=12, device_trees=True), want)
     eager = _padded(_runtime(tiny_target_dir), batch_sizes=(1,), tree_sizes=(1, 4))
     _assert_same(_run(eager, truth, rounds=12, device_trees=True), want)
+
+
+def test_a_sampled_pending_tree_hands_the_host_s_acceptance_on_the_device(tiny_target_dir, truth):
+    """Seeded sampling: each pending tree's acceptance computed on the device from its step's outcomes is the one
+    the host reads (``_run`` checks them), in buckets and unpadded; and the runs give the same tokens."""
+    sampling = SamplingParams(temperature=0.1, seed=3)  # cool enough to follow the greedy chains the trees hold
+    want = _run(_runtime(tiny_target_dir), truth, rounds=12, device_trees=True, sampling=sampling)
+    padded = _padded(_runtime(tiny_target_dir), batch_sizes=(1, 2, 4), tree_sizes=(1, 4, 8, 16, 32))
+    _assert_same(_run(padded, truth, rounds=12, device_trees=True, sampling=sampling), want)
+    assert sum(len(row[0]) for row in want if len(row) == 4) > 12  # long sampled paths were accepted
 
 
 def test_a_bucket_takes_a_pending_tree_from_its_device_copy():
@@ -217,6 +233,8 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_target_dir):
     # pending trees on the GPU: the replays read them in place and hand their acceptance on the device (``_run``
     # checks it against the host's)
     _assert_same(_run(graphed, truth, rounds=12, device_trees=True), want)
+    # and a sampled session's, from its step's outcomes
+    _run(graphed, truth, rounds=12, device_trees=True, sampling=SamplingParams(temperature=0.1, seed=3))
     assert graphed.pool.num_free_pages == graphed.pool.num_pages
 
 
