@@ -5,7 +5,9 @@ divergences to tell near-ties from bugs): for every context length every prompt 
 length (keeping its end) and generated with each configuration in turn on one engine, Auto first.
 Reported per configuration and length: tau, decode-only and end-to-end tokens/s and their ratios to
 Auto's, the draft / verify / host split of a step, the working set, and whether greedy outputs equal
-Auto's (a divergence here is only counted; ``bench.reproduce`` judges it).
+Auto's (a divergence here is only counted; ``bench.reproduce`` judges it). With ``--temperature`` above 0
+every configuration samples, each prompt with its own seed, and outputs are not compared: speculation keeps
+the law of the tokens, not the tokens (a tree changes which draws decide them).
 
     python -m bench.paired --base-model ../shared/models/bench-code --draft-model HEAD \
         --data ../shared/data/longctx_eval.jsonl --lengths 4096 16384 32768 65536 --out bench/results/x.json
@@ -30,6 +32,7 @@ from bench.reproduce.report import markdown, summarise, to_dicts
 from bench.reproduce.runs import Engine, RunRecord, generate_run
 from bench.warmup import warm_up_generations, warm_up_target
 from diffspec.errors import InvalidRequest
+from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings, DraftQuantization
 from draft_service.tree_budget import TreeBudget
 from gateway.assembly import build_engine, load_tokenizer
@@ -59,7 +62,20 @@ def compared(auto: RunRecord, run: RunRecord) -> ExactnessResult:
     return ExactnessResult("unchecked", "diverges from Auto; run bench.reproduce to judge it", divergence)
 
 
-async def run_all(engine: Engine, dataset: Dataset, lengths: list[int], prompts: int, arms: list[Arm], n: int) -> list[RunRecord]:
+def sampling_for(temperature: float, prompt: int) -> SamplingParams:
+    """Greedy at 0; above it, seeded by the prompt's index, the same seed for every configuration."""
+    return SamplingParams(temperature=temperature, seed=prompt) if temperature > 0 else SamplingParams()
+
+
+async def run_all(
+    engine: Engine,
+    dataset: Dataset,
+    lengths: list[int],
+    prompts: int,
+    arms: list[Arm],
+    n: int,
+    temperature: float = 0.0,
+) -> list[RunRecord]:
     runs: list[RunRecord] = []
     total = len(lengths) * prompts * len(arms)
     for length in lengths:
@@ -70,12 +86,14 @@ async def run_all(engine: Engine, dataset: Dataset, lengths: list[int], prompts:
         await warm_up_generations(engine, warm[0][1], [a.draft for a in arms], 32)
         for index, ids in chosen:
             for arm in arms:
-                run = await generate_run(engine, ids, arm, n)
+                run = await generate_run(engine, ids, arm, n, sampling_for(temperature, index))
                 run.phase, run.dataset, run.context, run.prompt = "eval", dataset.name, length, index
                 runs.append(run)
                 print(f"[{len(runs)}/{total}] ctx={length} prompt={index} {arm.label}: "
                       f"tau={run.stats.mean_accepted_length:.2f} decode={run.stats.decode_tokens_per_second:.1f} tok/s",
                       flush=True)
+    if temperature > 0:
+        return runs
     auto = {(r.context, r.prompt): r for r in runs if r.arm == "auto"}
     for run in runs:
         if run.arm != "auto" and (run.context, run.prompt) in auto:
@@ -98,8 +116,12 @@ def main() -> int:
                         help="the tree budget total_tokens:threshold:depth every speculative configuration drafts within")
     parser.add_argument("--draft-quantization", default="none", choices=get_args(DraftQuantization),
                         help="the draft head's per-depth matmuls (DIFFSPEC_DRAFT_QUANTIZATION)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample above 0 (seeded per prompt; outputs not compared), greedy at 0")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.temperature < 0:
+        parser.error("--temperature must be at least 0")
 
     settings = DiffSpecSettings(
         base_model=args.base_model,
@@ -115,7 +137,9 @@ def main() -> int:
     print(f"recorded {warm_up_target(engine)} step graphs", flush=True)
     named = arms_at(args.tree_config)
     arms = [named["auto"]] + [named[c] for c in args.configs if c != "auto"]  # Auto first: cold prefill
-    runs = asyncio.run(run_all(engine, dataset, args.lengths, args.prompts, arms, args.max_new_tokens))
+    runs = asyncio.run(
+        run_all(engine, dataset, args.lengths, args.prompts, arms, args.max_new_tokens, args.temperature)
+    )
     summaries = summarise(runs)
     result = {
         "command": " ".join(sys.argv),

@@ -1,12 +1,17 @@
-"""bench.paired's configurations: every speculative one drafts within ``--tree-config``."""
+"""bench.paired's configurations: every speculative one drafts within ``--tree-config``; runs above temperature 0
+sample, each prompt with its own seed, and are not compared with Auto's."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import pytest
 
-from bench.paired import arms_at, tree_config_arg
+from bench.paired import arms_at, run_all, tree_config_arg
+from bench.reproduce.prompts import Dataset
+from diffspec.settings import DiffSpecSettings
+from gateway.assembly import build_engine, load_tokenizer
 
 
 def test_every_speculative_configuration_drafts_within_the_tree_config() -> None:
@@ -29,3 +34,21 @@ def test_the_tree_config_flag_reads_a_budget_or_names_what_is_wrong() -> None:
         tree_config_arg("64:0.0:99")
     with pytest.raises(argparse.ArgumentTypeError):
         tree_config_arg("64-0-8")
+
+
+def test_runs_above_temperature_zero_sample_and_are_not_compared() -> None:
+    settings = DiffSpecSettings(num_pages=256)
+    tokenizer, engine = load_tokenizer(settings), build_engine(settings)
+    text = "def parse(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument('--name')\n" * 8
+    dataset = Dataset("code", [tokenizer(text)["input_ids"]] * 2)
+    arms = [arms_at("16:0.0:4")[name] for name in ("auto", "eagle3")]
+    try:
+        greedy = asyncio.run(run_all(engine, dataset, [96], 2, arms, 12))
+        sampled = asyncio.run(run_all(engine, dataset, [96], 2, arms, 12, temperature=1.5))
+        again = asyncio.run(run_all(engine, dataset, [96], 2, arms, 12, temperature=1.5))
+    finally:
+        engine.close()
+    assert all(r.exactness is not None and r.exactness.verdict == "exact" for r in greedy if r.arm != "auto")
+    assert all(r.exactness is None for r in sampled)
+    assert [r.token_ids for r in again] == [r.token_ids for r in sampled]  # seeded: a second run repeats the first
+    assert any(r.token_ids != g.token_ids for r, g in zip(sampled, greedy))  # they did sample
