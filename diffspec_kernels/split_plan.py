@@ -46,6 +46,13 @@ class SplitKVPlan:
     # a count pipelines that loop this deep, block-table reads included.
     key_loop_stages: int | None = None
     key_loop_warp_specialize: bool = False  # Triton's automatic warp specialisation of that loop
+    # Each full committed key tile as two halves, the second's exponentials on the FMA units (``exp2_on_fma``):
+    # for trees whose tiles are bound by the special-function unit. Needs block_n >= 32 (16-key dots).
+    fma_exponentials: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fma_exponentials and self.block_n < 32:
+            raise ValueError(f"fma_exponentials splits a key tile in two 16-key dots at least: block_n {self.block_n}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -273,6 +273,28 @@ def test_the_key_loops_a_sweep_tries_compute_the_same_function(kernel_device: st
     assert torch.equal(out, want)
 
 
+@interpreter_loop_warning
+@pytest.mark.parametrize("stages", [None, 2])
+def test_a_tile_s_exponentials_on_the_fma_units_keep_the_function(kernel_device: str, stages) -> None:
+    """Half of each full key tile's exponentials on the FMA units: the output differs from the default plan's by
+    the polynomial's relative error (1e-4) at most, and matches the fp32 reference as every plan does."""
+    triton_attention = pytest.importorskip("diffspec_kernels.tree_attention_triton")
+    skip_if_interpreter_breaks_loops(kernel_device)
+    case = Case((3, 5), (200, 77), num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, dtype=F16)
+    inputs = make_inputs(case, kernel_device, seed=12)
+    ref = tree_attention_reference(*(t.float() for t in inputs.tensors()), inputs.meta, 0.25)
+    default = SplitKVPlan(block_m=16, block_n=32, num_splits=3, num_warps=4, num_stages=2, key_loop_stages=stages)
+    want = torch.empty_like(inputs.q)
+    triton_attention.run_tree_attention(*inputs.tensors(), inputs.meta, 0.25, default, want)
+    out = torch.full_like(inputs.q, float("nan"))
+    plan = dataclasses.replace(default, fma_exponentials=True)
+    triton_attention.run_tree_attention(*inputs.tensors(), inputs.meta, 0.25, plan, out)
+    assert not torch.equal(out, want)  # the polynomial ran
+    assert relative_error(out, want) < 1e-3 and relative_error(out, ref) < 1e-2
+    with pytest.raises(ValueError, match="block_n 16"):
+        dataclasses.replace(default, block_n=16, fma_exponentials=True)
+
+
 HOPPER_SHARED_MEMORY = 232448  # bytes per block on an H100/H200
 
 
