@@ -5,7 +5,8 @@ ones over the target's prompt features, extend running ones with what the target
 then grow every requested session's tree together, one head pass per depth for the batch. What
 the verified trees teach (the hazard profiles, the online planners, the bound audit) is learnt
 last, while the device runs the proposal: between a verify's results and the next proposal's
-launch the host does only what that proposal needs.
+launch the host does only what that proposal needs. A step whose trees were queued ahead (below) has
+no proposal to hide it behind: its steps are learnt at the next verify's write, behind that forward.
 
 Ahead. In one process with the target, the accepted entries are written from the device's
 acceptance while the verify runs (``accept_on_device``). When every session that goes on past the verify
@@ -149,6 +150,7 @@ class DraftRuntime:
         self.proposals_ahead = 0  # proposals queued ahead that a step took
         self._timed_proposal: _TimedProposal | None = None
         self._ahead: _Launched | None = None  # queued by ``accept_on_device``, for the next step to take
+        self._unobserved: list[_VerifiedStep] = []  # verified steps of a step that took its trees ahead
         self._proposing_step_started: float | None = None  # when the last step began, if it proposed
         self._lock = threading.Lock()
 
@@ -186,12 +188,17 @@ class DraftRuntime:
             for sid in proposes:
                 if sid not in self.sessions:
                     failures[sid] = InvalidRequest(f"unknown draft session {sid!r}")
+            with record_function("draft.observe"):  # steps taken ahead left: before anything is planned
+                self._observe_unobserved()
             with record_function("draft.propose"):
-                trees = self._propose([sid for sid in proposes if sid not in failures], settled)
+                trees, taken_ahead = self._propose([sid for sid in proposes if sid not in failures], settled)
             self._proposing_step_started = started if trees else None
-            with record_function("draft.observe"):  # host work the device's proposal hides
-                for sid, step in verified.items():
-                    if sid not in failures:
+            observing = [step for sid, step in verified.items() if sid not in failures]
+            if taken_ahead:  # the device idles until the verify launches: observed behind the verify's forward
+                self._unobserved = observing
+            else:  # the new proposal runs on the device meanwhile
+                with record_function("draft.observe"):
+                    for step in observing:
                         self._observe(step)
             for sid in failures:
                 self.sessions.pop(sid, None)
@@ -218,6 +225,8 @@ class DraftRuntime:
                 for session in sessions:
                     self.drafter.discard_unsettled(session)
                 return set()
+            with record_function("draft.observe"):  # the verify's forward runs meanwhile
+                self._observe_unobserved()
             if self.propose_ahead and ids and len(ids) == continuing and not joining:
                 with record_function("draft.propose_ahead"):
                     self._ahead = self._launch_ahead(ids)
@@ -326,13 +335,18 @@ class DraftRuntime:
                 overhead = step_seconds - proposal_seconds - verify_seconds
                 self.bound_audit.measured(last.bound, StepSeconds(overhead, proposal_seconds, verify_seconds))
 
-    def _propose(self, session_ids: list[str], settled: set[str]) -> dict[str, DraftTree | PendingTree]:
+    def _propose(self, session_ids: list[str], settled: set[str]) -> tuple[dict[str, DraftTree | PendingTree], bool]:
         """Trees for several sessions, grown together (one head pass per depth for all): the ones queued ahead
-        when it holds these sessions and they grew from entries their accepts kept (``settled``), else new ones."""
+        when it holds these sessions and they grew from entries their accepts kept (``settled``), else new ones.
+        Returns the trees, and whether they were the ones queued ahead."""
         ahead, self._ahead = self._ahead, None
         if not session_ids:
-            return {}
-        if ahead is not None and settled.issuperset(session_ids) and set(ahead.session_ids).issuperset(session_ids):
+            return {}, False
+        taken_ahead = (
+            ahead is not None and settled.issuperset(session_ids) and set(ahead.session_ids).issuperset(session_ids)
+        )
+        if taken_ahead:
+            assert ahead is not None
             launched = ahead.of(session_ids)
             self.proposals_ahead += 1
             self.drafter.rescore()  # the settled sessions' chunk scoring, behind the proposal as after a launch
@@ -348,7 +362,7 @@ class DraftRuntime:
             session = self.sessions[sid]
             session.last_tree, session.proposed_within = launched.trees[i], launched.within[i]
             session.observe_as = launched.chosen[i] if sid in launched.observed else None
-        return dict(zip(launched.session_ids, launched.trees))
+        return dict(zip(launched.session_ids, launched.trees)), taken_ahead
 
     def _launch(self, session_ids: list[str]) -> _Launched:
         """Plan the batch's trees and queue their proposal on the device."""
@@ -444,6 +458,13 @@ class DraftRuntime:
         stride = max(1, -(-len(online) // OBSERVED_PER_STEP))
         turn = set(online[self.proposals % stride :: stride])
         return [i for i in online if i in turn or chosen[i] is not sessions[i].candidate]  # the latter: a probe
+
+    def _observe_unobserved(self) -> None:
+        """The verified steps a step that took its trees ahead left (``step``): at the next verify's write, or
+        before the next plan, whichever comes first, so every plan sees the steps it saw without them."""
+        unobserved, self._unobserved = self._unobserved, []
+        for step in unobserved:
+            self._observe(step)
 
     def _observe(self, step: _VerifiedStep) -> None:
         """Feed a verified step to the session's hazard profile (the sibling rank that passed at each depth, and

@@ -41,12 +41,27 @@ def _verified(tree, depth: int, bonus: int, seed: int, hidden: int) -> tuple[Dra
     return DraftAccept("", emitted, features), device
 
 
+def _observed_by_plans(runtime: DraftRuntime) -> list[list[int]]:
+    """From now on, at each batch plan: how many verified steps each planned session's hazard has observed."""
+    seen: list[list[int]] = []
+    plan = runtime._plan_batch
+
+    def recording(sessions):  # noqa: ANN001, ANN202
+        seen.append([session.hazard.steps for session in sessions])
+        return plan(sessions)
+
+    runtime._plan_batch = recording
+    return seen
+
+
 def _steps(propose_ahead: bool) -> tuple[list[list[int]], DraftRuntime]:
     """Session a alone for two steps; b joins at the third (announced to the write before it, as the engine does
     for a request whose first token is due); both for three; a ends at the sixth (announced: its last token was
     due), so the proposal queued then is b's alone; b alone at the last. Returns
     every tree's tokens and parents, and the runtime."""
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False, propose_ahead=propose_ahead)
+    runtime.observed_by_plans = _observed_by_plans(runtime)
+    runtime.observed_after_steps = []
     hidden = 3 * runtime.head.config.target_hidden_size
     trees = runtime.step(DraftBatch(starts=[_start(runtime, "a", 0)], proposes=["a"])).trees
     seen = []
@@ -65,6 +80,7 @@ def _steps(propose_ahead: bool) -> tuple[list[list[int]], DraftRuntime]:
         if step == 5:  # a's request ended with this verify: no accept, a release
             batch = DraftBatch(releases=["a"], accepts=[a for a in accepts if a.session_id == "b"], proposes=["b"])
         trees = runtime.step(batch).trees
+        runtime.observed_after_steps.append(sum(session.hazard.steps for session in runtime.sessions.values()))
     return seen, runtime
 
 
@@ -75,3 +91,14 @@ def test_the_trees_queued_ahead_are_the_ones_the_steps_would_propose():
     assert (with_ahead.proposals_ahead, without.proposals_ahead) == (6, 0)  # every step but the one b joined at
     assert with_ahead.proposals == without.proposals == 8  # none queued in vain: b's join was announced
     assert "a" not in with_ahead.sessions and not with_ahead.sessions["b"].drafter_state.unsettled
+
+
+def test_a_step_taken_ahead_learns_its_verified_steps_behind_the_next_verify_and_plans_see_the_same():
+    """A step that took its trees ahead leaves its verified steps unobserved (nothing on the device hides that
+    host work) until the next verify's write; every plan still saw exactly what it saw without the proposal
+    ahead."""
+    _, with_ahead = _steps(propose_ahead=True)
+    _, without = _steps(propose_ahead=False)
+    assert with_ahead.observed_by_plans == without.observed_by_plans
+    lag = [off - on for on, off in zip(with_ahead.observed_after_steps, without.observed_after_steps)]
+    assert all(n >= 0 for n in lag) and sum(lag) >= 5  # the steps taken ahead left theirs for later
