@@ -273,8 +273,9 @@ def plan_variants(base: TreeAttentionPlan, rows: int) -> list[TreeAttentionPlan]
     """The launch plans a sweep times around ``base`` for ``rows`` query rows per KV head, ``base`` first and
     none twice: its key tiles, stages and split counts; from 128 rows, row tiles of 64 and 128 over 4 and 8
     warps (a program per SM or two); past ``base``'s row tile, one 256-row tile instead of several;
-    ``base`` with its key loop pipelined (``SplitKVPlan.key_loop_stages``) or warp-specialised; and each plan of
-    32 keys a tile or more with half its exponentials on the FMA units (``SplitKVPlan.fma_exponentials``)."""
+    ``base`` with its key loop pipelined (``SplitKVPlan.key_loop_stages``) or warp-specialised; each plan of
+    32 keys a tile or more with half its exponentials on the FMA units (``SplitKVPlan.fma_exponentials``); and
+    ``base`` rescaling lazily (``SplitKVPlan.lazy_rescale``), with and without those."""
     block_ns = (32, 64, 128) if base.block_m >= 128 else (64, 128)
     split_counts = sorted({max(1, base.num_splits // 2), base.num_splits, 2 * base.num_splits})
     plans = [base] + [
@@ -303,6 +304,12 @@ def plan_variants(base: TreeAttentionPlan, rows: int) -> list[TreeAttentionPlan]
         for plan in list(plans)
         if plan.block_n >= 32 and (plan.num_splits, plan.num_stages) == (base.num_splits, base.num_stages)
         and plan.key_loop_stages in (None, 2) and not plan.key_loop_warp_specialize
+    ]
+    # lazy rescaling, alone and with those exponentials, on the default's tile, its key loop plain or pipelined
+    plans += [
+        dataclasses.replace(base, key_loop_stages=stages, lazy_rescale=True, fma_exponentials=fma)
+        for stages, fma in itertools.product((None, 2), (False, True))
+        if base.block_n >= 32 or not fma
     ]
     return list(dict.fromkeys(plans))
 

@@ -35,26 +35,63 @@ def online_softmax_update(acc, m_i, l_i, qk, v, qk_scale):
     return acc, m_new, l_i
 
 
+LAZY_RESCALE_BITS = tl.constexpr(8.0)  # how far (log2 units) a row's max may outgrow the one its sums are kept at
+
+
 @triton.jit
-def online_softmax_update_halves(acc, m_i, l_i, qk_mufu, v_mufu, qk_fma, v_fma, qk_scale):
-    """``online_softmax_update`` of a tile given as two halves of its keys, none hidden (a masked score needs the
+def rescale_when_grown(acc, m_i, l_i, m_tile):
+    """For a tile with no hidden score, ``m_tile`` [BLOCK_M] its rows' scaled maxima: move the running maxima to
+    the tile's, rescaling ``acc`` and ``l_i``, only when some row's grew by more than ``LAZY_RESCALE_BITS``
+    (FlashAttention-4's rule). Otherwise the tile's exponentials, taken against the old maxima, stay under
+    2**8, exact enough in fp32 and bf16, and the [BLOCK_M, HEAD_DIM] rescale on the FMA units is skipped,
+    as it is for most tiles once the first few have set the maxima."""
+    if tl.max(m_tile - m_i, 0) > LAZY_RESCALE_BITS:  # the first tile's always: its m_i is -inf
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def online_softmax_update_unmasked(acc, m_i, l_i, qk, v, qk_scale, LAZY: tl.constexpr):
+    """``online_softmax_update`` of a tile with no hidden score, with LAZY its rescale skipped while the
+    maxima grow little (``rescale_when_grown``)."""
+    if not LAZY:
+        return online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
+    acc, m_i, l_i = rescale_when_grown(acc, m_i, l_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_i[:, None])
+    l_i = l_i + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    return acc, m_i, l_i
+
+
+@triton.jit
+def online_softmax_update_halves(acc, m_i, l_i, qk_mufu, v_mufu, qk_fma, v_fma, qk_scale, LAZY: tl.constexpr):
+    """``online_softmax_update_unmasked`` of a tile given as two halves of its keys (a masked score needs the
     MUFU's exact 0): the first half's exponentials on the MUFU, the second's on the FMA units
     (``exp2_on_fma``), so the two units share them."""
-    m_new = tl.maximum(m_i, tl.maximum(tl.max(qk_mufu, 1), tl.max(qk_fma, 1)) * qk_scale)
-    p_mufu = tl.math.exp2(qk_mufu * qk_scale - m_new[:, None])
-    p_fma = exp2_on_fma(qk_fma * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p_mufu, 1) + tl.sum(p_fma, 1)
-    acc = tl.dot(p_mufu.to(v_mufu.dtype), v_mufu, acc * alpha[:, None], input_precision="ieee")
+    m_tile = tl.maximum(tl.max(qk_mufu, 1), tl.max(qk_fma, 1)) * qk_scale
+    if LAZY:
+        acc, m_i, l_i = rescale_when_grown(acc, m_i, l_i, m_tile)
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.math.exp2(m_i - m_new)
+        acc, l_i, m_i = acc * alpha[:, None], l_i * alpha, m_new
+    p_mufu = tl.math.exp2(qk_mufu * qk_scale - m_i[:, None])
+    p_fma = exp2_on_fma(qk_fma * qk_scale - m_i[:, None])
+    l_i = l_i + tl.sum(p_mufu, 1) + tl.sum(p_fma, 1)
+    acc = tl.dot(p_mufu.to(v_mufu.dtype), v_mufu, acc, input_precision="ieee")
     acc = tl.dot(p_fma.to(v_fma.dtype), v_fma, acc, input_precision="ieee")
-    return acc, m_new, l_i
+    return acc, m_i, l_i
 
 
 # 2**f on [0, 1) as 1 + f * (C1 + f * (C2 + f * C3)), fitted for relative error (at most 1.04e-4, under a bf16
 # probability's rounding) with p(1) = 2, so the pieces meet at every integer
-EXP2_C1: tl.constexpr = 0.6954243524265176
-EXP2_C2: tl.constexpr = 0.22630767990017805
-EXP2_C3: tl.constexpr = 0.07826796767330438
+EXP2_C1 = tl.constexpr(0.6954243524265176)
+EXP2_C2 = tl.constexpr(0.22630767990017805)
+EXP2_C3 = tl.constexpr(0.07826796767330438)
 
 
 @triton.jit

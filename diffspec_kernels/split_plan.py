@@ -49,6 +49,9 @@ class SplitKVPlan:
     # Each full committed key tile as two halves, the second's exponentials on the FMA units (``exp2_on_fma``):
     # for trees whose tiles are bound by the special-function unit. Needs block_n >= 32 (16-key dots).
     fma_exponentials: bool = False
+    # Full committed key tiles rescale the running sums only when a row's maximum grew past 2**8 of the one they
+    # are kept at (``split_kv_triton.rescale_when_grown``): most tiles skip the [rows, head_dim] rescale.
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.fma_exponentials and self.block_n < 32:

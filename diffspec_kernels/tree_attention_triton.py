@@ -10,7 +10,8 @@ Same function as ``diffspec_kernels.tree_attention_ref.tree_attention_reference`
    num_splits attends to the sequence's own new tokens under ``new_token_mask``. Each writes an fp32
    partial output, normalised, and its log-sum-exp (base 2). A plan may split each full committed key tile
    in two halves and compute the second's exponentials on the FMA units (``fma_exponentials``: for large
-   trees, whose tiles the special-function unit would bound).
+   trees, whose tiles the special-function unit would bound), and rescale the running sums only when a row's
+   maximum grew far (``lazy_rescale``).
 2. ``diffspec_kernels.split_kv_triton.merge_partials``: each program merges the num_splits + 1 partials of a block of
    (new token, query head) rows in fp32 and writes the output dtype.
 
@@ -34,6 +35,7 @@ from diffspec_kernels.split_kv_triton import (
     merge_partials,
     online_softmax_update,
     online_softmax_update_halves,
+    online_softmax_update_unmasked,
 )
 from diffspec_kernels.split_plan import (
     TUNED_SHARED_MEMORY_BYTES,
@@ -125,6 +127,7 @@ def _attend_context_tile(
     PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
     FMA_EXPONENTIALS: tl.constexpr,  # the plan's fma_exponentials (full tiles only: no score is masked)
+    LAZY_RESCALE: tl.constexpr,  # the plan's lazy_rescale (full tiles only)
 ):
     pos = tile_start + tl.arange(0, BLOCK_N)
     if FMA_EXPONENTIALS:
@@ -138,14 +141,17 @@ def _attend_context_tile(
         )  # fmt: skip
         qk_mufu = tl.dot(q, tl.trans(k_mufu), input_precision="ieee")
         qk_fma = tl.dot(q, tl.trans(k_fma), input_precision="ieee")
-        return online_softmax_update_halves(acc, m_i, l_i, qk_mufu, v_mufu, qk_fma, v_fma, qk_scale)
+        return online_softmax_update_halves(
+            acc, m_i, l_i, qk_mufu, v_mufu, qk_fma, v_fma, qk_scale, LAZY=LAZY_RESCALE
+        )
     k, v = _context_kv(
         k_pages_ptr, v_pages_ptr, block_table_ptr, pos, end, head_offset, num_kv_heads, HEAD_DIM, PAGE_SIZE, MASKED
     )
     qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     if MASKED:
         qk = tl.where((pos < end)[None, :], qk, float("-inf"))
-    return online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
+        return online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
+    return online_softmax_update_unmasked(acc, m_i, l_i, qk, v, qk_scale, LAZY=LAZY_RESCALE)
 
 
 # The three sizes that change from call to call compile once: specialised, each would add a compile for every
@@ -176,6 +182,7 @@ def _tree_attention_partials_kernel(
     KEY_LOOP_STAGES: tl.constexpr,  # None: plain range (the plan's key_loop_stages)
     KEY_LOOP_WARP_SPECIALIZE: tl.constexpr,
     FMA_EXPONENTIALS: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -213,14 +220,14 @@ def _tree_attention_partials_kernel(
             acc, m_i, l_i = _attend_context_tile(
                 acc, m_i, l_i, q, k_pages_ptr, v_pages_ptr, block_table_ptr, start + tile * BLOCK_N, end,
                 head_offset, qk_scale, num_kv_heads, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED=False,
-                FMA_EXPONENTIALS=FMA_EXPONENTIALS,
+                FMA_EXPONENTIALS=FMA_EXPONENTIALS, LAZY_RESCALE=LAZY_RESCALE,
             )
         tail_start = start + num_full_tiles * BLOCK_N
         if tail_start < end:
             acc, m_i, l_i = _attend_context_tile(
                 acc, m_i, l_i, q, k_pages_ptr, v_pages_ptr, block_table_ptr, tail_start, end,
                 head_offset, qk_scale, num_kv_heads, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED=True,
-                FMA_EXPONENTIALS=False,
+                FMA_EXPONENTIALS=False, LAZY_RESCALE=False,
             )
     else:
         # The sequence's own new tokens, under its new-token mask (a tree: ancestors and self).
@@ -281,7 +288,8 @@ def run_tree_attention(
         scale * LOG2_E, num_kv_heads, group, plan.num_splits, meta.block_tables.shape[1], meta.max_q_len,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HEAD_DIM=head_dim, PAGE_SIZE=meta.page_size,
         KEY_LOOP_STAGES=plan.key_loop_stages, KEY_LOOP_WARP_SPECIALIZE=plan.key_loop_warp_specialize,
-        FMA_EXPONENTIALS=plan.fma_exponentials, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        FMA_EXPONENTIALS=plan.fma_exponentials, LAZY_RESCALE=plan.lazy_rescale,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     merge_partials(partial_out, partial_lse, out)
     return out

@@ -30,3 +30,5 @@ def test_variants_start_at_the_default_and_cover_the_row_tiles(tree_size, row_ti
     fma = [p for p in plans if p.fma_exponentials]
     assert dataclasses.replace(base, fma_exponentials=True) in fma and all(p.block_n >= 32 for p in fma)
     assert {dataclasses.replace(p, fma_exponentials=False) for p in fma} <= set(plans)  # each also plain
+    lazy = {(p.key_loop_stages, p.fma_exponentials) for p in plans if p.lazy_rescale}
+    assert lazy == {(stages, fma) for stages in (None, 2) for fma in (False, True) if base.block_n >= 32 or not fma}
