@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from bench.paired import arms_at, run_all, tree_config_arg
+from bench.paired import arms_at, main, run_all, tree_config_arg
 from bench.reproduce.prompts import Dataset
 from diffspec.settings import DiffSpecSettings
 from gateway.assembly import build_engine, load_tokenizer
@@ -52,3 +52,12 @@ def test_runs_above_temperature_zero_sample_and_are_not_compared() -> None:
     assert all(r.exactness is None for r in sampled)
     assert [r.token_ids for r in again] == [r.token_ids for r in sampled]  # seeded: a second run repeats the first
     assert any(r.token_ids != g.token_ids for r, g in zip(sampled, greedy))  # they did sample
+
+
+def test_a_negative_temperature_is_refused_before_anything_loads(monkeypatch, capsys) -> None:
+    argv = ["bench.paired", "--base-model", "nowhere", "--draft-model", "nowhere", "--data", "nowhere.jsonl",
+            "--out", "nowhere.json", "--temperature", "-0.5"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2 and "--temperature must be at least 0" in capsys.readouterr().err
