@@ -61,8 +61,9 @@ class SamplingDraws:
         return SamplingDraws(uniforms[0], uniforms[1])
 
     def first(self, num_nodes: int, device: torch.device) -> SamplingDraws:
-        """The first ``num_nodes`` nodes' draws, on ``device``."""
-        return SamplingDraws(upload(self.accept[:num_nodes], device), upload(self.bonus[:num_nodes], device))
+        """The first ``num_nodes`` nodes' draws, on ``device`` (one upload)."""
+        both = upload(torch.stack([self.accept[:num_nodes], self.bonus[:num_nodes]]), device)
+        return SamplingDraws(both[0], both[1])
 
 
 @dataclass(frozen=True)

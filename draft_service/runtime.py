@@ -9,11 +9,11 @@ launch the host does only what that proposal needs. A step whose trees were queu
 no proposal to hide it behind: its steps are learnt at the next verify's write, behind that forward.
 
 Ahead. In one process with the target, the accepted entries are written from the device's
-acceptance while the verify runs (``accept_on_device``). When every session that goes on past the verify
-is written so and none joins at the next step, their next proposal is planned and queued right then, behind the write
-(``propose_ahead``): the GPU goes from the verify to the proposal while the host reads the results,
-and the next ``step`` takes those trees once its accepts keep the entries they grew from (the trees
-of sessions that ended meanwhile are dropped). A step with a session the proposal does not hold,
+acceptance while the verify runs (``accept_on_device``). When every session that goes on past the
+verify is written so and none joins at the next step, their next proposal is planned and queued
+right then, behind the write (``propose_ahead``): the GPU goes from the verify to the proposal while
+the host reads the results, and the next ``step`` takes those trees once its accepts keep the entries
+they grew from (the trees of sessions that ended meanwhile are dropped). A step with a session the proposal does not hold,
 or whose entries the host did not keep, proposes anew, as without it. The plan is the one the step
 would make: it is made from the steps observed before the verify either way.
 """
@@ -208,11 +208,11 @@ class DraftRuntime:
         self, accepts: dict[str, DeviceAccept], joining: bool = False, ending: frozenset[str] = frozenset()
     ) -> set[str]:
         """Write the entries of verify acceptances the device computed (in one process with the target), while
-        that verify runs; the next ``step``'s accepts settle them. Sessions the verify surely
-        ends (``ending``: their last token) need neither. When the written ones are every other session and no
-        session is ``joining`` the next step (one that starts drafting), the next proposal is queued behind
-        them (``propose_ahead``). Returns the sessions written; the others (unknown here, or whose write
-        failed) are extended by their accept as usual."""
+        that verify runs; the next ``step``'s accepts settle them. Sessions the verify surely ends (``ending``:
+        it emits their last token) need neither. When the written ones are every other session and no session
+        is ``joining`` the next step (one that starts drafting), the next proposal is queued behind them
+        (``propose_ahead``). Returns the sessions written; the others (unknown here, or whose write failed)
+        are extended by their accept as usual."""
         with self._lock:
             ids = [sid for sid in accepts if sid in self.sessions and sid not in ending]
             continuing = len(self.sessions.keys() - ending)
