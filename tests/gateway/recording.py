@@ -42,6 +42,7 @@ class RecordingDraft:
         self.batches: list[tuple[int, DraftBatch]] = []  # (iteration, batch)
         self.written_on_device: list[tuple[int, set[str]]] = []  # (iteration, sessions) of each accept_on_device
         self.joining_at: list[int] = []  # iterations whose accept_on_device was told a session joins next
+        self.took_ahead: list[bool] = []  # per step that proposed: whether it took the trees queued ahead
 
     @property
     def sessions(self) -> dict:
@@ -49,7 +50,11 @@ class RecordingDraft:
 
     def step(self, batch: DraftBatch) -> DraftBatchResult:
         self.batches.append((self.core.timing.iterations if self.core else -1, batch))
-        return self.inner.step(batch)
+        taken = self.inner.proposals_ahead
+        result = self.inner.step(batch)
+        if result.trees:
+            self.took_ahead.append(self.inner.proposals_ahead > taken)
+        return result
 
     def accept_on_device(
         self, accepts: dict[str, DeviceAccept], joining: bool = False, ending: frozenset[str] = frozenset()

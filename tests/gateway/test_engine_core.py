@@ -230,24 +230,34 @@ def test_an_aborted_stream_leaves_the_others_proposals_queued_ahead_and_their_to
 
 
 def test_a_request_with_one_token_left_takes_it_in_an_auto_step(engine, draft, prompt_ids):
-    """One token left: whatever its next verify accepts ends the request, so that verify is an Auto step (no
-    tree), the draft proposes nothing for it and nothing is queued behind it; its tokens are its own."""
+    """One token left: whatever its next verify accepts ends the request, so that verify is an Auto step (no tree),
+    and the draft proposes nothing for it. The stream beside it still runs on proposals queued ahead at that
+    step, announced as ending; the tokens are each one's own."""
     longer = Timeline()
     engine.core.submit("longer", request(Case(0, FULL), prompt_ids, 48), longer.sink("longer"))
     longer.wait_until(lambda: longer.finished("longer"))
     emitted = list(itertools.accumulate(len(c.token_ids) for c in longer.chunks("longer") if c.token_ids))
     max_new_tokens = emitted[3] + 1  # the prompt's token, three verifies, then one token left
+    alone = collect(engine, request(Case(3, CHAIN), prompt_ids, 48))[0]
     plans, verifies_before = PlanCount(engine, draft), len(engine.target.batches)
+    ahead_before = len(engine.draft.took_ahead)
     timeline = Timeline()
+    engine.target.gate.clear()  # both reach the same iterations
     engine.core.submit("short", request(Case(0, FULL), prompt_ids, max_new_tokens), timeline.sink("short"))
-    timeline.wait_until(lambda: timeline.finished("short"))
+    engine.core.submit("beside", request(Case(3, CHAIN), prompt_ids, 48), timeline.sink("beside"))
+    engine.target.gate.set()
+    timeline.wait_until(lambda: timeline.finished("short") and timeline.finished("beside"))
     assert timeline.tokens("short") == longer.tokens("longer")[:max_new_tokens]
+    assert timeline.tokens("beside") == alone
     trees = [v.tree for _, b in engine.target.batches[verifies_before:] for v in b.verifies if v.session_id == "short"]
     assert [tree.num_nodes > 1 for tree in trees] == [True, True, True, False]
     batches = [batch for _, batch in engine.draft.batches[plans.batches :]]
     asked = [batch.proposes for batch in batches if "short" in {a.session_id for a in batch.accepts}]
     assert [("short" in proposes) for proposes in asked] == [True, True, False]
-    assert plans.in_vain() == 1  # the one queued behind the third verify, which left one token
+    # every proposal but the streams' first was queued ahead, the one of the step "short" ended at too (the
+    # proposal behind its third verify held both trees: "beside" took its own); only the last went in vain
+    assert engine.draft.took_ahead[ahead_before:].count(False) == 1
+    assert plans.in_vain() == 1
     assert_all_released(engine)
 
 
