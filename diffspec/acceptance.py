@@ -86,26 +86,26 @@ def sampling_outcomes(
     rejected), by inverting the cumulative sum at its uniform; should rounding leave no mass, from the
     distribution itself."""
     num_nodes, vocab = probs.shape
-    rows, index = probs.double(), torch.arange(num_nodes, device=probs.device)
-    totals = rows.sum(dim=-1)  # [num_nodes]
+    index = torch.arange(num_nodes, device=probs.device)
+    totals = probs.sum(dim=-1, dtype=torch.float64)  # [num_nodes]
     is_child = parents >= 0
     parent = parents.clamp(min=0)
     earlier_sibling = (parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None]) & is_child[:, None]
     repeated = (earlier_sibling & (tokens[:, None] == tokens[None, :])).any(dim=1)
-    p = torch.where(is_child & ~repeated, rows[parent, tokens], 0.0)  # [num_nodes]
+    p = torch.where(is_child & ~repeated, probs[parent, tokens].double(), 0.0)  # [num_nodes]
     remaining = totals[parent] - (earlier_sibling.double() * p[None, :]).sum(dim=1)
     chance = torch.where(remaining > 0, p / remaining.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
     accepted = is_child & (draws.accept < chance)
-    # each child's token removed from its parent's row; the root and padding write into a spare last row
-    residual = torch.cat([rows, rows.new_zeros(1, vocab)])
-    residual.index_put_((torch.where(is_child, parent, num_nodes), tokens), rows.new_zeros(()))
+    # each child's token removed from its parent's row, in float64; the root and padding write into a spare last row
+    residual = torch.cat([probs.double(), probs.new_zeros(1, vocab, dtype=torch.float64)])
+    residual.index_put_((torch.where(is_child, parent, num_nodes), tokens), residual.new_zeros(()))
     residual = residual[:-1]
-    cumulative = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, rows).cumsum(dim=-1)
+    cumulative = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs).cumsum(dim=-1)
     reached = cumulative[:, -1:].contiguous()  # [num_nodes, 1]
     drawn = torch.searchsorted(cumulative, draws.bonus.unsqueeze(-1) * reached, right=True)
     last_possible = torch.searchsorted(cumulative, reached)  # where the sum is reached: the last token with mass
     bonus = torch.minimum(drawn, last_possible).squeeze(-1)
-    distribution = torch.isfinite(rows).all(dim=-1) & (totals > 0)  # NaN logits give none
+    distribution = torch.isfinite(probs).all(dim=-1) & (totals > 0)  # NaN logits give none
     return SamplingOutcomes(accepted, torch.where(distribution, bonus, -1))
 
 
