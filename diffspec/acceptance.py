@@ -70,7 +70,7 @@ class SamplingDraws:
 class SamplingOutcomes:
     """Every decision a sampled step can reach, on the device the probabilities are on."""
 
-    accepted: torch.Tensor  # [num_nodes] bool: node i's draft is accepted if the target tries it (never the root's)
+    accepted: torch.Tensor  # [num_nodes] bool: node i is the child its parent takes (its test passes, no earlier one's)
     bonus: torch.Tensor  # [num_nodes] int64: the bonus token if the path ends at node i; -1: its row is no distribution
 
 
@@ -95,7 +95,8 @@ def sampling_outcomes(
     p = torch.where(is_child & ~repeated, probs[parent, tokens].double(), 0.0)  # [num_nodes]
     remaining = totals[parent] - (earlier_sibling.double() * p[None, :]).sum(dim=1)
     chance = torch.where(remaining > 0, p / remaining.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
-    accepted = is_child & (draws.accept < chance)
+    passes = is_child & (draws.accept < chance)
+    accepted = passes & ~(earlier_sibling & passes[None, :]).any(dim=1)  # children are tried in order
     # each child's token removed from its parent's row, in float64; the root and padding write into a spare last row
     residual = torch.cat([probs.double(), probs.new_zeros(1, vocab, dtype=torch.float64)])
     residual.index_put_((torch.where(is_child, parent, num_nodes), tokens), residual.new_zeros(()))
@@ -110,9 +111,9 @@ def sampling_outcomes(
 
 
 def accept_sampling(tree: DraftTree, outcomes: SamplingOutcomes) -> Acceptance:
-    """``outcomes``: a step's, on the host, for at least the tree's nodes. From the root, take the first child (in
-    order) whose draft is accepted; where none is, the bonus is that node's. Raises ValueError where the
-    target's distribution at that node is none."""
+    """``outcomes``: a step's, on the host, for at least the tree's nodes. From the root, take the child each node
+    takes; where it takes none, the bonus is that node's. Raises ValueError where the target's distribution at
+    that node is none."""
     accepted, bonus = outcomes.accepted.tolist(), outcomes.bonus.tolist()
     children = tree.children()
     node, path = 0, []

@@ -7,8 +7,8 @@ read of the results waits for the forward only.
 
 The rules are ``diffspec.acceptance``'s, in tensors. Greedy: a node matches when its token is the target's
 argmax at its parent, and the bonus is the argmax at the path's end. Sampled: a node matches when the step's
-outcomes accept its draft and no earlier sibling's (the host tries children in order), and the bonus is the
-outcome drawn at the path's end; the host walks the same outcomes. Either way the accepted path ends at the
+outcomes have its parent take it, and the bonus is the outcome drawn at the path's end; the host walks the
+same outcomes. Either way the accepted path ends at the
 deepest node whose ancestors all match (matching siblings are never both kept, so they form one path from
 the root). The host's acceptance, computed afterwards from the same values, is what the results carry; a
 draft that committed from this one checks that they agree.
@@ -54,10 +54,7 @@ def sampled_device_accept(
     forward computed for it."""
     nodes = outcomes.accepted.numel()
     index = torch.arange(nodes, device=tree.tokens.device)
-    parents, accepted = tree.parents[:nodes], outcomes.accepted
-    earlier_sibling = (parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None])
-    first_accepted = accepted & ~(earlier_sibling & accepted[None, :]).any(dim=1)
-    leaf = _path_end(tree, nodes, first_accepted | (index == 0))
+    leaf = _path_end(tree, nodes, outcomes.accepted | (index == 0))
     # a row that is no distribution has bonus -1: the host fails the session, and the entry stays a valid token
     bonus = outcomes.bonus[leaf].clamp(min=0)
     return _entries(tree, nodes, max_depth, leaf, bonus, first_row, forward, layers)
