@@ -129,7 +129,6 @@ def _attend_context_tile(
     FMA_EXPONENTIALS: tl.constexpr,  # the plan's fma_exponentials (full tiles only: no score is masked)
     LAZY_RESCALE: tl.constexpr,  # the plan's lazy_rescale (full tiles only)
 ):
-    pos = tile_start + tl.arange(0, BLOCK_N)
     if FMA_EXPONENTIALS:
         half = tile_start + tl.arange(0, BLOCK_N // 2)
         k_mufu, v_mufu = _context_kv(
@@ -144,6 +143,7 @@ def _attend_context_tile(
         return online_softmax_update_halves(
             acc, m_i, l_i, qk_mufu, v_mufu, qk_fma, v_fma, qk_scale, LAZY=LAZY_RESCALE
         )
+    pos = tile_start + tl.arange(0, BLOCK_N)
     k, v = _context_kv(
         k_pages_ptr, v_pages_ptr, block_table_ptr, pos, end, head_offset, num_kv_heads, HEAD_DIM, PAGE_SIZE, MASKED
     )
