@@ -130,6 +130,7 @@ class _Run:
     tree: TreeKV
     host_facts: torch.Tensor  # pinned mirror of facts (a GPU's host-to-device copy does not wait)
     host_min_log_prob: torch.Tensor  # pinned mirror of min_log_prob
+    uploaded: torch.cuda.Event | None = None  # recorded behind the mirrors' last copies up
     graph: torch.cuda.CUDAGraph | None = None
     outputs: TreeTensors | None = field(default=None, repr=False)  # the graph's static outputs
 
@@ -181,6 +182,10 @@ class TreeProposer:
         if any((entries is not None) != from_device for entries in unsettled):
             raise ValueError("a proposal's sessions are all settled or all unsettled")
         run = self._runs.get(shape) or self._allocate(shape)
+        if run.uploaded is not None:
+            # the mirrors are rewritten: their last copies up may still wait in the queue (a proposal queued
+            # ahead, behind a verify), and a pinned copy reads the host memory when it runs
+            run.uploaded.synchronize()
         copy_contexts(contexts, *run.context)
         if from_device:  # the host knows the committed entries only; the device adds the real written ones
             lengths = [length - entries.max_entries for length, entries in zip(lengths, unsettled)]
@@ -194,6 +199,9 @@ class TreeProposer:
         if from_device:
             _add_real_entries(run.facts[: len(requests)], unsettled)
         run.min_log_prob.copy_(run.host_min_log_prob, non_blocking=True)
+        if run.facts.device.type == "cuda":
+            run.uploaded = torch.cuda.Event()
+            run.uploaded.record(torch.cuda.current_stream(run.facts.device))
         sessions = [r.session for r in requests]
         torch._foreach_copy_(
             [run.root_queries[: len(requests)], run.root_hiddens[: len(requests)]],

@@ -352,6 +352,26 @@ def test_a_shape_is_recorded_the_first_time_it_comes():
 
 
 @pytest.mark.gpu
+def test_two_proposals_of_one_shape_queued_behind_busy_work_grow_their_own_trees():
+    """A proposal queued while the device is busy (one queued ahead, behind a verify) leaves its sessions' facts in
+    pinned host memory that its copy up reads only when it runs: the next proposal of the same shape, queued
+    before that, must not rewrite them under it."""
+    graphed, _ = graphed_and_eager(torch.bfloat16)
+    plan, budget = POLICIES["full"]
+    batches = [
+        [ProposalRequest(s, plan, budget) for s in start_sessions(graphed, CONTEXT_LENGTHS, None, seed)]
+        for seed in (1, 2)
+    ]
+    want = [[tree.tokens.tolist() for tree in graphed.propose_many(requests)] for requests in batches]
+    assert want[0] != want[1]  # the two batches' roots differ, so their trees do
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 28)  # the device busy for a while (about 0.1-0.2 s): the copies wait behind it
+    pending = [graphed.propose_pending(requests) for requests in batches]
+    got = [[tree.tree().tokens.tolist() for tree in trees] for trees in pending]
+    assert got == want and graphed.proposer.num_recorded == 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_the_eager_proposal_never_syncs_the_gpu(num_layers):
     """The eager search (what the graph records) launches work only: CUDA's sync check raises on any host wait."""
