@@ -91,10 +91,7 @@ class DraftBackend(Protocol):
 class AcceptsOnDevice(Protocol):
     """A draft in the target's process: it writes a verify's accepted entries from the device's acceptance
     while that verify runs (``DraftRuntime.accept_on_device``), and may queue the next proposal behind them; the
-    next step's accepts settle them. ``joining``: a session not among them will propose at the next step (a
-    request that starts drafting), so that proposal is not queued ahead. ``ending``: sessions this verify surely
-    ends (it emits their last token): nothing is written or proposed for them."""
+    next step's accepts settle them. ``ending``: sessions this verify surely ends (it emits their last token):
+    nothing is written or proposed for them."""
 
-    def accept_on_device(
-        self, accepts: dict[str, DeviceAccept], joining: bool = False, ending: frozenset[str] = frozenset()
-    ) -> set[str]: ...
+    def accept_on_device(self, accepts: dict[str, DeviceAccept], ending: frozenset[str] = frozenset()) -> set[str]: ...

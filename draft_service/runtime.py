@@ -10,12 +10,12 @@ no proposal to hide it behind: its steps are learnt at the next verify's write, 
 
 Ahead. In one process with the target, the accepted entries are written from the device's
 acceptance while the verify runs (``accept_on_device``). When every session that goes on past the
-verify is written so and none joins at the next step, their next proposal is planned and queued
-right then, behind the write (``propose_ahead``): the GPU goes from the verify to the proposal while
-the host reads the results, and the next ``step`` takes those trees once its accepts keep the entries
-they grew from (the trees of sessions that ended meanwhile are dropped). A step with a session the proposal does not hold,
-or whose entries the host did not keep, proposes anew, as without it. The plan is the one the step
-would make: it is made from the steps observed before the verify either way.
+verify is written so, their next proposal is planned and queued right then, behind the write
+(``propose_ahead``): the GPU goes from the verify to the proposal while the host reads the results, and
+the next ``step`` takes the trees of the sessions whose accepts keep the entries they grew from (the
+trees of sessions that ended meanwhile are dropped). The step's other sessions (ones that joined, or
+whose entries the host did not keep) propose beside it, each tree within the batch's online bound. The
+plan is the one the step would make: it is made from the steps observed before the verify either way.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch.profiler import record_function
@@ -68,6 +69,7 @@ class _TimedProposal:
     timer: DeviceTimer  # its span on the device
     bound: Bound | None  # the online bound every tree kept within; None without one, or with a probe past it
     first_of_shape: bool  # its shape was new: its span holds a graph's recording (or kernels' compiles) too
+    beside: bool = False  # a second proposal ran in its step (``_propose``): the step's span is not its alone
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,17 @@ class _Launched:
             tuple(self.within[i] for i in picked),
             self.observed & set(session_ids),
             self.timed,
+        )
+
+    def beside(self, other: _Launched) -> _Launched:
+        """This proposal and ``other``, queued in the same step for other sessions, as the step's one."""
+        return _Launched(
+            self.session_ids + other.session_ids,
+            self.chosen + other.chosen,
+            self.trees + other.trees,
+            self.within + other.within,
+            self.observed | other.observed,
+            replace(self.timed, beside=True),
         )
 
 
@@ -204,15 +217,12 @@ class DraftRuntime:
                 self.sessions.pop(sid, None)
         return DraftBatchResult(trees, released, failures)
 
-    def accept_on_device(
-        self, accepts: dict[str, DeviceAccept], joining: bool = False, ending: frozenset[str] = frozenset()
-    ) -> set[str]:
+    def accept_on_device(self, accepts: dict[str, DeviceAccept], ending: frozenset[str] = frozenset()) -> set[str]:
         """Write the entries of verify acceptances the device computed (in one process with the target), while
         that verify runs; the next ``step``'s accepts settle them. Sessions the verify surely ends (``ending``:
-        it emits their last token) need neither. When the written ones are every other session and no session
-        is ``joining`` the next step (one that starts drafting), the next proposal is queued behind them
-        (``propose_ahead``). Returns the sessions written; the others (unknown here, or whose write failed)
-        are extended by their accept as usual."""
+        it emits their last token) need neither. When the written ones are every other session, their next
+        proposal is queued behind them (``propose_ahead``). Returns the sessions written; the others (unknown
+        here, or whose write failed) are extended by their accept as usual."""
         with self._lock:
             ids = [sid for sid in accepts if sid in self.sessions and sid not in ending]
             continuing = len(self.sessions.keys() - ending)
@@ -227,7 +237,7 @@ class DraftRuntime:
                 return set()
             with record_function("draft.observe"):  # the verify's forward runs meanwhile
                 self._observe_unobserved()
-            if self.propose_ahead and ids and len(ids) == continuing and not joining:
+            if self.propose_ahead and ids and len(ids) == continuing:
                 with record_function("draft.propose_ahead"):
                     self._ahead = self._launch_ahead(ids)
             return set(ids)
@@ -236,7 +246,7 @@ class DraftRuntime:
         """The proposal the next step would make for these sessions, queued now from their unsettled entries; None
         when it cannot be (a tree with no depth needs its root on the host)."""
         try:
-            return self._launch(session_ids)
+            return self._launch(session_ids, self._plan_batch)
         except (RuntimeError, ValueError) as failure:
             log.warning("no proposal ahead, the next step proposes: %s", failure)
             return None
@@ -326,9 +336,9 @@ class DraftRuntime:
         """The step that ended now, when the last one proposed and this batch carries its verify's cost: from
         the start of that draft call to the start of this one is one whole step of the engine (its draft
         call, its target call and the loop around them). A step whose proposal was its shape's first measures
-        nothing: the recording is in it (``_TimedProposal.first_of_shape``)."""
+        nothing: the recording is in it (``_TimedProposal.first_of_shape``); nor does one that proposed twice."""
         last = self._timed_proposal
-        if self._proposing_step_started is not None and last is not None and not last.first_of_shape:
+        if self._proposing_step_started is not None and last is not None and not (last.first_of_shape or last.beside):
             step_seconds, proposal_seconds = started - self._proposing_step_started, last.timer.seconds()
             self.step_cost.observe_step(step_seconds, proposal_seconds, verify_seconds)
             if last.bound is not None:
@@ -336,24 +346,27 @@ class DraftRuntime:
                 self.bound_audit.measured(last.bound, StepSeconds(overhead, proposal_seconds, verify_seconds))
 
     def _propose(self, session_ids: list[str], settled: set[str]) -> tuple[dict[str, DraftTree | PendingTree], bool]:
-        """Trees for several sessions, grown together (one head pass per depth for all): the ones queued ahead
-        when it holds these sessions and they grew from entries their accepts kept (``settled``), else new ones.
-        Returns the trees, and whether they were the ones queued ahead."""
+        """Trees for several sessions, grown together (one head pass per depth for all). The sessions the
+        proposal queued ahead holds, whose entries their accepts kept (``settled``), take its trees; the others
+        propose beside it (``_plan_beside``), or, when it holds none of them, as a batch of their own. Returns
+        the trees, and whether some were the ones queued ahead."""
         ahead, self._ahead = self._ahead, None
         if not session_ids:
             return {}, False
-        taken_ahead = (
-            ahead is not None and settled.issuperset(session_ids) and set(ahead.session_ids).issuperset(session_ids)
-        )
-        if taken_ahead:
-            assert ahead is not None
-            launched = ahead.of(session_ids)
+        held = set(ahead.session_ids) & settled if ahead is not None else set()
+        taken = [sid for sid in session_ids if sid in held]
+        others = [sid for sid in session_ids if sid not in held]
+        for sid in others:  # entries written on the device that no accept settled: not this step's
+            self.drafter.discard_unsettled(self.sessions[sid].drafter_state)
+        if ahead is not None and taken:
+            launched = ahead.of(taken)
             self.proposals_ahead += 1
-            self.drafter.rescore()  # the settled sessions' chunk scoring, behind the proposal as after a launch
+            if others:
+                launched = launched.beside(self._launch(others, self._plan_beside))
+            else:
+                self.drafter.rescore()  # the settled sessions' chunk scoring, behind the proposal as after a launch
         else:
-            for sid in session_ids:  # entries written on the device that no accept settled: not this step's
-                self.drafter.discard_unsettled(self.sessions[sid].drafter_state)
-            launched = self._launch(session_ids)
+            launched = self._launch(others, self._plan_batch)
         last = self._timed_proposal
         if last is not None and not last.first_of_shape:  # it ran on the device by now: its span is a read
             self.step_cost.observe_draft(last.depth, last.timer.seconds(), last.batch)
@@ -362,13 +375,15 @@ class DraftRuntime:
             session = self.sessions[sid]
             session.last_tree, session.proposed_within = launched.trees[i], launched.within[i]
             session.observe_as = launched.chosen[i] if sid in launched.observed else None
-        return dict(zip(launched.session_ids, launched.trees)), taken_ahead
+        return dict(zip(launched.session_ids, launched.trees)), bool(taken)
 
-    def _launch(self, session_ids: list[str]) -> _Launched:
-        """Plan the batch's trees and queue their proposal on the device."""
+    def _launch(
+        self, session_ids: list[str], plan: Callable[[list[_SessionState]], list[Candidate]]
+    ) -> _Launched:
+        """Plan the sessions' trees (``plan``) and queue their proposal on the device."""
         sessions = [self.sessions[sid] for sid in session_ids]
         with record_function("draft.plan"):
-            chosen = self._plan_batch(sessions)
+            chosen = plan(sessions)
         requests = [ProposalRequest(s.drafter_state, list(c.plan), c.budget) for s, c in zip(sessions, chosen)]
         shapes_met = len(self.drafter.proposer.shapes_met)
         timer = DeviceTimer(self.head.fc.weight.device)
@@ -424,6 +439,16 @@ class DraftRuntime:
             if self.batch_plan.admit_probe(planner.probe, cost):
                 chosen[i] = planner.probe
         return chosen
+
+    def _plan_beside(self, sessions: list[_SessionState]) -> list[Candidate]:
+        """The trees of sessions proposing beside a proposal queued ahead (ones that joined the batch since it
+        was planned): a fixed policy's own, an online session's own within the batch's bound. The batch's
+        bound stays as the proposal ahead left it: the next plan, for the whole batch, chooses it again."""
+        bound = self.batch_plan.bound
+        for session in sessions:
+            if session.planner is not None and bound is not None and not bound.fits(session.candidate):
+                session.candidate, session.expected_tokens = session.planner.choose(session.hazard, bound)
+        return [session.candidate for session in sessions]
 
     def _bound_online(self, sessions: list[_SessionState], online: list[_SessionState], cost: BatchCost) -> None:
         """Choose the batch's bound when due, then re-plan the online sessions whose turn it is within it."""

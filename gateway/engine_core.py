@@ -365,12 +365,10 @@ class EngineCore:
             if running is not None and running.drafting and running.draft_session:
                 drafting[session_id] = accept
         if drafting and self._draft_on_device is not None:
-            # a request whose first token this call reports starts drafting at the next step
-            joining = any(r.drafting and r.awaiting_first_token for r in self._requests.values())
-            # one whose last token this verify emits (an Auto step: it wanted no tree) ends with it
+            # a request whose last token this verify emits (an Auto step: it wanted no tree) ends with it
             ending = frozenset(r.request_id for r in self._requests.values() if r.draft_session and r.tokens_left <= 1)
             try:
-                written = self._draft_on_device.accept_on_device(drafting, joining, ending)
+                written = self._draft_on_device.accept_on_device(drafting, ending)
                 self._accepted_on_device = list(written)
             except Exception:  # noqa: BLE001 - the accepts extend as usual; the target's step goes on
                 log.exception("the draft failed to write accepted entries on the device")

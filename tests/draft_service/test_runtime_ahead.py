@@ -1,6 +1,6 @@
 """The proposal queued ahead (``DraftRuntime.accept_on_device`` with ``propose_ahead``): a step takes the trees the
-runtime would have proposed after the accepts; none is queued when a session joins the next step, and a session
-that ended leaves its tree behind."""
+runtime would have proposed after the accepts; a session that joins proposes beside it, and a session that ended
+leaves its tree behind."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from tests.draft_service.test_drafter import load_head
 OPTIONS = {"a": DraftOptions("full", "24:0.0:5"), "b": DraftOptions("full", "16:0.0:4", salience=True)}
 
 
-def _start(runtime: DraftRuntime, sid: str, seed: int) -> DraftStart:
+def _start(runtime: DraftRuntime, sid: str, seed: int, options: DraftOptions | None = None) -> DraftStart:
     c = runtime.head.config
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, c.vocab_size, (40 + seed,), generator=generator).tolist()
     features = torch.randn(len(prompt), 3 * c.target_hidden_size, generator=generator)
-    return DraftStart(sid, prompt, features, 1 + seed, OPTIONS[sid])
+    return DraftStart(sid, prompt, features, 1 + seed, options or OPTIONS[sid])
 
 
 def _verified(tree, depth: int, bonus: int, seed: int, hidden: int) -> tuple[DraftAccept, DeviceAccept]:
@@ -41,24 +41,24 @@ def _verified(tree, depth: int, bonus: int, seed: int, hidden: int) -> tuple[Dra
     return DraftAccept("", emitted, features), device
 
 
-def _observed_by_plans(runtime: DraftRuntime) -> list[list[int]]:
-    """From now on, at each batch plan: how many verified steps each planned session's hazard has observed."""
-    seen: list[list[int]] = []
-    plan = runtime._plan_batch
+def _observed_by_plans(runtime: DraftRuntime) -> dict[str, list[int]]:
+    """From now on, per session, at each of its trees' plans: how many verified steps its hazard had observed."""
+    seen: dict[str, list[int]] = {}
+    launch = runtime._launch
 
-    def recording(sessions):  # noqa: ANN001, ANN202
-        seen.append([session.hazard.steps for session in sessions])
-        return plan(sessions)
+    def recording(session_ids, plan):  # noqa: ANN001, ANN202
+        for sid in session_ids:
+            seen.setdefault(sid, []).append(runtime.sessions[sid].hazard.steps)
+        return launch(session_ids, plan)
 
-    runtime._plan_batch = recording
+    runtime._launch = recording
     return seen
 
 
 def _steps(propose_ahead: bool) -> tuple[list[list[int]], DraftRuntime]:
-    """Session a alone for two steps; b joins at the third (announced to the write before it, as the engine does
-    for a request whose first token is due); both for three; a ends at the sixth (announced: its last token was
-    due), so the proposal queued then is b's alone; b alone at the last. Returns
-    every tree's tokens and parents, and the runtime."""
+    """Session a alone for two steps; b joins at the third, beside a's proposal queued ahead; both for three; a
+    ends at the sixth (announced: its last token was due), so the proposal queued then is b's alone; b alone at
+    the last. Returns every tree's tokens and parents, and the runtime."""
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False, propose_ahead=propose_ahead)
     runtime.observed_by_plans = _observed_by_plans(runtime)
     runtime.observed_after_steps = []
@@ -73,7 +73,7 @@ def _steps(propose_ahead: bool) -> tuple[list[list[int]], DraftRuntime]:
             on_device[sid] = device
             seen.append(DraftTree.of(tree).tokens.tolist() + DraftTree.of(tree).parents.tolist())
         ending = frozenset({"a"} if step == 5 else ())  # this verify emits a's last token
-        assert runtime.accept_on_device(on_device, joining=step == 2, ending=ending) == set(on_device) - ending
+        assert runtime.accept_on_device(on_device, ending=ending) == set(on_device) - ending
         batch = DraftBatch(accepts=accepts, proposes=["a", "b"] if 2 <= step < 5 else ["a"] if step < 2 else ["b"])
         if step == 2:
             batch.starts.append(_start(runtime, "b", 3))
@@ -88,8 +88,8 @@ def test_the_trees_queued_ahead_are_the_ones_the_steps_would_propose():
     ahead, with_ahead = _steps(propose_ahead=True)
     after, without = _steps(propose_ahead=False)
     assert ahead == after
-    assert (with_ahead.proposals_ahead, without.proposals_ahead) == (6, 0)  # every step but the one b joined at
-    assert with_ahead.proposals == without.proposals == 8  # none queued in vain: b's join was announced
+    assert (with_ahead.proposals_ahead, without.proposals_ahead) == (7, 0)  # b's first tree came beside a's
+    assert with_ahead.proposals == without.proposals == 8  # batch plans: none queued in vain, none for b alone
     assert "a" not in with_ahead.sessions and not with_ahead.sessions["b"].drafter_state.unsettled
 
 
@@ -102,3 +102,25 @@ def test_a_step_taken_ahead_learns_its_verified_steps_behind_the_next_verify_and
     assert with_ahead.observed_by_plans == without.observed_by_plans
     lag = [off - on for on, off in zip(with_ahead.observed_after_steps, without.observed_after_steps)]
     assert all(n >= 0 for n in lag) and sum(lag) >= 5  # the steps taken ahead left theirs for later
+
+
+def test_an_online_session_that_joins_proposes_beside_within_the_batch_s_bound():
+    """b (online, its own budget 64:8) joins online a (16:4) beside a's proposal queued ahead: its first tree keeps
+    within the batch's bound, which b's join leaves as it was for the next batch plan to choose again."""
+    runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
+    small, large = DraftOptions("online", "16:0.0:4"), DraftOptions("online", "64:0.0:8")
+    hidden = 3 * runtime.head.config.target_hidden_size
+    trees = runtime.step(DraftBatch(starts=[_start(runtime, "a", 0, small)], proposes=["a"])).trees
+    bound = runtime.batch_plan.bound
+    assert bound is not None and (bound.tokens, bound.depth) == (16, 4)
+    host, device = _verified(trees["a"], depth=2, bonus=11, seed=0, hidden=hidden)
+    assert runtime.accept_on_device({"a": device}) == {"a"}
+    assert not runtime.sessions.get("b") and runtime._ahead is not None  # queued for a alone
+    accepts = [DraftAccept("a", host.emitted_tokens, host.features)]
+    starts = [_start(runtime, "b", 3, large)]
+    trees = runtime.step(DraftBatch(starts=starts, accepts=accepts, proposes=["a", "b"])).trees
+    assert runtime.proposals_ahead == 1 and set(trees) == {"a", "b"}
+    b = DraftTree.of(trees["b"])
+    assert b.num_nodes <= 16 and b.max_depth <= 4
+    assert bound.fits(runtime.sessions["b"].candidate) and runtime.batch_plan.bound == bound
+    assert runtime._timed_proposal is not None and runtime._timed_proposal.beside  # its step measures no cost

@@ -41,7 +41,6 @@ class RecordingDraft:
         self.core: EngineCore | None = None
         self.batches: list[tuple[int, DraftBatch]] = []  # (iteration, batch)
         self.written_on_device: list[tuple[int, set[str]]] = []  # (iteration, sessions) of each accept_on_device
-        self.joining_at: list[int] = []  # iterations whose accept_on_device was told a session joins next
         self.took_ahead: list[bool] = []  # per step that proposed: whether it took the trees queued ahead
 
     @property
@@ -56,12 +55,8 @@ class RecordingDraft:
             self.took_ahead.append(self.inner.proposals_ahead > taken)
         return result
 
-    def accept_on_device(
-        self, accepts: dict[str, DeviceAccept], joining: bool = False, ending: frozenset[str] = frozenset()
-    ) -> set[str]:
-        written = self.inner.accept_on_device(accepts, joining, ending)
-        if joining:
-            self.joining_at.append(self.core.timing.iterations if self.core else -1)
+    def accept_on_device(self, accepts: dict[str, DeviceAccept], ending: frozenset[str] = frozenset()) -> set[str]:
+        written = self.inner.accept_on_device(accepts, ending)
         self.written_on_device.append((self.core.timing.iterations if self.core else -1, written))
         return written
 

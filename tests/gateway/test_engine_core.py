@@ -189,13 +189,14 @@ class PlanCount:
         return self.draft.proposals - self.plans - proposing
 
 
-def test_a_request_that_starts_drafting_is_announced_so_no_proposal_is_queued_in_vain(engine, draft, prompt_ids):
-    """A stream joins two decoding ones: the write before its first token is told, so no proposal is queued
-    ahead for the others alone. Every proposal made is taken but the last one, queued behind the last verify
-    before its request ended; and each stream's tokens are its own."""
+def test_a_request_that_starts_drafting_proposes_beside_the_others_proposal_queued_ahead(engine, draft, prompt_ids):
+    """A stream joins two decoding ones: the step it starts drafting at takes the others' proposal queued ahead
+    and proposes for it beside. Every step but the streams' first takes a proposal queued ahead, every proposal
+    made is taken but the last one, queued behind the last verify before its request ended; and each stream's
+    tokens are its own."""
     cases = [Case(0, FULL), Case(3, FULL), Case(2, CHAIN)]
     alone = [collect(engine, request(case, prompt_ids, 48))[0] for case in cases]
-    plans, joins = PlanCount(engine, draft), len(engine.draft.joining_at)
+    plans, ahead_before = PlanCount(engine, draft), len(engine.draft.took_ahead)
     timeline = Timeline()
     for name, case in zip("ab", cases):
         engine.core.submit(name, request(case, prompt_ids, 48), timeline.sink(name))
@@ -203,8 +204,12 @@ def test_a_request_that_starts_drafting_is_announced_so_no_proposal_is_queued_in
     engine.core.submit("c", request(cases[2], prompt_ids, 48), timeline.sink("c"))
     timeline.wait_until(lambda: all(timeline.finished(name) for name in "abc"))
     assert [timeline.tokens(name) for name in "abc"] == alone
+    proposing = [batch for _, batch in engine.draft.batches[plans.batches :] if batch.proposes]
+    took_ahead = engine.draft.took_ahead[ahead_before:]
+    joined = next(i for i, batch in enumerate(proposing) if any(start.session_id == "c" for start in batch.starts))
+    assert set(proposing[joined].proposes) == {"a", "b", "c"} and took_ahead[joined]
+    assert took_ahead.count(False) == 1  # a and b's first step only
     assert plans.in_vain() == 1
-    assert len(engine.draft.joining_at) - joins == 1  # c's first token was due in one target call
     assert_all_released(engine)
 
 
