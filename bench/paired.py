@@ -6,8 +6,8 @@ length (keeping its end) and generated with each configuration in turn on one en
 Reported per configuration and length: tau, decode-only and end-to-end tokens/s and their ratios to
 Auto's, the draft / verify / host split of a step, the working set, and whether greedy outputs equal
 Auto's (a divergence here is only counted; ``bench.reproduce`` judges it). With ``--temperature`` above 0
-every configuration samples, each prompt with its own seed, and outputs are not compared: speculation keeps
-the law of the tokens, not the tokens (a tree changes which draws decide them).
+every configuration samples, each prompt with its own seed, and is compared with Auto's sampled output too:
+the token at each index takes that index's uniform whatever the trees (``diffspec/acceptance.py``).
 
     python -m bench.paired --base-model ../shared/models/bench-code --draft-model HEAD \
         --data ../shared/data/longctx_eval.jsonl --lengths 4096 16384 32768 65536 --out bench/results/x.json
@@ -92,8 +92,6 @@ async def run_all(
                 print(f"[{len(runs)}/{total}] ctx={length} prompt={index} {arm.label}: "
                       f"tau={run.stats.mean_accepted_length:.2f} decode={run.stats.decode_tokens_per_second:.1f} tok/s",
                       flush=True)
-    if temperature > 0:
-        return runs
     auto = {(r.context, r.prompt): r for r in runs if r.arm == "auto"}
     for run in runs:
         if run.arm != "auto" and (run.context, run.prompt) in auto:

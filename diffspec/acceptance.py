@@ -6,17 +6,19 @@ verification step yields at least one token).
 
 - Greedy: walk from the root; at each node take the child whose token equals the target's
   argmax there; stop when none does. The bonus is the argmax at the last node.
-- Sampling (multi-draft recursive rejection, as in SpecInfer/EAGLE): at each node, try its
-  children in order. The drafts are deterministic top-k candidates, so each has q(x) = 1 and
-  is accepted with probability p(x) under the current residual p; on rejection p(x) is set to
-  0 and p renormalised. If every child is rejected, the bonus is drawn from the residual.
-  The emitted token is then distributed exactly as p, whatever the draft proposed.
+- Sampling (coupled to the token's index): the token a request emits at index k of its output is
+  the inverse CDF of the target's distribution there at the uniform u_k, the k-th draw of the
+  request's generator (``TokenUniforms``), whichever step decides it: an Auto step, or a tree node
+  at depth d of a step whose first token is index k - d. So a verified node's *sample* is the token
+  Auto would emit after that node's path; a child is accepted when its token is its parent's sample
+  (the first such sibling), and the bonus is the sample where the path ends. Every emitted token is
+  the one a seeded Auto run emits at its index: the same law (u_k is independent of all before
+  index k) and the same tokens, whatever the trees. A deterministic top-k child is accepted with
+  probability p(x), as in SpecInfer/EAGLE's recursive rejection, so acceptance is no lower.
 
-  Each test and each bonus draw takes its own uniform, drawn before the step (``SamplingDraws``:
-  one per node for its test, one per node for the bonus should the path end there). Independent
-  uniforms, one per decision, give the rule's law whichever decisions are reached, and drawn up
-  front they let every decision be computed in tensors at once (``sampling_outcomes``), on the
-  device behind the forward; the walk down the tree (``accept_sampling``) then only reads them.
+  Drawn up front, the uniforms let every decision be computed in tensors at once
+  (``sampling_outcomes``), on the device behind the forward; the walk down the tree
+  (``accept_sampling``) then only reads them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffspec.devices import upload
+from diffspec.sampling import inverse_cdf
 from diffspec.tree import DraftTree
 
 
@@ -48,66 +50,56 @@ def accept_greedy(tree: DraftTree, argmax: list[int]) -> Acceptance:
         node = match
 
 
-@dataclass(frozen=True)
-class SamplingDraws:
-    """The uniforms one sampled verification step may use, drawn from the request's generator before the step."""
+class TokenUniforms:
+    """A sampled request's uniforms, one per index of its output, drawn from its generator in index order (any
+    window sizes give the same stream), so the k-th token's is the same in every run with the seed."""
 
-    accept: torch.Tensor  # [num_nodes] float64 in [0, 1): node i's draft is accepted when this is under its chance
-    bonus: torch.Tensor  # [num_nodes] float64 in [0, 1): draws the bonus token when the accepted path ends at node i
+    def __init__(self, generator: torch.Generator) -> None:
+        self._generator = generator
+        self._next = torch.empty(0, dtype=torch.float64)  # the uniforms of the next indices drawn so far
 
-    @staticmethod
-    def draw(num_nodes: int, generator: torch.Generator) -> SamplingDraws:
-        uniforms = torch.rand(2, num_nodes, generator=generator, dtype=torch.float64)
-        return SamplingDraws(uniforms[0], uniforms[1])
+    def window(self, count: int) -> torch.Tensor:
+        """[count] float64 in [0, 1): the uniforms of the next ``count`` indices (drawn now where not yet)."""
+        missing = count - len(self._next)
+        if missing > 0:
+            drawn = torch.rand(missing, generator=self._generator, dtype=torch.float64)
+            self._next = torch.cat([self._next, drawn])
+        return self._next[:count]
 
-    def first(self, num_nodes: int, device: torch.device) -> SamplingDraws:
-        """The first ``num_nodes`` nodes' draws, on ``device`` (one upload)."""
-        both = upload(torch.stack([self.accept[:num_nodes], self.bonus[:num_nodes]]), device)
-        return SamplingDraws(both[0], both[1])
+    def advance(self, emitted: int) -> None:
+        """``emitted`` tokens were emitted: their uniforms are spent."""
+        self.window(emitted)
+        self._next = self._next[emitted:]
 
 
 @dataclass(frozen=True)
 class SamplingOutcomes:
     """Every decision a sampled step can reach, on the device the probabilities are on."""
 
-    accepted: torch.Tensor  # [num_nodes] bool: node i is the child its parent takes (its test passes, no earlier one's)
-    bonus: torch.Tensor  # [num_nodes] int64: the bonus token if the path ends at node i; -1: its row is no distribution
+    accepted: torch.Tensor  # [num_nodes] bool: node i is the child its parent takes (its token is the parent's sample)
+    bonus: torch.Tensor  # [num_nodes] int64: node i's sample, the bonus if the path ends there; -1: no distribution
 
 
 def sampling_outcomes(
-    tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, draws: SamplingDraws
+    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor
 ) -> SamplingOutcomes:
-    """tokens, parents [num_nodes] int64 (parent -1: the root, or padding); probs [num_nodes, vocab]: the target's
-    distribution at each node; ``draws`` on the same device. No value is read back to the host.
+    """tokens, parents, depths [num_nodes] int64 (parent -1: the root, or padding); probs [num_nodes, vocab]: the
+    target's distribution at each node; uniforms [max depth + 1] float64: the step's token indices' (the root's
+    first), on the same device. No value is read back to the host.
 
-    A node is tried after its earlier siblings (lower indices) were rejected, so its chance is its token's
-    probability under its parent's distribution with their tokens removed, renormalised (0 for a token one of
-    them had). The bonus at a node is drawn from its distribution with every child's token removed (all were
-    rejected), by inverting the cumulative sum at its uniform; should rounding leave no mass, from the
-    distribution itself."""
-    num_nodes, vocab = probs.shape
+    A node's sample is its row's inverse CDF at its depth's uniform. A child is taken when its token is its
+    parent's sample and no earlier sibling (lower index) has it; none is taken below a row that is no
+    distribution (NaN logits, no mass), whose bonus is -1."""
+    num_nodes = probs.shape[0]
     index = torch.arange(num_nodes, device=probs.device)
-    totals = probs.sum(dim=-1, dtype=torch.float64)  # [num_nodes]
+    samples = inverse_cdf(probs, uniforms[depths])
+    distribution = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1, dtype=torch.float64) > 0)
     is_child = parents >= 0
     parent = parents.clamp(min=0)
+    matches = is_child & distribution[parent] & (tokens == samples[parent])
     earlier_sibling = (parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None]) & is_child[:, None]
-    repeated = (earlier_sibling & (tokens[:, None] == tokens[None, :])).any(dim=1)
-    p = torch.where(is_child & ~repeated, probs[parent, tokens].double(), 0.0)  # [num_nodes]
-    remaining = totals[parent] - (earlier_sibling.double() * p[None, :]).sum(dim=1)
-    chance = torch.where(remaining > 0, p / remaining.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
-    passes = is_child & (draws.accept < chance)
-    accepted = passes & ~(earlier_sibling & passes[None, :]).any(dim=1)  # children are tried in order
-    # each child's token removed from its parent's row, in float64; the root and padding write into a spare last row
-    residual = torch.cat([probs.double(), probs.new_zeros(1, vocab, dtype=torch.float64)])
-    residual.index_put_((torch.where(is_child, parent, num_nodes), tokens), residual.new_zeros(()))
-    residual = residual[:-1]
-    cumulative = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs).cumsum(dim=-1)
-    reached = cumulative[:, -1:].contiguous()  # [num_nodes, 1]
-    drawn = torch.searchsorted(cumulative, draws.bonus.unsqueeze(-1) * reached, right=True)
-    last_possible = torch.searchsorted(cumulative, reached)  # where the sum is reached: the last token with mass
-    bonus = torch.minimum(drawn, last_possible).squeeze(-1)
-    distribution = torch.isfinite(probs).all(dim=-1) & (totals > 0)  # NaN logits give none
-    return SamplingOutcomes(accepted, torch.where(distribution, bonus, -1))
+    accepted = matches & ~(earlier_sibling & matches[None, :]).any(dim=1)
+    return SamplingOutcomes(accepted, torch.where(distribution, samples, -1))
 
 
 def accept_sampling(tree: DraftTree, outcomes: SamplingOutcomes) -> Acceptance:

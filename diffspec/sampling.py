@@ -6,7 +6,8 @@ The parameters themselves (``SamplingParams``, ``TokenLogprobs``) are torch-free
 Temperature 0 means greedy (argmax). Above 0, logits are divided by the temperature, top-k keeps
 the ``top_k`` most likely tokens, then top-p keeps the smallest set of the rest whose mass
 reaches ``top_p`` (vLLM's order). Speculative acceptance and plain sampling both draw from exactly
-this distribution, which is what makes speculation lossless.
+this distribution, the same way (``inverse_cdf`` at the token index's uniform), which is what makes
+speculation lossless, and its tokens a seeded Auto run's.
 
 Log-probabilities (``logprobs``) are those of the distribution the token was drawn from: the
 filtered, renormalised one above temperature 0 (a token it excludes reports ``LOGPROB_FLOOR``),
@@ -64,6 +65,12 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
     return TokenLogprobs(chosen.tolist(), top.indices.tolist(), top.values.tolist())
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a [vocab] distribution on the CPU generator."""
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [n, vocab], uniforms [n] float64 in [0, 1) on the same device -> [n] int64: each row's token whose
+    cumulative mass (float64) first passes its uniform times the row's total, never a token with no mass. No
+    value is read back to the host."""
+    cumulative = probs.double().cumsum(dim=-1)
+    total = cumulative[:, -1:].contiguous()  # [n, 1]
+    drawn = torch.searchsorted(cumulative, uniforms.unsqueeze(-1) * total, right=True)
+    last_possible = torch.searchsorted(cumulative, total)  # where the total is reached: the last token with mass
+    return torch.minimum(drawn, last_possible).squeeze(-1)

@@ -1,8 +1,8 @@
 """The epilogue of a verify forward: each session's accepted path, its result, and what to commit.
 
 Greedy sessions share one read of the step's argmax (the only host sync of a step, ``greedy_argmax``); a sampled
-session reads its step's outcomes, every decision its draws can reach, computed on the device behind the forward
-(``sampling_outcomes_of``); the sessions that want features share one gather of their committed rows. A session
+session reads its step's outcomes, every node's sample at its token index's uniform, computed on the device behind
+the forward (``sampling_outcomes_of``); the sessions that want features share one gather of their committed rows. A session
 that asks for logprobs gets them from the rows its emitted tokens were decided at: the root's for the first, each
 accepted node's for the next, the same rows an Auto step would have used. Each session's
 acceptance is computed before anything of it changes, and a session whose acceptance fails (say,
@@ -16,20 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from diffspec.acceptance import (
-    Acceptance,
-    SamplingDraws,
-    SamplingOutcomes,
-    accept_greedy,
-    accept_sampling,
-    sampling_outcomes,
-)
+from diffspec.acceptance import Acceptance, SamplingOutcomes, accept_greedy, accept_sampling, sampling_outcomes
 from diffspec.devices import HostCopy, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import target_probs, token_logprobs
 from diffspec.tree import DraftTree, PendingTree
 from target_service.backend import VerifyResult, VerifyStep
-from target_service.session import MAX_TREE_NODES, TargetSession
+from target_service.session import TargetSession
 from target_service.step_graphs import StepOutputs
 
 
@@ -79,6 +72,8 @@ def accept_batch(
         session, acceptance, tokens = item.session, item.acceptance, item.tokens
         emitted = [*tokens[1:], acceptance.bonus_token]
         session.pending_token = acceptance.bonus_token
+        if session.uniforms is not None:
+            session.uniforms.advance(len(emitted))
         results[item.step.session_id] = VerifyResult(
             accepted_tokens=tokens[1:],
             accepted_nodes=acceptance.accepted_nodes,
@@ -116,30 +111,28 @@ def _features(accepted: list[_Accepted], ran: StepOutputs) -> list[torch.Tensor 
 def sampling_outcomes_of(
     steps: list[VerifyStep], sessions: list[TargetSession], ran: StepOutputs
 ) -> dict[str, SamplingOutcomes]:
-    """Each sampled session's outcomes on the forward's device: every decision its step's draws give, computed
-    behind the forward (nothing is read back).
-
-    A step draws for ``MAX_TREE_NODES`` nodes whatever its tree, node i taking the i-th pair, so a seeded
-    request's stream of draws does not depend on its trees' sizes or on how the forward padded them."""
+    """Each sampled session's outcomes on the forward's device: every decision the uniforms of its next token
+    indices give (one per depth its tree may reach, ``TokenUniforms``), computed behind the forward (nothing
+    is read back)."""
     outcomes = {}
     device = ran.logits.device
     ends = [*ran.row_offsets[1:], ran.logits.shape[0]]
     for step, session, offset, end in zip(steps, sessions, ran.row_offsets, ends):
         if session.sampling.greedy:
             continue
-        assert session.generator is not None
-        draws = SamplingDraws.draw(MAX_TREE_NODES, session.generator)
+        assert session.uniforms is not None
         tree = step.tree
+        uniforms = upload(session.uniforms.window(tree.max_depth + 1), device)
         # a pending tree's rows: its node bound in a bucket, its real nodes (first in its device copy) unpadded
         nodes = min(tree.num_nodes, end - offset)
         on_device = tree.device_copy(device) if isinstance(tree, PendingTree) else None
         if on_device is not None:
-            tokens, parents = on_device.tokens[:nodes], on_device.parents[:nodes]
+            tokens, parents, depths = on_device.tokens[:nodes], on_device.parents[:nodes], on_device.depths[:nodes]
         else:
             host = DraftTree.of(tree)
-            tokens, parents = upload(host.tokens, device), upload(host.parents, device)
+            tokens, parents, depths = upload(torch.stack([host.tokens, host.parents, host.depths()]), device)
         probs = target_probs(ran.logits[offset : offset + nodes], session.sampling)
-        outcomes[step.session_id] = sampling_outcomes(tokens, parents, probs, draws.first(nodes, device))
+        outcomes[step.session_id] = sampling_outcomes(tokens, parents, depths, probs, uniforms)
     return outcomes
 
 

@@ -7,7 +7,7 @@ read of the results waits for the forward only.
 
 The rules are ``diffspec.acceptance``'s, in tensors. Greedy: a node matches when its token is the target's
 argmax at its parent, and the bonus is the argmax at the path's end. Sampled: a node matches when the step's
-outcomes have its parent take it, and the bonus is the outcome drawn at the path's end; the host walks the
+outcomes have its parent take it, and the bonus is the sample at the path's end; the host walks the
 same outcomes. Either way the accepted path ends at the
 deepest node whose ancestors all match (matching siblings are never both kept, so they form one path from
 the root). The host's acceptance, computed afterwards from the same values, is what the results carry; a

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from diffspec.acceptance import SamplingOutcomes
+from diffspec.acceptance import SamplingOutcomes, TokenUniforms
 from diffspec.device_accept import DeviceAccept, VerifyQueued
 from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, dtype_name, resolve_device, resolve_dtype, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
-from diffspec.sampling import SamplingParams, sample, target_probs, token_logprobs
+from diffspec.sampling import SamplingParams, inverse_cdf, target_probs, token_logprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
 from diffspec.tree import DraftTree, PendingTree
 from diffspec.tree_nodes import ProposedTree
@@ -156,7 +156,7 @@ class TargetRuntime:
         self.sessions[opening.session_id] = TargetSession(
             prompt_ids=list(opening.prompt_ids),
             sampling=opening.sampling,
-            generator=None if opening.sampling.greedy else opening.sampling.generator(),
+            uniforms=None if opening.sampling.greedy else TokenUniforms(opening.sampling.generator()),
             want_features=opening.want_features,
             prefilled=prefilled,
             feature_layers=layers,
@@ -249,11 +249,13 @@ class TargetRuntime:
         if session.sampling.greedy:
             session.pending_token = int(logits.argmax())
             return
-        assert session.generator is not None
-        try:
-            session.pending_token = sample(target_probs(logits[0], session.sampling), session.generator)
-        except (RuntimeError, ValueError) as failure:
-            raise InvalidRequest(f"sampling failed for this request: {failure}") from None
+        assert session.uniforms is not None
+        probs = target_probs(logits[0], session.sampling)
+        if not (torch.isfinite(probs).all() and probs.sum() > 0):
+            raise InvalidRequest("sampling failed for this request: the target's distribution is no distribution")
+        token = inverse_cdf(probs[None], upload(session.uniforms.window(1), probs.device))
+        session.pending_token = int(token)
+        session.uniforms.advance(1)
 
     # -- verify ---------------------------------------------------------------------------------
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from diffspec.acceptance import TokenUniforms
 from diffspec.errors import InvalidRequest
 from diffspec.sampling import SamplingParams
 from diffspec.tree import DraftTree
@@ -23,7 +22,7 @@ MAX_TREE_NODES = 256
 class TargetSession:
     prompt_ids: list[int]
     sampling: SamplingParams
-    generator: torch.Generator | None  # seeded per request; None when greedy
+    uniforms: TokenUniforms | None  # one per output token, from the request's seed; None when greedy
     want_features: bool
     prefilled: int  # prompt positions whose forward has run (shared prefix pages count when no features are wanted)
     pending_token: int | None = None  # emitted, not yet in the pages: the next tree's root (None while prefilling)

@@ -1,4 +1,4 @@
-"""Acceptance rules: greedy paths, and the lossless multi-draft sampling rule."""
+"""Acceptance rules: greedy paths, and the lossless sampling rule coupled to each token's index."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from diffspec.acceptance import Acceptance, SamplingDraws, accept_greedy, accept_sampling, sampling_outcomes
-from diffspec.sampling import SamplingParams, target_probs
+from diffspec.acceptance import Acceptance, TokenUniforms, accept_greedy, accept_sampling, sampling_outcomes
+from diffspec.sampling import SamplingParams, inverse_cdf, target_probs
 from diffspec.tree import DraftTree
 
 #            root
@@ -38,51 +38,104 @@ def test_greedy_walks_the_matching_path(argmax, nodes, bonus):
     assert result.accepted_nodes == nodes and result.bonus_token == bonus
 
 
-def accept_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
-    """One sampled step as the target takes it: draws, every outcome in tensors, then the walk."""
-    outcomes = sampling_outcomes(tree.tokens, tree.parents, probs, SamplingDraws.draw(tree.num_nodes, generator))
-    return accept_sampling(tree, outcomes)
+def accept_sampled(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor) -> Acceptance:
+    """One sampled step as the target takes it: every outcome in tensors, then the walk. ``uniforms``: the step's
+    token indices' (at least the tree's depth + 1)."""
+    return accept_sampling(tree, sampling_outcomes(tree.tokens, tree.parents, tree.depths(), probs, uniforms))
+
+
+def fresh(generator: torch.Generator) -> torch.Tensor:
+    """A step's uniforms, independent of every other step's (enough for any tree here)."""
+    return torch.rand(16, generator=generator, dtype=torch.float64)
 
 
 @pytest.mark.parametrize(
-    "children, accept_draws, bonus_draw, nodes, bonus",
+    "children, uniforms, nodes, bonus",
     [
-        # p = [0.1, 0.6, 0.3]: child 1 has chance 0.6; child 2, once 1 is rejected, 0.3 / 0.4 = 0.75
-        ([1, 2], [0.59, 0.99], 0.5, [1], None),  # the first child passes
-        ([1, 2], [0.6, 0.74], 0.5, [2], None),  # the first fails at its chance, the second passes under its own
-        ([1, 2], [0.6, 0.75], 0.99, [], 0),  # both fail: the bonus comes from what is left, token 0 alone
-        ([1, 1, 2], [0.9, 0.0, 0.75], 0.5, [], 0),  # a repeated token has no chance: it was rejected already
-        ([0], [0.1], 0.5, [], 1),  # 0 fails at 0.1; the residual [0, 0.6, 0.3] / 0.9 puts u = 0.5 on token 1
-        ([0], [0.1], 0.7, [], 2),  # and u = 0.7 past 0.6 / 0.9 on token 2
+        # p = [0.1, 0.6, 0.3] at every node: u < 0.1 samples token 0, u < 0.7 token 1, else token 2
+        ([1, 2], [0.5, 0.05], [1], 0),  # the root samples 1: its child 1 is taken, whose row samples 0
+        ([1, 2], [0.75, 0.95], [2], 2),  # the root samples 2: the second child
+        ([1, 2], [0.05, 0.5], [], 0),  # the root samples 0, which no child has: the bonus
+        ([1, 1, 2], [0.5, 0.95], [1], 2),  # a repeated token: the first sibling with it
+        ([0], [0.69, 0.5], [], 1),  # the root samples 1 and its child is 0
     ],
 )
-def test_each_decision_takes_its_own_draw(children, accept_draws, bonus_draw, nodes, bonus):
+def test_a_child_is_taken_when_its_token_is_its_parent_s_sample(children, uniforms, nodes, bonus):
     tokens = [0, *children]
     tree = DraftTree(torch.tensor(tokens), torch.tensor([-1] + [0] * len(children)), torch.ones(len(tokens)))
     probs = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64).expand(tree.num_nodes, 3)
-    accept = torch.tensor([0.0, *accept_draws], dtype=torch.float64)
-    draws = SamplingDraws(accept, torch.full((tree.num_nodes,), bonus_draw, dtype=torch.float64))
-    outcomes = sampling_outcomes(tree.tokens, tree.parents, probs, draws)
-    result = accept_sampling(tree, outcomes)
-    assert result.accepted_nodes == nodes
-    if bonus is not None:
-        assert result.bonus_token == bonus
-    else:  # past an accepted leaf the bonus is its whole row's draw at u = 0.5: token 1
-        assert result.bonus_token == 1
+    result = accept_sampled(tree, probs, torch.tensor(uniforms, dtype=torch.float64))
+    assert (result.accepted_nodes, result.bonus_token) == (nodes, bonus)
+
+
+def test_the_inverse_cdf_never_draws_a_token_without_mass():
+    probs = torch.tensor([[0.0, 0.6, 0.0, 0.4, 0.0]] * 4, dtype=torch.float64)
+    uniforms = torch.tensor([0.0, 0.59, 0.61, 1.0 - 1e-16], dtype=torch.float64)
+    assert inverse_cdf(probs, uniforms).tolist() == [1, 1, 3, 3]
+
+
+def test_the_uniforms_of_an_index_do_not_depend_on_the_windows_asked():
+    """Auto asks one index at a time, a tree as many as its depth bound: the k-th uniform is the same."""
+    one_by_one, windows = (TokenUniforms(torch.Generator().manual_seed(4)) for _ in range(2))
+    singles = []
+    for _ in range(20):
+        singles.append(float(one_by_one.window(1)[0]))
+        one_by_one.advance(1)
+    seen = []
+    for size, emitted in [(9, 3), (2, 1), (9, 5), (4, 4), (12, 7)]:
+        window = windows.window(size)
+        seen += window[:emitted].tolist()
+        assert window[:emitted].tolist() == singles[len(seen) - emitted : len(seen)]
+        windows.advance(emitted)
+    assert seen == singles
+
+
+def test_every_emitted_token_is_the_one_auto_emits_at_its_index():
+    """A toy target whose distribution at a position depends on the token before it, seeded sampling: steps over
+    random trees (random shapes and tokens, some children the target's samples) emit exactly the tokens that
+    Auto (one token a step) emits with the seed, whatever the trees."""
+    vocab, length = 6, 40
+    table = torch.softmax(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(1)), dim=-1).double()
+
+    def auto() -> list[int]:
+        uniforms, out, last = TokenUniforms(torch.Generator().manual_seed(7)), [], 0
+        while len(out) < length:
+            last = int(inverse_cdf(table[last][None], uniforms.window(1))[0])
+            uniforms.advance(1)
+            out.append(last)
+        return out
+
+    want = auto()
+    for trial in range(5):
+        trees = torch.Generator().manual_seed(100 + trial)
+        uniforms, out, last = TokenUniforms(torch.Generator().manual_seed(7)), [], 0
+        while len(out) < length:
+            tree = DraftTree.random(int(torch.randint(1, 12, (), generator=trees)), trees, vocab, root=last)
+            if trial % 2:  # drafts that are the target's own next tokens, so long paths are accepted
+                expected = want[len(out) :] + [0] * 12
+                tokens = [last] + [expected[d - 1] for d in tree.depths().tolist()[1:]]
+                tree = DraftTree(torch.tensor(tokens), tree.parents, tree.draft_probs)
+            probs = table[tree.tokens]  # each node's row: the distribution after its token
+            result = accept_sampled(tree, probs, uniforms.window(tree.max_depth + 1))
+            emitted = [int(tree.tokens[n]) for n in result.accepted_nodes] + [result.bonus_token]
+            uniforms.advance(len(emitted))
+            out += emitted
+            last = emitted[-1]
+        assert out[:length] == want, trial
 
 
 @pytest.mark.parametrize("row", [[float("nan"), 0.5, 0.5], [0.0, 0.0, 0.0]], ids=["NaN", "no mass"])
 def test_a_row_that_is_no_distribution_fails_the_step_where_it_is_drawn_from(row):
     tree = DraftTree.chain([0, 1])
-    draws = SamplingDraws(torch.tensor([0.0, 0.99], dtype=torch.float64), torch.full((2,), 0.5, dtype=torch.float64))
+    uniforms = torch.tensor([0.5, 0.5], dtype=torch.float64)
     broken = torch.tensor([row, [0.2, 0.3, 0.5]], dtype=torch.float64)
-    outcomes = sampling_outcomes(tree.tokens, tree.parents, broken, draws)
+    outcomes = sampling_outcomes(tree.tokens, tree.parents, tree.depths(), broken, uniforms)
     assert outcomes.bonus.tolist()[0] == -1 and not outcomes.accepted.any()
     with pytest.raises(ValueError, match="not one"):
         accept_sampling(tree, outcomes)
-    # the same row past the accepted path is never drawn from
-    fine = sampling_outcomes(tree.tokens, tree.parents, broken.flip(0), draws)
-    assert accept_sampling(tree, fine).accepted_nodes == [] and fine.bonus.tolist()[1] == -1
+    # the same row past the accepted path is never drawn from (the root samples 2, not the child's 1)
+    fine = sampling_outcomes(tree.tokens, tree.parents, tree.depths(), broken.flip(0), uniforms)
+    assert accept_sampling(tree, fine) == Acceptance([], 2) and fine.bonus.tolist()[1] == -1
 
 
 def _tree_with_children(children: list[int]) -> DraftTree:
@@ -111,7 +164,7 @@ def test_first_emitted_token_follows_the_target_distribution(temperature, top_p,
     counts = torch.zeros(vocab)
     gen = params.generator()
     for _ in range(trials):
-        result = accept_sampled(tree, probs, gen)
+        result = accept_sampled(tree, probs, fresh(gen))
         first = int(tree.tokens[result.accepted_nodes[0]]) if result.accepted_nodes else result.bonus_token
         counts[first] += 1
     support = p > 0
@@ -130,7 +183,7 @@ def test_the_first_two_emitted_tokens_follow_the_target_jointly():
     pairs = torch.zeros(6, 6)
     counted = 0
     for _ in range(trials):
-        result = accept_sampled(tree, probs, gen)
+        result = accept_sampled(tree, probs, fresh(gen))
         emitted = [int(tree.tokens[n]) for n in result.accepted_nodes] + [result.bonus_token]
         if len(emitted) >= 2:
             pairs[emitted[0], emitted[1]] += 1
@@ -153,7 +206,7 @@ def test_a_deterministic_draft_changes_nothing_but_speed():
     p = torch.tensor([0.1, 0.6, 0.3])
     tree = DraftTree.chain([0, 1])
     gen = torch.Generator().manual_seed(0)
-    accepted = sum(bool(accept_sampled(tree, p.expand(2, 3), gen).accepted_nodes) for _ in range(4000))
+    accepted = sum(bool(accept_sampled(tree, p.expand(2, 3), fresh(gen)).accepted_nodes) for _ in range(4000))
     assert abs(accepted / 4000 - 0.6) < 0.03
 
 

@@ -15,7 +15,7 @@ from draft_service.backend import DraftBatch, DraftStart
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
-from tests.diffspec.test_acceptance import accept_sampled
+from tests.diffspec.test_acceptance import accept_sampled, fresh
 from diffspec_kernels.attention_metadata import AttentionMetadata
 from target_service.runtime import TargetRuntime
 
@@ -54,7 +54,7 @@ def test_first_emitted_token_follows_the_target(runtimes, policy, top_k):
     counts = torch.zeros(probs.shape[1])
     generator = params.generator()
     for _ in range(TRIALS):
-        result = accept_sampled(tree, probs, generator)
+        result = accept_sampled(tree, probs, fresh(generator))
         first = int(tree.tokens[result.accepted_nodes[0]]) if result.accepted_nodes else result.bonus_token
         counts[first] += 1
     p = probs[0]

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from diffspec.acceptance import SamplingDraws, accept_sampling, sampling_outcomes
+from diffspec.acceptance import TokenUniforms, accept_sampling, sampling_outcomes
 from diffspec.sampling import target_probs
 from diffspec.sampling_params import SamplingParams
 from diffspec.tree import DraftTree
 from target_service.acceptance_step import accept_batch, greedy_argmax, sampling_outcomes_of
 from target_service.backend import VerifyStep
 from target_service.llama import PagedForwardOutput
-from target_service.session import MAX_TREE_NODES, TargetSession
+from target_service.session import TargetSession
 from target_service.step_graphs import StepOutputs
 
 VOCAB, HIDDEN = 16, 4
@@ -87,25 +87,25 @@ def test_no_argmax_is_read_for_a_batch_without_a_greedy_session():
 
 def test_a_sampled_session_walks_the_outcomes_of_its_own_rows_and_draws():
     """A greedy and a sampled session in one batch: the sampled one's outcomes come from its rows of the logits
-    and from its generator, one pair of draws per node, and its acceptance walks them; the greedy one's is
-    its argmax path, as alone."""
+    and from the uniforms of its next token indices, one per depth, and its acceptance walks them; it spends
+    one uniform per emitted token. The greedy one's is its argmax path, as alone."""
     cases = [CASES[0], Case([5, 6, 7], [6, 7, 2])]
     ran = _ran([0, 3], 6, cases)
     sampling = SamplingParams(temperature=0.3, seed=4)  # a peaked distribution: long paths, and not always
     steps = [VerifyStep(f"s{b}", DraftTree.chain(case.tree)) for b, case in enumerate(cases)]
     sessions = [
         TargetSession([0], SamplingParams(), None, True, 1, 3, FORWARD_LAYERS),
-        TargetSession([0], sampling, sampling.generator(), True, 1, 5, FORWARD_LAYERS),
+        TargetSession([0], sampling, TokenUniforms(sampling.generator()), True, 1, 5, FORWARD_LAYERS),
     ]
     outcomes = sampling_outcomes_of(steps, sessions, ran)
     assert list(outcomes) == ["s1"]
-    twin, tree = sampling.generator(), steps[1].tree
-    draws = SamplingDraws.draw(MAX_TREE_NODES, twin).first(3, torch.device("cpu"))  # as many draws every step
+    tree, uniforms = steps[1].tree, torch.rand(8, generator=sampling.generator(), dtype=torch.float64)
     probs = target_probs(ran.logits[3:6], sampling)
-    want = accept_sampling(tree, sampling_outcomes(tree.tokens, tree.parents, probs, draws))
-    assert torch.equal(sessions[1].generator.get_state(), twin.get_state())  # exactly its draws were taken
+    want = accept_sampling(tree, sampling_outcomes(tree.tokens, tree.parents, tree.depths(), probs, uniforms[:3]))
     results, commits, failures = accept_batch(steps, sessions, ran, greedy_argmax(sessions, ran).tolist(), outcomes)
     assert not failures
     assert (results["s0"].accepted_nodes, results["s0"].bonus_token) == (ACCEPTED[0], BONUS[0])
     assert (results["s1"].accepted_nodes, results["s1"].bonus_token) == (want.accepted_nodes, want.bonus_token)
     assert commits[1].rows == [3 + node for node in [0, *want.accepted_nodes]]
+    emitted = len(want.accepted_nodes) + 1
+    assert torch.equal(sessions[1].uniforms.window(8 - emitted), uniforms[emitted:])  # its next index's on

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from diffspec.acceptance import Acceptance, SamplingDraws, accept_greedy, accept_sampling, sampling_outcomes
+from diffspec.acceptance import Acceptance, accept_greedy, accept_sampling, sampling_outcomes
 from diffspec.device_accept import DeviceAccept
 from diffspec.tree import DraftTree, PendingTree
 from target_service.device_acceptance import greedy_device_accept, sampled_device_accept
@@ -102,7 +102,8 @@ def test_the_sampled_device_path_is_the_host_acceptance(seed):
     pending = pending_tree(tree, capacity, depth_bound=tree.max_depth + seed % 3)
     probs = _probs(pending, generator, follow=[0.0, 0.5, 0.9, 1.0][seed % 4])
     on_device = pending.on_device
-    outcomes = sampling_outcomes(on_device.tokens, on_device.parents, probs, SamplingDraws.draw(capacity, generator))
+    uniforms = torch.rand(pending.max_depth + 1, generator=generator, dtype=torch.float64)
+    outcomes = sampling_outcomes(on_device.tokens, on_device.parents, on_device.depths, probs, uniforms)
     forward = _forward(first_row + capacity + 5)
 
     got = sampled_device_accept(on_device, pending.max_depth, outcomes, first_row, forward, LAYERS)
@@ -137,10 +138,10 @@ def test_the_sampled_device_path_reads_nothing_back():
     tree = _tree(17, generator)
     pending = pending_tree(tree, 20, tree.max_depth + 1)
     on_device, probs, forward = pending.on_device, _probs(pending, generator, follow=0.8), _forward(20)
-    draws = SamplingDraws.draw(20, generator)
+    uniforms = torch.rand(pending.max_depth + 1, generator=generator, dtype=torch.float64)
 
     def accept() -> DeviceAccept:
-        outcomes = sampling_outcomes(on_device.tokens, on_device.parents, probs, draws)
+        outcomes = sampling_outcomes(on_device.tokens, on_device.parents, on_device.depths, probs, uniforms)
         return sampled_device_accept(on_device, pending.max_depth, outcomes, 0, forward, LAYERS)
 
     assert host_reads(accept) == []
