@@ -376,8 +376,12 @@ class _Protocol:
                        for r in evaluated))
 
     def _verdict(self, judge: Judge, run: RunRecord, auto: RunRecord, prompt_ids: list[int]) -> ExactnessResult:
-        if self.config.temperature > 0:
-            return ExactnessResult("unchecked", "sampled (temperature > 0): no token-level check")
+        if self.config.temperature > 0:  # every arm samples with the seed: its tokens are Auto's (diffspec.acceptance)
+            divergence = first_divergence(auto.token_ids, run.token_ids)
+            if divergence is None:
+                return ExactnessResult("exact", "same sampled tokens as Auto")
+            reason = "sampled: diverges from Auto (the judge replays greedy runs)"
+            return ExactnessResult("unchecked", reason, divergence)
         arm = self.arm_of.get(run.label)
         draft = arm.draft if arm is not None else None  # None: the outside reference, or an arm no longer listed
         tree_config = draft.tree_config if draft is not None else self.config.baseline_config
