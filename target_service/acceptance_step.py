@@ -2,9 +2,9 @@
 
 Greedy sessions share one read of the step's argmax (the only host sync of a step, ``greedy_argmax``); a sampled
 session reads its step's outcomes, every node's sample at its token index's uniform, computed on the device behind
-the forward (``sampling_outcomes_of``); the sessions that want features share one gather of their committed rows. A session
-that asks for logprobs gets them from the rows its emitted tokens were decided at: the root's for the first, each
-accepted node's for the next, the same rows an Auto step would have used. Each session's
+the forward (``sampling_outcomes_of``); the sessions that want features share one gather of their committed rows.
+A session that asks for logprobs gets them from the rows its emitted tokens were decided at: the root's for the
+first, each accepted node's for the next, the same rows an Auto step would have used. Each session's
 acceptance is computed before anything of it changes, and a session whose acceptance fails (say,
 a sampling distribution that is not one) is reported on its own: the other sessions of the batch
 keep their results and their commits.
