@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffspec.sampling import inverse_cdf
+from diffspec.sampling import inverse_cdf, is_distribution
 from diffspec.tree import DraftTree
 
 
@@ -93,7 +93,7 @@ def sampling_outcomes(
     num_nodes = probs.shape[0]
     index = torch.arange(num_nodes, device=probs.device)
     samples = inverse_cdf(probs, uniforms[depths])
-    distribution = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1, dtype=torch.float64) > 0)
+    distribution = is_distribution(probs)
     is_child = parents >= 0
     parent = parents.clamp(min=0)
     matches = is_child & distribution[parent] & (tokens == samples[parent])

@@ -65,6 +65,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
     return TokenLogprobs(chosen.tolist(), top.indices.tolist(), top.values.tolist())
 
 
+def is_distribution(probs: torch.Tensor) -> torch.Tensor:
+    """[..., vocab] -> [...] bool: finite everywhere and with some mass (NaN logits give none)."""
+    return torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1, dtype=torch.float64) > 0)
+
+
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """probs [n, vocab], uniforms [n] float64 in [0, 1) on the same device -> [n] int64: each row's token whose
     cumulative mass (float64) first passes its uniform times the row's total, never a token with no mass. No

@@ -28,7 +28,7 @@ from diffspec.acceptance import SamplingOutcomes, TokenUniforms
 from diffspec.device_accept import DeviceAccept, VerifyQueued
 from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, dtype_name, resolve_device, resolve_dtype, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
-from diffspec.sampling import SamplingParams, inverse_cdf, target_probs, token_logprobs
+from diffspec.sampling import SamplingParams, inverse_cdf, is_distribution, target_probs, token_logprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
 from diffspec.tree import DraftTree, PendingTree
 from diffspec.tree_nodes import ProposedTree
@@ -251,7 +251,7 @@ class TargetRuntime:
             return
         assert session.uniforms is not None
         probs = target_probs(logits[0], session.sampling)
-        if not (torch.isfinite(probs).all() and probs.sum() > 0):
+        if not bool(is_distribution(probs)):
             raise InvalidRequest("sampling failed for this request: the target's distribution is no distribution")
         token = inverse_cdf(probs[None], upload(session.uniforms.window(1), probs.device))
         session.pending_token = int(token)
