@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.warmup import triton_kernels_compiled, warm_up_draft, warm_up_target
+from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from draft_service.batch_plan import StepSeconds
 from draft_service.bound_audit import BoundAudit, BoundReport
@@ -54,38 +55,41 @@ MODES: dict[str, DraftOptions | None] = {
 
 
 async def one_stream(
-    engine: SpeculativeEngine, ids: list[int], options: DraftOptions | None, n: int
+    engine: SpeculativeEngine, ids: list[int], options: DraftOptions | None, n: int, sampling: SamplingParams
 ) -> GenerationStats:
     """One request through the engine; its stats (the last chunk's)."""
-    async for chunk in engine.generate(GenerationRequest(ids, n, draft=options)):
+    async for chunk in engine.generate(GenerationRequest(ids, n, sampling=sampling, draft=options)):
         if chunk.stats is not None:
             return chunk.stats
     raise RuntimeError("the engine's stream ended without its stats")
 
 
 async def one_client(
-    engine: SpeculativeEngine, prompts: list[list[int]], options, n: int  # noqa: ANN001
+    engine: SpeculativeEngine, prompts: list[list[int]], options, n: int, sampling: SamplingParams  # noqa: ANN001
 ) -> list[GenerationStats]:
     """One stream's requests, one after another (the next starts when the last one ends)."""
-    return [await one_stream(engine, ids, options, n) for ids in prompts]
+    return [await one_stream(engine, ids, options, n, sampling) for ids in prompts]
 
 
 async def concurrent(
-    engine: SpeculativeEngine, streams: list[list[list[int]]], options, n: int  # noqa: ANN001
+    engine: SpeculativeEngine, streams: list[list[list[int]]], options, n: int, sampling: SamplingParams  # noqa: ANN001
 ) -> tuple[list[GenerationStats], float]:
     """``streams[s]``: the prompts stream s sends in turn; all streams run at once. Every request's stats, and
     the wall seconds of the whole."""
     started = time.perf_counter()
-    per_stream = await asyncio.gather(*(one_client(engine, prompts, options, n) for prompts in streams))
+    per_stream = await asyncio.gather(*(one_client(engine, prompts, options, n, sampling) for prompts in streams))
     return [stats for stream in per_stream for stats in stream], time.perf_counter() - started
 
 
-def measure(engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]], max_new_tokens: int) -> dict:
+def measure(
+    engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]], max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+) -> dict:  # fmt: skip
     timing, audit = engine.core.timing, _bound_audit(engine)
     _settle(engine)  # the last run's releases: an iteration in flight would add to the reset timing
     timing.reset()
     recorded_before, audit_before, compiled_before = _draft_graphs(engine), audit.snapshot(), triton_kernels_compiled()
-    requests, seconds = asyncio.run(concurrent(engine, streams, MODES[mode], max_new_tokens))
+    requests, seconds = asyncio.run(concurrent(engine, streams, MODES[mode], max_new_tokens, sampling))
     tokens = sum(stats.new_tokens for stats in requests)
     steps = sum(stats.steps for stats in requests)
     decode_seconds = sum(stats.decode_seconds for stats in requests)
@@ -227,8 +231,11 @@ def main() -> int:
         "batch's staggered start and its uneven finish weigh less (as a server at a fixed concurrency)",
     )  # fmt: skip
     parser.add_argument("--num-pages", type=int, default=8192)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request samples at this temperature with seed 0 (0: greedy)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    sampling = SamplingParams(temperature=args.temperature, seed=0)
     batch_sizes = ",".join(str(b) for b in sorted({1, 2, 4, 8, 16, *args.streams}))
     settings = DiffSpecSettings(
         base_model=args.base_model, draft_model=args.draft_model, num_pages=args.num_pages,
@@ -256,8 +263,8 @@ def main() -> int:
     for mode in args.modes:
         for streams in args.streams:
             # untimed first: every draft graph shape this run meets is recorded, and the planner has its costs
-            measure(engine, mode, prompts(streams), args.max_new_tokens)
-            rows.append(measure(engine, mode, prompts(streams), args.max_new_tokens))
+            measure(engine, mode, prompts(streams), args.max_new_tokens, sampling)
+            rows.append(measure(engine, mode, prompts(streams), args.max_new_tokens, sampling))
             print(json.dumps(rows[-1]), *_audit_lines(rows[-1]), sep="\n", flush=True)
     for row in rows:
         single = next(r for r in rows if r["mode"] == row["mode"] and r["streams"] == min(args.streams))

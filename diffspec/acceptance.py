@@ -81,24 +81,26 @@ class SamplingOutcomes:
 
 
 def sampling_outcomes(
-    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor
+    tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor
 ) -> SamplingOutcomes:
-    """tokens, parents, depths [num_nodes] int64 (parent -1: the root, or padding); probs [num_nodes, vocab]: the
-    target's distribution at each node; uniforms [max depth + 1] float64: the step's token indices' (the root's
-    first), on the same device. No value is read back to the host.
+    """tokens, parents [num_nodes] int64 (parent -1: a root, or padding); probs [num_nodes, vocab]: the target's
+    distribution at each node; uniforms [num_nodes] float64: each node's token index's uniform (its depth's,
+    counted from its step's root), on the same device. Several sessions' trees may lie side by side, each
+    node's parent an index into the whole. No value is read back to the host.
 
-    A node's sample is its row's inverse CDF at its depth's uniform. A child is taken when its token is its
-    parent's sample and no earlier sibling (lower index) has it; none is taken below a row that is no
-    distribution (NaN logits, no mass), whose bonus is -1."""
+    A node's sample is its row's inverse CDF at its uniform. A child is taken when its token is its parent's
+    sample and no earlier sibling (lower index) has it; none is taken below a row that is no distribution (NaN
+    logits, no mass), whose bonus is -1."""
     num_nodes = probs.shape[0]
     index = torch.arange(num_nodes, device=probs.device)
-    samples = inverse_cdf(probs, uniforms[depths])
+    samples = inverse_cdf(probs, uniforms)
     distribution = is_distribution(probs)
-    is_child = parents >= 0
     parent = parents.clamp(min=0)
-    matches = is_child & distribution[parent] & (tokens == samples[parent])
-    earlier_sibling = (parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None]) & is_child[:, None]
-    accepted = matches & ~(earlier_sibling & matches[None, :]).any(dim=1)
+    matches = (parents >= 0) & distribution[parent] & (tokens == samples[parent])
+    # each parent's first matching child: the lowest index among its matching children (num_nodes: none)
+    candidates = torch.where(matches, index, num_nodes)
+    first_match = torch.full_like(index, num_nodes).scatter_reduce(0, parent, candidates, "amin")
+    accepted = matches & (first_match[parent] == index)
     return SamplingOutcomes(accepted, torch.where(distribution, samples, -1))
 
 

@@ -20,7 +20,8 @@ from diffspec.acceptance import Acceptance, SamplingOutcomes, accept_greedy, acc
 from diffspec.devices import HostCopy, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import target_probs, token_logprobs
-from diffspec.tree import DraftTree, PendingTree
+from diffspec.sampling_params import SamplingParams
+from diffspec.tree import DeviceTree, DraftTree, PendingTree
 from target_service.backend import VerifyResult, VerifyStep
 from target_service.session import TargetSession
 from target_service.step_graphs import StepOutputs
@@ -108,43 +109,105 @@ def _features(accepted: list[_Accepted], ran: StepOutputs) -> list[torch.Tensor 
     return features
 
 
+@dataclass(frozen=True)
+class SampledStep:
+    """Every sampled session's outcomes of one step, computed together on the forward's device."""
+
+    outcomes: SamplingOutcomes  # [nodes of every sampled session, side by side]
+    spans: dict[str, tuple[int, int]]  # session id -> its nodes' [start, end) in ``outcomes``
+
+    def of(self, session_id: str) -> SamplingOutcomes:
+        start, end = self.spans[session_id]
+        return SamplingOutcomes(self.outcomes.accepted[start:end], self.outcomes.bonus[start:end])
+
+
+@dataclass(frozen=True)
+class _SampledTree:
+    """One sampled session's part of a step, before the outcomes are computed."""
+
+    session_id: str
+    sampling: SamplingParams
+    tree: DraftTree | PendingTree
+    first_row: int  # its root's row of the forward
+    nodes: int  # its rows: a pending tree's node bound in a bucket, its real nodes (first in its device copy)
+    uniforms: torch.Tensor  # [tree.max_depth + 1] float64 on the host: its next token indices' (the root's first)
+
+
 def sampling_outcomes_of(
     steps: list[VerifyStep], sessions: list[TargetSession], ran: StepOutputs
-) -> dict[str, SamplingOutcomes]:
-    """Each sampled session's outcomes on the forward's device: every decision the uniforms of its next token
-    indices give (one per depth its tree may reach, ``TokenUniforms``), computed behind the forward (nothing
-    is read back)."""
-    outcomes = {}
-    device = ran.logits.device
+) -> SampledStep | None:
+    """The sampled sessions' outcomes on the forward's device (None when no session samples): every decision the
+    uniforms of their next token indices give (one per depth a tree may reach, ``TokenUniforms``), computed behind
+    the forward with nothing read back. All sessions' trees lie side by side in one computation, and sessions that
+    sample by the same law (temperature, top-p, top-k) share one ``target_probs``: a step's launches do not grow
+    with its sampled sessions."""
     ends = [*ran.row_offsets[1:], ran.logits.shape[0]]
+    by_law: dict[tuple[float, float, int], list[_SampledTree]] = {}
     for step, session, offset, end in zip(steps, sessions, ran.row_offsets, ends):
         if session.sampling.greedy:
             continue
         assert session.uniforms is not None
-        tree = step.tree
-        uniforms = upload(session.uniforms.window(tree.max_depth + 1), device)
-        # a pending tree's rows: its node bound in a bucket, its real nodes (first in its device copy) unpadded
-        nodes = min(tree.num_nodes, end - offset)
-        on_device = tree.device_copy(device) if isinstance(tree, PendingTree) else None
-        if on_device is not None:
-            tokens, parents, depths = on_device.tokens[:nodes], on_device.parents[:nodes], on_device.depths[:nodes]
-        else:
-            host = DraftTree.of(tree)
-            tokens, parents, depths = upload(torch.stack([host.tokens, host.parents, host.depths()]), device)
-        probs = target_probs(ran.logits[offset : offset + nodes], session.sampling)
-        outcomes[step.session_id] = sampling_outcomes(tokens, parents, depths, probs, uniforms)
-    return outcomes
+        law = (session.sampling.temperature, session.sampling.top_p, session.sampling.top_k)
+        part = _SampledTree(step.session_id, session.sampling, step.tree, offset, min(step.tree.num_nodes, end - offset),
+                            session.uniforms.window(step.tree.max_depth + 1))
+        by_law.setdefault(law, []).append(part)
+    if not by_law:
+        return None
+    parts = [part for members in by_law.values() for part in members]  # one law's sessions side by side
+    device = ran.logits.device
+    tokens, parents, depths = _side_by_side(parts, device)
+    counts = torch.tensor([part.nodes for part in parts])
+    node_starts = counts.cumsum(0) - counts
+    uniform_counts = torch.tensor([len(part.uniforms) for part in parts])
+    uniform_starts = uniform_counts.cumsum(0) - uniform_counts
+    # per node: where its session's nodes start, and where its session's uniforms start: one upload
+    starts = upload(torch.stack([node_starts, uniform_starts]).repeat_interleave(counts, dim=1), device)
+    uniforms = upload(torch.cat([part.uniforms for part in parts]), device)
+    probs = torch.cat([
+        target_probs(torch.cat([ran.logits[p.first_row : p.first_row + p.nodes] for p in members]), members[0].sampling)
+        for members in by_law.values()
+    ])  # fmt: skip
+    batch_parents = torch.where(parents >= 0, parents + starts[0], -1)
+    outcomes = sampling_outcomes(tokens, batch_parents, probs, uniforms[starts[1] + depths])
+    spans = {part.session_id: (int(start), int(start + part.nodes)) for part, start in zip(parts, node_starts)}
+    return SampledStep(outcomes, spans)
+
+
+def _side_by_side(parts: list[_SampledTree], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trees' tokens, parents (each tree's own indices) and depths [their nodes, side by side] on ``device``: a
+    pending tree's from its device copy, the host trees' in one upload."""
+    host = {i: DraftTree.of(part.tree) for i, part in enumerate(parts) if _on_device(part.tree, device) is None}
+    uploaded: dict[int, torch.Tensor] = {}
+    if host:
+        stacked = torch.cat([torch.stack([t.tokens, t.parents, t.depths()]) for t in host.values()], dim=1)
+        uploaded = dict(zip(host, upload(stacked, device).split([t.num_nodes for t in host.values()], dim=1)))
+    columns = []
+    for i, part in enumerate(parts):
+        on_device = _on_device(part.tree, device)
+        trees = uploaded[i] if on_device is None else (on_device.tokens, on_device.parents, on_device.depths)
+        columns.append([column[: part.nodes] for column in trees])
+    tokens, parents, depths = (torch.cat([c[k] for c in columns]) for k in range(3))
+    return tokens, parents, depths
+
+
+def _on_device(tree: DraftTree | PendingTree, device: torch.device) -> DeviceTree | None:
+    return tree.device_copy(device) if isinstance(tree, PendingTree) else None
 
 
 class SampledReads:
-    """The sampled sessions' outcomes copied to the host, queued behind them: reading waits for the forward alone."""
+    """The sampled sessions' outcomes copied to the host in one copy queued behind them: reading waits for the
+    forward alone."""
 
-    def __init__(self, outcomes: dict[str, SamplingOutcomes]) -> None:
-        self._copies = {sid: HostCopy(torch.stack([o.accepted.long(), o.bonus])) for sid, o in outcomes.items()}
+    def __init__(self, sampled: SampledStep | None) -> None:
+        self._spans = sampled.spans if sampled is not None else {}
+        both = torch.stack([sampled.outcomes.accepted.long(), sampled.outcomes.bonus]) if sampled is not None else None
+        self._copy = HostCopy(both) if both is not None else None
 
     def get(self) -> dict[str, SamplingOutcomes]:
-        read = {sid: copy.get() for sid, copy in self._copies.items()}
-        return {sid: SamplingOutcomes(accepted.bool(), bonus) for sid, (accepted, bonus) in read.items()}
+        if self._copy is None:
+            return {}
+        accepted, bonus = self._copy.get()
+        return {sid: SamplingOutcomes(accepted[a:b].bool(), bonus[a:b]) for sid, (a, b) in self._spans.items()}
 
 
 def _acceptance(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from diffspec.acceptance import SamplingOutcomes, TokenUniforms
+from diffspec.acceptance import TokenUniforms
 from diffspec.device_accept import DeviceAccept, VerifyQueued
 from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, dtype_name, resolve_device, resolve_dtype, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
@@ -36,6 +36,7 @@ from diffspec_kernels.attention_metadata import AttentionMetadata, causal_mask
 from target_service.acceptance_step import (
     Commit,
     SampledReads,
+    SampledStep,
     accept_batch,
     greedy_argmax,
     sampling_outcomes_of,
@@ -288,12 +289,12 @@ class TargetRuntime:
         timer.stop()
         sessions = [self.sessions[step.session_id] for step in valid]
         argmax = greedy_argmax(sessions, ran)
-        outcomes = sampling_outcomes_of(valid, sessions, ran)
+        sampled = sampling_outcomes_of(valid, sessions, ran)
         # their copies are queued before the draft's work: reading them waits for the forward alone
         argmax_read = HostCopy(argmax) if argmax is not None else None
-        sampled_read = SampledReads(outcomes)
+        sampled_read = SampledReads(sampled)
         if on_queued is not None:
-            accepts = self._device_accepts(valid, ran, argmax, outcomes)
+            accepts = self._device_accepts(valid, ran, argmax, sampled)
             if accepts:
                 on_queued(accepts)
         valid, ran = self._with_host_trees(valid, ran, failures)
@@ -310,7 +311,7 @@ class TargetRuntime:
         steps: list[VerifyStep],
         ran: StepOutputs,
         argmax: torch.Tensor | None,
-        outcomes: dict[str, SamplingOutcomes],
+        sampled: SampledStep | None,
     ) -> dict[str, DeviceAccept]:
         """The device acceptance of each session that wants features and whose tree the forward read in place (a
         drafter's pending tree on this device): from the argmax if it is greedy, else from its outcomes."""
@@ -326,8 +327,9 @@ class TargetRuntime:
                     on_device, tree.num_nodes, depth, argmax, first_row, ran.forward, layers
                 )
             else:
+                assert sampled is not None, "a session that is not greedy samples"
                 accepts[step.session_id] = sampled_device_accept(
-                    on_device, depth, outcomes[step.session_id], first_row, ran.forward, layers
+                    on_device, depth, sampled.of(step.session_id), first_row, ran.forward, layers
                 )
         return accepts
 

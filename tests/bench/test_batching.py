@@ -8,6 +8,7 @@ from typing import Iterator
 import pytest
 
 from bench.batching import _audit_lines, measure
+from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from gateway.assembly import build_engine
 from gateway.engine import SpeculativeEngine
@@ -59,3 +60,10 @@ def test_an_auto_row_has_no_bounds(engine):
     assert row["tau"] == 1.0  # one token a target step
     assert row["tokens"] == NEW_TOKENS and row["decode_tokens_per_s_per_stream"] > 0
     assert _audit_lines(row) == []
+
+
+def test_a_sampled_row_runs_every_stream_through_the_sampled_step(engine):
+    """Two sampled streams verified together: their outcomes are computed side by side in each step."""
+    row = measure(engine, "diffspec", streams(engine, 2), NEW_TOKENS, SamplingParams(temperature=0.8, seed=0))
+    assert row["tokens"] == 2 * NEW_TOKENS and 1.0 <= row["tau"] <= 9.0
+    assert row["mean_requests_per_verify"] > 1  # the two streams shared verifies

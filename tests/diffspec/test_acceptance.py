@@ -41,7 +41,7 @@ def test_greedy_walks_the_matching_path(argmax, nodes, bonus):
 def accept_sampled(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor) -> Acceptance:
     """One sampled step as the target takes it: every outcome in tensors, then the walk. ``uniforms``: the step's
     token indices' (at least the tree's depth + 1)."""
-    return accept_sampling(tree, sampling_outcomes(tree.tokens, tree.parents, tree.depths(), probs, uniforms))
+    return accept_sampling(tree, sampling_outcomes(tree.tokens, tree.parents, probs, uniforms[tree.depths()]))
 
 
 def fresh(generator: torch.Generator) -> torch.Tensor:
@@ -129,12 +129,12 @@ def test_a_row_that_is_no_distribution_fails_the_step_where_it_is_drawn_from(row
     tree = DraftTree.chain([0, 1])
     uniforms = torch.tensor([0.5, 0.5], dtype=torch.float64)
     broken = torch.tensor([row, [0.2, 0.3, 0.5]], dtype=torch.float64)
-    outcomes = sampling_outcomes(tree.tokens, tree.parents, tree.depths(), broken, uniforms)
+    outcomes = sampling_outcomes(tree.tokens, tree.parents, broken, uniforms[tree.depths()])
     assert outcomes.bonus.tolist()[0] == -1 and not outcomes.accepted.any()
     with pytest.raises(ValueError, match="not one"):
         accept_sampling(tree, outcomes)
     # the same row past the accepted path is never drawn from (the root samples 2, not the child's 1)
-    fine = sampling_outcomes(tree.tokens, tree.parents, tree.depths(), broken.flip(0), uniforms)
+    fine = sampling_outcomes(tree.tokens, tree.parents, broken.flip(0), uniforms[tree.depths()])
     assert accept_sampling(tree, fine) == Acceptance([], 2) and fine.bonus.tolist()[1] == -1
 
 

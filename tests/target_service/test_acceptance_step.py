@@ -10,12 +10,14 @@ import torch
 from diffspec.acceptance import TokenUniforms, accept_sampling, sampling_outcomes
 from diffspec.sampling import target_probs
 from diffspec.sampling_params import SamplingParams
-from diffspec.tree import DraftTree
-from target_service.acceptance_step import accept_batch, greedy_argmax, sampling_outcomes_of
+from diffspec.tree import DraftTree, PendingTree
+from target_service import acceptance_step
+from target_service.acceptance_step import SampledReads, accept_batch, greedy_argmax, sampling_outcomes_of
 from target_service.backend import VerifyStep
 from target_service.llama import PagedForwardOutput
 from target_service.session import TargetSession
 from target_service.step_graphs import StepOutputs
+from tests.target_service.trees import pending_tree
 
 VOCAB, HIDDEN = 16, 4
 FORWARD_LAYERS = (2, 5, 7)  # the layers whose features the forward computed, in column order
@@ -97,11 +99,12 @@ def test_a_sampled_session_walks_the_outcomes_of_its_own_rows_and_draws():
         TargetSession([0], SamplingParams(), None, True, 1, 3, FORWARD_LAYERS),
         TargetSession([0], sampling, TokenUniforms(sampling.generator()), True, 1, 5, FORWARD_LAYERS),
     ]
-    outcomes = sampling_outcomes_of(steps, sessions, ran)
-    assert list(outcomes) == ["s1"]
+    sampled = sampling_outcomes_of(steps, sessions, ran)
+    assert sampled is not None and list(sampled.spans) == ["s1"]
     tree, uniforms = steps[1].tree, torch.rand(8, generator=sampling.generator(), dtype=torch.float64)
     probs = target_probs(ran.logits[3:6], sampling)
-    want = accept_sampling(tree, sampling_outcomes(tree.tokens, tree.parents, tree.depths(), probs, uniforms[:3]))
+    want = accept_sampling(tree, sampling_outcomes(tree.tokens, tree.parents, probs, uniforms[:3][tree.depths()]))
+    outcomes = SampledReads(sampled).get()
     results, commits, failures = accept_batch(steps, sessions, ran, greedy_argmax(sessions, ran).tolist(), outcomes)
     assert not failures
     assert (results["s0"].accepted_nodes, results["s0"].bonus_token) == (ACCEPTED[0], BONUS[0])
@@ -109,3 +112,60 @@ def test_a_sampled_session_walks_the_outcomes_of_its_own_rows_and_draws():
     assert commits[1].rows == [3 + node for node in [0, *want.accepted_nodes]]
     emitted = len(want.accepted_nodes) + 1
     assert torch.equal(sessions[1].uniforms.window(8 - emitted), uniforms[emitted:])  # its next index's on
+
+
+LAWS = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.3, top_p=0.9, top_k=5, seed=2)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sampled_sessions_side_by_side_decide_as_each_alone(seed, monkeypatch):
+    """Sampled sessions of two laws, host and pending trees, padded rows, a greedy one among them: the outcomes
+    computed side by side are each session's computed alone, every node's parent found in its own tree; each
+    law's distributions are computed once for all its sessions."""
+    generator = torch.Generator().manual_seed(seed)
+    sizes, laws = [5, 1, 9, 3, 7], [0, 1, 0, None, 1]  # None: greedy
+    trees = [DraftTree(torch.randint(0, VOCAB, (n,), generator=generator), DraftTree.random(n, generator).parents,
+                       torch.ones(n)) for n in sizes]
+    offsets = [0, 12, 24, 36, 48]  # graph bucket rows: each tree's padded to 12
+    ran = StepOutputs(_ran(offsets, 60, []).forward, torch.randn(60, VOCAB, generator=generator) * 2, offsets)
+    steps, sessions = [], []
+    for b, (tree, law) in enumerate(zip(trees, laws)):
+        on_device = b % 2 == 0 and law is not None
+        steps.append(VerifyStep(f"s{b}", pending_tree(tree, tree.num_nodes + 2, depth_bound=tree.max_depth + 1) if on_device else tree))
+        sampling = LAWS[law] if law is not None else SamplingParams()
+        uniforms = TokenUniforms(sampling.generator()) if law is not None else None
+        sessions.append(TargetSession([0], sampling, uniforms, True, 1, int(tree.tokens[0]), FORWARD_LAYERS))
+    computed = []
+
+    def counted(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        computed.append(params)
+        return target_probs(logits, params)
+
+    monkeypatch.setattr(acceptance_step, "target_probs", counted)
+
+    sampled = sampling_outcomes_of(steps, sessions, ran)
+    assert sampled is not None and sorted(sampled.spans) == ["s0", "s1", "s2", "s4"]
+    assert sorted(p.temperature for p in computed) == [0.8, 1.3]
+    read = SampledReads(sampled).get()
+    for b, (step, tree, law) in enumerate(zip(steps, trees, laws)):
+        if law is None:
+            continue
+        nodes = step.tree.num_nodes if isinstance(step.tree, PendingTree) else tree.num_nodes
+        device_tree = step.tree.on_device if isinstance(step.tree, PendingTree) else None
+        parents = device_tree.parents[:nodes] if device_tree is not None else tree.parents
+        tokens = device_tree.tokens[:nodes] if device_tree is not None else tree.tokens
+        depths = device_tree.depths[:nodes] if device_tree is not None else tree.depths()
+        uniforms = TokenUniforms(LAWS[law].generator()).window(step.tree.max_depth + 1)
+        probs = target_probs(ran.logits[offsets[b] : offsets[b] + nodes], LAWS[law])
+        alone = sampling_outcomes(tokens, parents, probs, uniforms[depths])
+        assert torch.equal(sampled.of(f"s{b}").accepted, alone.accepted), b
+        assert torch.equal(sampled.of(f"s{b}").bonus, alone.bonus), b
+        assert torch.equal(read[f"s{b}"].accepted, alone.accepted) and torch.equal(read[f"s{b}"].bonus, alone.bonus)
+
+
+def test_no_sampled_session_computes_and_reads_nothing():
+    ran = _ran([0], 8, CASES[:1])
+    steps = [VerifyStep("s0", DraftTree.chain(CASES[0].tree))]
+    sessions = [TargetSession([0], SamplingParams(), None, True, 1, 3, FORWARD_LAYERS)]
+    assert sampling_outcomes_of(steps, sessions, ran) is None
+    assert SampledReads(None).get() == {}

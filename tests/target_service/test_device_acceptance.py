@@ -103,7 +103,7 @@ def test_the_sampled_device_path_is_the_host_acceptance(seed):
     probs = _probs(pending, generator, follow=[0.0, 0.5, 0.9, 1.0][seed % 4])
     on_device = pending.on_device
     uniforms = torch.rand(pending.max_depth + 1, generator=generator, dtype=torch.float64)
-    outcomes = sampling_outcomes(on_device.tokens, on_device.parents, on_device.depths, probs, uniforms)
+    outcomes = sampling_outcomes(on_device.tokens, on_device.parents, probs, uniforms[on_device.depths])
     forward = _forward(first_row + capacity + 5)
 
     got = sampled_device_accept(on_device, pending.max_depth, outcomes, first_row, forward, LAYERS)
@@ -141,7 +141,7 @@ def test_the_sampled_device_path_reads_nothing_back():
     uniforms = torch.rand(pending.max_depth + 1, generator=generator, dtype=torch.float64)
 
     def accept() -> DeviceAccept:
-        outcomes = sampling_outcomes(on_device.tokens, on_device.parents, on_device.depths, probs, uniforms)
+        outcomes = sampling_outcomes(on_device.tokens, on_device.parents, probs, uniforms[on_device.depths])
         return sampled_device_accept(on_device, pending.max_depth, outcomes, 0, forward, LAYERS)
 
     assert host_reads(accept) == []
