@@ -1,4 +1,4 @@
-"""Exactness verdicts: every arm's greedy tokens against Auto's, with bf16 near-ties named.
+"""Exactness verdicts: every arm's tokens against Auto's, with bf16 near-ties named (greedy and sampled).
 
 Terms:
 - **divergence**: the first generated position where an arm's token differs from Auto's (or where
@@ -17,15 +17,31 @@ Terms:
   the fp32 run of the prompt does not diverge. Anything else is a **mismatch**: the engine changed
   a token that rounding does not explain (an ended generation, a token far from fp32's top, a gap
   the paths cannot flip, a fp32 run that diverges too or was not run).
+
+Above temperature 0 every run samples with one seed, and the token at output index k is the inverse CDF
+(``diffspec.sampling.inverse_cdf``: tokens in id order) of the processed distribution there at u_k, the
+k-th uniform of that seed (``diffspec.acceptance.TokenUniforms``). With Auto's token a and the arm's b at a
+sampled divergence, lo = min(a, b), hi = max(a, b) and F a distribution's normalised cumulative mass over
+token ids, the inverse CDF picks lo when u_k < F(lo) and hi when F(hi - 1) <= u_k < F(hi): the two picks
+differ only through where the **boundaries** F(lo) and F(hi - 1) fall relative to u_k.
+- **cdf spread**: the largest change, between any two of the serving paths above, of F(lo) or of F(hi - 1)
+  of that path's processed distribution (``diffspec.sampling.target_probs``).
+- **fp32 boundaries**: F(lo) and F(hi - 1) of the fp32 logits' processed distribution at the position.
+- **sampled near-tie**: u_k lies less than the cdf spread from both fp32 boundaries (so the tokens strictly
+  between lo and hi carry less mass than the spread), and the arm's fp32 run with the seed does not diverge
+  from fp32 Auto's. Anything else is a mismatch (an ended generation, a uniform that rounding of the
+  boundaries cannot cross, a fp32 run that diverges too or was not run).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 Verdict = Literal["exact", "near-tie", "mismatch", "unchecked"]
 ENDED = -1  # token id standing for "this generation had already ended"
+ENDED_REASON = "one generation ended where the other went on"
 
 
 @dataclass(frozen=True)
@@ -33,6 +49,16 @@ class Divergence:
     position: int  # index into the generated tokens; both agree on [0, position)
     auto_token: int  # ENDED when Auto had stopped there
     arm_token: int  # ENDED when the arm had stopped there
+
+    @property
+    def ended(self) -> bool:
+        """One generation had ended where the other went on: rounding never explains that."""
+        return ENDED in (self.auto_token, self.arm_token)
+
+    @property
+    def cdf_boundaries(self) -> list[int]:
+        """[lo, hi - 1]: the token ids whose cumulative masses decide between the two tokens by inverse CDF."""
+        return [min(self.auto_token, self.arm_token), max(self.auto_token, self.arm_token) - 1]
 
 
 @dataclass(frozen=True)
@@ -52,12 +78,32 @@ class TieEvidence:
 
 
 @dataclass(frozen=True)
+class SampledTieEvidence:
+    """What the fp32 and serving-dtype replays say about one sampled position: where the uniform falls against
+    the boundaries F(lo) and F(hi - 1) of the inverse CDF's choice between the two tokens."""
+
+    uniform: float  # u_k of the divergence's output index k under the run's seed, in [0, 1)
+    fp32_cdf_lo: float  # F(lo): normalised cumulative mass through token id lo, fp32 logits, float64 in [0, 1]
+    fp32_cdf_below_hi: float  # F(hi - 1): the same through the token id below hi
+    cdf_spread: float  # largest change of F(lo) or F(hi - 1) between two serving paths here, probability
+
+    def distances(self) -> tuple[float, float]:
+        """How far the uniform lies from each fp32 boundary: |u - F(lo)|, |u - F(hi - 1)|."""
+        return abs(self.uniform - self.fp32_cdf_lo), abs(self.uniform - self.fp32_cdf_below_hi)
+
+    def within_spread(self) -> bool:
+        """Whether rounding of both boundaries could carry them across the uniform."""
+        return all(distance < self.cdf_spread for distance in self.distances())
+
+
+@dataclass(frozen=True)
 class ExactnessResult:
     verdict: Verdict
     reason: str
     divergence: Divergence | None = None
     evidence: TieEvidence | None = None
     fp32_run_diverges: bool | None = None  # the rule's fp32 run of this prompt; None = not run
+    sampled_evidence: SampledTieEvidence | None = None  # a sampled divergence's, in place of ``evidence``
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,15 +111,15 @@ class ExactnessResult:
     @classmethod
     def from_dict(cls, fields: dict) -> ExactnessResult:
         """Inverse of ``to_dict``, after a JSON round trip (which turns the gaps' token keys into strings)."""
-        divergence, evidence = fields.get("divergence"), fields.get("evidence")
+        divergence, evidence, sampled = fields.get("divergence"), fields.get("evidence"), fields.get("sampled_evidence")
         if evidence is not None:
             evidence = TieEvidence(**{**evidence, "fp32_gaps": {int(t): g for t, g in evidence["fp32_gaps"].items()}})
         return cls(fields["verdict"], fields["reason"], divergence and Divergence(**divergence), evidence,
-                   fields.get("fp32_run_diverges"))
+                   fields.get("fp32_run_diverges"), sampled and SampledTieEvidence(**sampled))
 
 
 def first_divergence(auto_tokens: list[int], arm_tokens: list[int]) -> Divergence | None:
-    """Where two greedy generations first part, or None when they are equal."""
+    """Where two generations first part, or None when they are equal."""
     for position, (auto, arm) in enumerate(zip(auto_tokens, arm_tokens)):
         if auto != arm:
             return Divergence(position, auto, arm)
@@ -92,8 +138,8 @@ def classify(divergence: Divergence, evidence: TieEvidence, fp32_run_diverges: b
     def verdict(name: Verdict, reason: str) -> ExactnessResult:
         return ExactnessResult(name, reason, divergence, evidence, fp32_run_diverges)
 
-    if ENDED in (divergence.auto_token, divergence.arm_token):
-        return verdict("mismatch", "one generation ended where the other went on")
+    if divergence.ended:
+        return verdict("mismatch", ENDED_REASON)
     gap = rounding_gap(divergence, evidence)
     if gap is None:
         return verdict(
@@ -104,11 +150,38 @@ def classify(divergence: Divergence, evidence: TieEvidence, fp32_run_diverges: b
     margin = f"fp32 gap {gap:.3g}"
     if not gap < evidence.spread:
         return verdict("mismatch", f"{margin} is not below the serving spread {evidence.spread:.3g}")
+    return _by_fp32_run(verdict, f"{margin} below the serving spread {evidence.spread:.3g}", fp32_run_diverges)
+
+
+def classify_sampled(
+    divergence: Divergence, evidence: SampledTieEvidence | None, fp32_run_diverges: bool | None = None
+) -> ExactnessResult:
+    """The sampled counterpart of ``classify``: near-tie or mismatch, from where the uniform lies against the
+    fp32 boundaries and their serving spread, and the fp32 runs with the seed (``fp32_run_diverges`` as there).
+    ``evidence``: None where a generation ended (there are no two tokens to gather it for)."""
+
+    def verdict(name: Verdict, reason: str) -> ExactnessResult:
+        return ExactnessResult(name, reason, divergence, fp32_run_diverges=fp32_run_diverges, sampled_evidence=evidence)
+
+    if divergence.ended or evidence is None:
+        return verdict("mismatch", ENDED_REASON)
+    to_lo, to_below_hi = evidence.distances()
+    distances = f"u {evidence.uniform:.6g} lies {to_lo:.3g} from fp32 F(lo) and {to_below_hi:.3g} from F(hi - 1)"
+    spread = f"the serving cdf spread {evidence.cdf_spread:.3g}"
+    if not evidence.within_spread():
+        return verdict("mismatch", f"{distances}: not both below {spread}")
+    return _by_fp32_run(verdict, f"{distances}, both below {spread}", fp32_run_diverges)
+
+
+def _by_fp32_run(
+    verdict: Callable[[Verdict, str], ExactnessResult], rounding: str, fp32_run_diverges: bool | None
+) -> ExactnessResult:
+    """The rule's last clause, once the replays say rounding could explain the divergence (``rounding``: how)."""
     if fp32_run_diverges is None:
-        return verdict("mismatch", f"{margin} below the serving spread, but the fp32 run was not checked")
+        return verdict("mismatch", f"{rounding}, but the fp32 run was not checked")
     if fp32_run_diverges:
-        return verdict("mismatch", f"{margin} below the serving spread, but the fp32 run diverges too")
-    return verdict("near-tie", f"{margin} below the serving spread {evidence.spread:.3g}; the fp32 run does not diverge")
+        return verdict("mismatch", f"{rounding}, but the fp32 run diverges too")
+    return verdict("near-tie", f"{rounding}; the fp32 run does not diverge")
 
 
 def rounding_gap(divergence: Divergence, evidence: TieEvidence) -> float | None:

@@ -354,7 +354,7 @@ class _Protocol:
                               longest + self.config.eval_max_new_tokens)  # a prefix: the prompt and shared tokens
         backend = self.config.fp32_attention_backend
         fp32_settings = self.settings if backend is None else self.settings.model_copy(update={"attention_backend": backend})
-        judge = Judge(replay, Fp32Rerun(fp32_settings, longest))
+        judge = Judge(replay, Fp32Rerun(fp32_settings, longest, sampling=self.sampling), sampling=self.sampling)
         for run in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
             key = (run.dataset, run.context, run.prompt)
             run.exactness = self.checkpoint.verdict(run_key(run))
@@ -376,12 +376,7 @@ class _Protocol:
                        for r in evaluated))
 
     def _verdict(self, judge: Judge, run: RunRecord, auto: RunRecord, prompt_ids: list[int]) -> ExactnessResult:
-        if self.config.temperature > 0:  # every arm samples with the seed: its tokens are Auto's (diffspec.acceptance)
-            divergence = first_divergence(auto.token_ids, run.token_ids)
-            if divergence is None:
-                return ExactnessResult("exact", "same sampled tokens as Auto")
-            reason = "sampled: diverges from Auto (the judge replays greedy runs)"
-            return ExactnessResult("unchecked", reason, divergence)
+        """The judge's verdict, greedy or sampled: every arm samples with one seed, so its tokens are Auto's too."""
         arm = self.arm_of.get(run.label)
         draft = arm.draft if arm is not None else None  # None: the outside reference, or an arm no longer listed
         tree_config = draft.tree_config if draft is not None else self.config.baseline_config

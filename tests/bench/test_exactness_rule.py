@@ -8,9 +8,24 @@ import math
 import pytest
 import torch
 
-from bench.reproduce.exactness import ENDED, Divergence, TieEvidence, classify
+from bench.reproduce.exactness import (
+    ENDED,
+    Divergence,
+    SampledTieEvidence,
+    TieEvidence,
+    classify,
+    classify_sampled,
+)
 from bench.reproduce.fp32_rerun import Fp32Rerun
-from bench.reproduce.replay import ServingPath, TargetReplay, logit_spread, serving_paths
+from bench.reproduce.replay import (
+    ServingPath,
+    TargetReplay,
+    cdf_spread,
+    cumulative_at,
+    logit_spread,
+    serving_paths,
+)
+from diffspec.sampling import inverse_cdf, target_probs
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import BUNDLED_TARGET, DiffSpecSettings
 from diffspec.tree import DraftTree
@@ -60,6 +75,46 @@ def test_classify(divergence, evidence, fp32_run_diverges, verdict, reason):
     assert (result.divergence, result.evidence, result.fp32_run_diverges) == (divergence, evidence, fp32_run_diverges)
 
 
+U = 0.5  # the uniform at the divergence's index
+NEAR = SampledTieEvidence(U, fp32_cdf_lo=0.505, fp32_cdf_below_hi=0.497, cdf_spread=0.01)
+
+
+@pytest.mark.parametrize(
+    ("divergence", "evidence", "fp32_run_diverges", "verdict", "reason"),
+    [
+        # u within the spread of both boundaries, whichever of Auto and the arm took the lower token id
+        (AT, NEAR, False, "near-tie", "the fp32 run does not diverge"),
+        (Divergence(3, ARM, AUTO), NEAR, False, "near-tie", "both below the serving cdf spread 0.01"),
+        # outside one boundary's spread, or the other's, or at exactly the spread
+        (AT, SampledTieEvidence(U, 0.52, 0.497, 0.01), False, "mismatch", "not both below"),
+        (AT, SampledTieEvidence(U, 0.505, 0.48, 0.01), False, "mismatch", "lies 0.005 from fp32 F(lo) and 0.02 from"),
+        (AT, SampledTieEvidence(U, U + 0.0625, U, 0.0625), False, "mismatch", "not both below"),
+        (AT, SampledTieEvidence(U, U, U - 0.0625, 0.0625), False, "mismatch", "not both below"),
+        (AT, SampledTieEvidence(U, U, U, 0.0), False, "mismatch", "not both below"),
+        # the fp32 run diverges too, or was not run
+        (AT, NEAR, True, "mismatch", "the fp32 run diverges too"),
+        (AT, NEAR, None, "mismatch", "the fp32 run was not checked"),
+        # an ended generation is never a tie, and has no boundaries to gather
+        (Divergence(3, AUTO, ENDED), NEAR, False, "mismatch", "ended"),
+        (Divergence(3, ENDED, ARM), None, False, "mismatch", "ended"),
+    ],
+)
+def test_classify_sampled(divergence, evidence, fp32_run_diverges, verdict, reason):
+    result = classify_sampled(divergence, evidence, fp32_run_diverges)
+    assert result.verdict == verdict
+    assert reason in result.reason
+    assert (result.divergence, result.sampled_evidence, result.evidence) == (divergence, evidence, None)
+    assert result.fp32_run_diverges == fp32_run_diverges
+
+
+def test_cumulative_at_is_the_mass_through_each_token_id_that_inverse_cdf_draws_by():
+    probs = torch.tensor([1.0, 2.0, 0.0, 1.0])  # unnormalised, as a filtered row may be
+    cumulative = cumulative_at(probs, [0, 1, 2, 3])
+    assert cumulative.dtype == torch.float64 and cumulative.tolist() == [0.25, 0.75, 0.75, 1.0]
+    for uniform, token in [(0.0, 0), (0.2499, 0), (0.25, 1), (0.7499, 1), (0.75, 3), (0.9999, 3)]:
+        assert int(inverse_cdf(probs[None], torch.tensor([uniform], dtype=torch.float64))) == token
+
+
 def test_serving_paths_cover_decode_verify_batches_trees_and_depths():
     assert serving_paths(16, (1, 2, 4), (1, 8, 16, 32)) == [
         ServingPath(1, 1, 0),  # Auto's decode
@@ -98,6 +153,20 @@ def test_serving_paths_agree_in_fp32_on_the_cpu(unperturbed):
 
 
 PERTURBED_TOKEN = 7
+SAMPLED = SamplingParams(temperature=0.7, seed=0)
+
+
+def perturb_forwards(monkeypatch: pytest.MonkeyPatch, rows: int, token: int, delta: float) -> None:
+    """``token``'s logit of every serving forward over more than ``rows`` rows moved by ``delta``."""
+    logits = LlamaModel.logits
+
+    def perturbed(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+        out = logits(model, hidden)
+        if hidden.shape[0] > rows:
+            out[..., token] += delta
+        return out
+
+    monkeypatch.setattr(LlamaModel, "logits", perturbed)
 
 
 def test_a_shift_of_every_logit_alike_spreads_nothing():
@@ -121,17 +190,49 @@ def test_serving_spread_is_the_largest_difference_between_paths(replay_and_promp
     """One token's logit of a forward over more than ``rows`` rows moved by ``delta``: its difference to every
     other logit changes by exactly that much on the paths that forward serves, and the spread says so."""
     replay, prompt = replay_and_prompt
-    logits = LlamaModel.logits
-
-    def perturbed(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
-        out = logits(model, hidden)
-        if hidden.shape[0] > rows:
-            out[..., PERTURBED_TOKEN] += delta
-        return out
-
-    monkeypatch.setattr(LlamaModel, "logits", perturbed)
+    perturb_forwards(monkeypatch, rows, PERTURBED_TOKEN, delta)
     noise = logit_spread(unperturbed)
     assert replay.serving_spread(prompt, FOLLOWING, VERIFY_TOKENS) == pytest.approx(delta, abs=2 * noise + 1e-6)
+
+
+def test_sampled_evidence_in_fp32_has_no_spread_and_the_fp32_logits_boundaries(replay_and_prompt):
+    replay, prompt = replay_and_prompt
+    logits = replay.fp32_logits(prompt)
+    auto, arm = logits.topk(2).indices.tolist()
+    evidence = replay.sampled_evidence(prompt, FOLLOWING, VERIFY_TOKENS, Divergence(0, auto, arm), U, SAMPLED)
+    lo, hi = sorted((auto, arm))
+    cumulative = torch.softmax(logits.double() / SAMPLED.temperature, dim=-1).cumsum(dim=-1)
+    assert evidence.uniform == U
+    assert evidence.fp32_cdf_lo == pytest.approx(float(cumulative[lo]), abs=1e-6)
+    assert evidence.fp32_cdf_below_hi == pytest.approx(float(cumulative[hi - 1]), abs=1e-6)
+    assert 0 <= evidence.cdf_spread < 1e-5  # float noise of different GEMM shapes, no more
+
+
+@pytest.mark.parametrize(
+    ("rows", "delta", "uniform"),
+    [
+        (1, 0.25, 0.3),  # every verify against Auto's 1-row decode
+        (VERIFY_TOKENS, 0.5, 0.4),  # only the verify batched with a filler session (8 + 1 rows)
+    ],  # each case a uniform of its own: the replay caches evidence per uniform
+)
+def test_the_cdf_spread_is_how_far_a_perturbed_path_moves_a_boundary(
+    replay_and_prompt, unperturbed, monkeypatch, rows, delta, uniform
+):
+    """The fp32 top-1's logit of a forward over more than ``rows`` rows moved by ``delta``: the spread is how far
+    that moves F(lo) or F(hi - 1) of Auto's decode, whichever moves further."""
+    replay, prompt = replay_and_prompt
+    decode = unperturbed[ServingPath(1, 1, 0)]
+    auto, arm = decode.topk(2).indices.tolist()
+    divergence = Divergence(0, auto, arm)
+    moved = decode.clone()
+    moved[auto] += delta
+    boundaries = divergence.cdf_boundaries
+    shift = cumulative_at(target_probs(moved, SAMPLED), boundaries) - cumulative_at(target_probs(decode, SAMPLED), boundaries)
+    expected, noise = float(shift.abs().max()), cdf_spread(unperturbed, boundaries, SAMPLED)
+    assert expected > 1000 * noise + 1e-6  # the perturbation, not float noise, is what the test measures
+    perturb_forwards(monkeypatch, rows, auto, delta)
+    evidence = replay.sampled_evidence(prompt, FOLLOWING, VERIFY_TOKENS, divergence, uniform, SAMPLED)
+    assert evidence.cdf_spread == pytest.approx(expected, abs=2 * noise + 1e-9)
 
 
 def test_fp32_run_of_the_same_prompts_does_not_diverge(replay_and_prompt):
@@ -168,13 +269,13 @@ def test_verify_logits_match_the_step_and_commit_nothing(replay_and_prompt):
 def test_arms_of_other_budgets_parting_at_one_position_share_the_fp32_prefill(replay_and_prompt, monkeypatch):
     replay, prompt = replay_and_prompt
     prefills = []
-    fp32_logits = TargetReplay._fp32_logits
+    fp32_forward = TargetReplay._fp32_forward
 
     def counted(self: TargetReplay, prefix_ids: list[int]) -> torch.Tensor:
         prefills.append(len(prefix_ids))
-        return fp32_logits(self, prefix_ids)
+        return fp32_forward(self, prefix_ids)
 
-    monkeypatch.setattr(TargetReplay, "_fp32_logits", counted)
+    monkeypatch.setattr(TargetReplay, "_fp32_forward", counted)
     prefix = prompt + [11]  # a prefix no other test replays
     wide, narrow = replay.evidence(prefix, FOLLOWING, VERIFY_TOKENS), replay.evidence(prefix, FOLLOWING, 2)
     assert prefills == [len(prefix)]
@@ -229,7 +330,7 @@ def test_the_fp32_auto_runs_logprobs_are_the_fp32_replays_evidence(replay_and_pr
     for position in (0, 4):
         shared = run.token_ids[:position]
         values, ids = run.top_after(shared)
-        replayed = torch.topk(replay._fp32_logits(prompt + shared), len(ids))
+        replayed = torch.topk(replay.fp32_logits(prompt + shared), len(ids))
         assert ids.tolist() == replayed.indices.tolist() and int(ids[0]) == run.token_ids[position]
         assert (values[0] - values).tolist() == pytest.approx((replayed.values[0] - replayed.values).tolist(), abs=1e-4)
     assert run.top_after([run.token_ids[0] + 1]) is None  # another first token: not this run's prefix

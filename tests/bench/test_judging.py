@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from bench.reproduce.exactness import TieEvidence
+from bench.reproduce.exactness import Divergence, SampledTieEvidence, TieEvidence
+from bench.reproduce.fp32_rerun import GREEDY, Fp32AutoRun
 from bench.reproduce.judging import Judge
-from bench.reproduce.fp32_rerun import Fp32AutoRun
-from diffspec.sampling_params import TokenLogprobs
+from diffspec.acceptance import TokenUniforms
+from diffspec.sampling_params import SamplingParams, TokenLogprobs
 from draft_service.options import DraftOptions
 
 AUTO = [5, 6, 7, 8]
 TIED = [5, 6, 9, 8]  # parts at position 2, where fp32 ranks 7 then 9 close together
 FAR = [5, 6, 4, 8]  # parts at position 2 with a token fp32 does not rank near the top
 OPTIONS = DraftOptions("full", "16:0.0:4")
+SAMPLED = SamplingParams(temperature=0.8, seed=3)
+CDF_SPREAD = 0.01
 
 
 def auto_run(tokens: list[int]) -> Fp32AutoRun:
@@ -59,9 +62,11 @@ class StubRerun:
 
 
 class StubReplay:
-    def __init__(self, gpu: GpuLedger) -> None:
+    def __init__(self, gpu: GpuLedger, boundary_distance: float) -> None:
         self.gpu = gpu
         self.fp32_tops: list[object] = []
+        self.boundary_distance = boundary_distance  # how far both fp32 boundaries lie from the uniform
+        self.uniforms: list[float] = []  # per sampled evidence asked for
 
     def release(self) -> None:
         self.gpu.holding.discard("replay")
@@ -73,11 +78,21 @@ class StubReplay:
         gaps = {int(i): float(values[0] - v) for i, v in zip(ids, values)}
         return TieEvidence(int(ids[0]), int(ids[1]), float(values[0] - values[1]), spread=0.05, fp32_gaps=gaps)
 
+    def sampled_evidence(
+        self, prefix, following, verify_tokens, divergence: Divergence, uniform: float, params: SamplingParams
+    ) -> SampledTieEvidence:
+        self.gpu.use("replay", "sampled evidence")
+        self.uniforms.append(uniform)
+        distance = self.boundary_distance
+        return SampledTieEvidence(uniform, uniform + distance, uniform - distance, CDF_SPREAD)
 
-def judge(auto_tokens: list[int] = AUTO) -> tuple[Judge, StubReplay, StubRerun]:
+
+def judge(
+    auto_tokens: list[int] = AUTO, sampling: SamplingParams = GREEDY, boundary_distance: float = 0.0
+) -> tuple[Judge, StubReplay, StubRerun]:
     gpu = GpuLedger()
-    replay, rerun = StubReplay(gpu), StubRerun(auto_tokens, gpu)
-    return Judge(replay, rerun), replay, rerun  # type: ignore[arg-type]
+    replay, rerun = StubReplay(gpu, boundary_distance), StubRerun(auto_tokens, gpu)
+    return Judge(replay, rerun, sampling), replay, rerun  # type: ignore[arg-type]
 
 
 def test_an_equal_generation_needs_no_evidence():
@@ -120,6 +135,41 @@ def test_the_gpu_holds_one_evidence_sources_models_at_a_time():
     for prompt in prompts:
         assert j.verdict(prompt, AUTO, TIED, OPTIONS, 16, 4).verdict == "near-tie"
     assert len(rerun.auto_runs) == 2 and len(rerun.arm_runs) == 2 and len(replay.fp32_tops) == 2
+    assert replay.gpu.overlaps == []
+    j.close()
+    assert replay.gpu.holding == set()
+
+
+def test_a_sampled_divergence_within_the_spread_runs_the_arms_fp32_run_once_per_group_and_is_a_near_tie():
+    j, replay, rerun = judge(sampling=SAMPLED, boundary_distance=CDF_SPREAD / 2)
+    prompts = [[1, 2], [3, 4]]
+    verdicts = [j.verdict(p, AUTO, TIED, OPTIONS, 16, 4, ran_with=prompts) for p in prompts]
+    assert [v.verdict for v in verdicts] == ["near-tie", "near-tie"]
+    seeded = float(TokenUniforms(SAMPLED.generator()).window(3)[2])  # the seed's uniform of index 2, where they part
+    assert replay.uniforms == [seeded, seeded] and verdicts[0].sampled_evidence.uniform == seeded
+    assert replay.fp32_tops == [] and rerun.auto_runs == []  # no greedy evidence: top tokens make no cumulative mass
+    assert rerun.arm_runs == [(2, True)]
+
+
+def test_a_sampled_divergence_outside_the_spread_is_a_mismatch_without_the_arms_fp32_run():
+    j, replay, rerun = judge(sampling=SAMPLED, boundary_distance=CDF_SPREAD)
+    result = j.verdict([1, 2], AUTO, TIED, OPTIONS, 16, 4)
+    assert result.verdict == "mismatch" and "not both below" in result.reason
+    assert len(replay.uniforms) == 1 and rerun.arm_runs == []
+
+
+def test_a_sampled_generation_that_ended_is_a_mismatch_without_evidence():
+    j, replay, rerun = judge(sampling=SAMPLED, boundary_distance=CDF_SPREAD / 2)
+    result = j.verdict([1, 2], AUTO, AUTO[:2], OPTIONS, 16, 4)
+    assert result.verdict == "mismatch" and "ended" in result.reason
+    assert (replay.uniforms, rerun.arm_runs) == ([], [])
+
+
+def test_sampled_judging_holds_one_evidence_sources_models_at_a_time():
+    j, replay, rerun = judge(sampling=SAMPLED, boundary_distance=CDF_SPREAD / 2)
+    for prompt in ([1, 2], [3, 4]):
+        assert j.verdict(prompt, AUTO, TIED, OPTIONS, 16, 4).verdict == "near-tie"
+    assert len(replay.uniforms) == 2 and len(rerun.arm_runs) == 2
     assert replay.gpu.overlaps == []
     j.close()
     assert replay.gpu.holding == set()

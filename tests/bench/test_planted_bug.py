@@ -69,6 +69,24 @@ def test_planted_wrong_token_is_a_mismatch(code_prompts, tmp_path):
     assert "EXACTNESS FAILED" in (tmp_path / "planted" / "reproduce.log").read_text()
 
 
+def test_a_planted_sampled_token_is_judged_by_the_sampled_rule_as_a_mismatch(code_prompts, tmp_path):
+    """Above temperature 0 every arm samples Auto's tokens with the seed; the planted token is one the seed's
+    uniform at its index lies far from, against a cdf spread of float noise (fp32 on the CPU)."""
+    config = replace(
+        SMOKE, data_files=(code_prompts,), context_targets=(1024,), candidate_configs=("32:0.0:6",),
+        baseline_arms=("auto", "eagle3"), tune_max_new_tokens=8, eval_max_new_tokens=12, warmup_tokens=4,
+        reference_prompts=0, temperature=0.8, seed=3, out_dir=tmp_path / "sampled",
+    )
+    result = run_protocol(config, ["--planted-bug"], engine_factory=lambda s: PlantedBugEngine(build_recording_engine(s)))
+    assert result.exit_code == 1
+    evaluated = {r.arm: r for r in result.runs if r.phase == "eval"}
+    assert evaluated["eagle3"].exactness.verdict == "exact"
+    verdict = evaluated["diffspec"].exactness
+    assert verdict.verdict == "mismatch" and "not both below the serving cdf spread" in verdict.reason
+    assert verdict.divergence.position == PLANTED_AT and verdict.evidence is None
+    assert 0 <= verdict.sampled_evidence.cdf_spread < 1e-3 and verdict.fp32_run_diverges is None
+
+
 def test_a_divergence_within_the_spread_is_rerun_in_fp32_from_inside_the_protocol(code_prompts, tmp_path, monkeypatch):
     """The rule's fp32 run starts from the protocol's own event loop: with every divergence made to look as
     close as a tie, the planted one is rerun in fp32 (which does not diverge), and stays a mismatch because

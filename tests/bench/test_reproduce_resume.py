@@ -134,9 +134,9 @@ def test_the_fp32_runs_attention_is_a_judging_choice_that_a_resumed_run_may_chan
     built = []
 
     class RecordingRerun(protocol.Fp32Rerun):
-        def __init__(self, settings, reserve_tokens=0):  # noqa: ANN001
+        def __init__(self, settings, *args, **kwargs):
             built.append(settings.attention_backend)
-            super().__init__(settings, reserve_tokens)
+            super().__init__(settings, *args, **kwargs)
 
     monkeypatch.setattr(protocol, "Fp32Rerun", RecordingRerun)
     assert main([*_argv(code_prompts, resumed), "--resume", "--fp32-attention-backend", "torch"]) == 0
