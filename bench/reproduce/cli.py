@@ -42,8 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tune-prompts", type=int, help="tuning prompts per context (after the evaluation prompts)")
     p.add_argument("--tune-finalists", type=int, help="best candidates of the tuning pass that run again on every "
                    "tuning prompt with --eval-max-new-tokens; the fastest of them is evaluated (0: no final round)")
-    p.add_argument("--temperature", type=float, help="0 = greedy; above it every arm samples with --seed and is "
-                   "compared with Auto's tokens (a divergence is judged only at 0)")
+    p.add_argument("--temperature", type=float, help="0 = greedy; above it every arm samples with --seed, is "
+                   "compared with Auto's tokens and judged by the sampled near-tie rule, and the greedy transformers "
+                   "reference does not run")
     p.add_argument("--seed", type=int, help="sampling seed, the same for every arm of a prompt")
     p.add_argument("--baseline-arms", nargs="+", choices=list(baseline_arms()), help="arms beside DiffSpec tuned")
     p.add_argument("--baseline-config", help="tree budget of the EAGLE-3 baseline arms")

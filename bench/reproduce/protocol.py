@@ -183,7 +183,9 @@ class _Protocol:
         log.info("target %s (%s, %s), max context %d", info.model, info.device, info.dtype, info.max_context)
         cases = self._cases(datasets, contexts, info.max_context)
         shortest = min(case.context for case in cases)
-        if self.config.reference_prompts > 0:
+        if self.config.reference_prompts > 0 and not self.sampling.greedy:
+            log.info("no transformers reference above temperature 0: it generates greedily")
+        elif self.config.reference_prompts > 0:
             self.reference = TransformersReference(
                 self.base_model, _torch_dtype(info.dtype), torch.device(info.device), info.eos_token_ids)
         if any(self._has_runs_left(case, shortest) for case in cases):  # a resumed run with none left only judges

@@ -75,11 +75,12 @@ def test_a_planted_sampled_token_is_judged_by_the_sampled_rule_as_a_mismatch(cod
     config = replace(
         SMOKE, data_files=(code_prompts,), context_targets=(1024,), candidate_configs=("32:0.0:6",),
         baseline_arms=("auto", "eagle3"), tune_max_new_tokens=8, eval_max_new_tokens=12, warmup_tokens=4,
-        reference_prompts=0, temperature=0.8, seed=3, out_dir=tmp_path / "sampled",
+        reference_prompts=1, temperature=0.8, seed=3, out_dir=tmp_path / "sampled",
     )
     result = run_protocol(config, ["--planted-bug"], engine_factory=lambda s: PlantedBugEngine(build_recording_engine(s)))
     assert result.exit_code == 1
     evaluated = {r.arm: r for r in result.runs if r.phase == "eval"}
+    assert set(evaluated) == {"auto", "eagle3", "diffspec"}  # the greedy transformers reference does not sample
     assert evaluated["eagle3"].exactness.verdict == "exact"
     verdict = evaluated["diffspec"].exactness
     assert verdict.verdict == "mismatch" and "not both below the serving cdf spread" in verdict.reason
