@@ -12,7 +12,8 @@ outside the draft and target calls), and what a timed run should not do: record 
 compile Triton kernels. Online modes add the batch bounds proposed within and, per bound, what the
 batch planner predicted for it against what its steps delivered (``draft_service.bound_audit``), and
 every row the prices the planners read for a proposal by depth. A plot of throughput against streams goes
-beside the JSON.
+beside the JSON. ``--temperature`` makes every request sample (seed 0), so a sampled batch's step is measured
+against the greedy one's.
 
     python -m bench.batching --base-model .carry/b8/target --draft-model .carry/b8/head \
         --data .carry/data/shortctx_eval.jsonl --streams 1 4 16 32 --out bench/results/batching.json
