@@ -13,10 +13,11 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
+from diffspec.device_accept import DeviceAccept
 from diffspec.settings import DiffSpecSettings
 from diffspec.tree import DraftTree
 from diffspec.tree_nodes import ProposedTree
-from draft_service.backend import DraftBackend, DraftBatch, DraftBatchResult
+from draft_service.backend import AcceptsOnDevice, DraftBackend, DraftBatch, DraftBatchResult
 from gateway.assembly import build_draft, build_target, engine_limits, load_tokenizer
 from gateway.detokenizer import Tokenizer
 from gateway.engine import SpeculativeEngine
@@ -105,13 +106,30 @@ class DraftStepRecorder:
             close()
 
 
+class OnDeviceDraftStepRecorder(DraftStepRecorder):
+    """A recorder around a draft in the target's process: the accepts it writes on the device while a verify runs
+    (and the proposal it queues ahead behind them) pass through too, so a recorded run drafts as serving does.
+    The steps are still recorded from ``step``: its trees include the ones queued ahead, and its accepts carry the
+    emitted tokens that settle them."""
+
+    draft: AcceptsOnDevice
+
+    def accept_on_device(self, accepts: dict[str, DeviceAccept], ending: frozenset[str] = frozenset()) -> set[str]:
+        return self.draft.accept_on_device(accepts, ending)
+
+
+def recorder_around(draft: DraftBackend) -> DraftStepRecorder:
+    """The recorder for ``draft``: one that passes the device-side accepts through where the draft takes them."""
+    return OnDeviceDraftStepRecorder(draft) if isinstance(draft, AcceptsOnDevice) else DraftStepRecorder(draft)
+
+
 class RecordingEngine(SpeculativeEngine):
     """The gateway's engine with its draft behind a ``DraftStepRecorder``."""
 
     def __init__(
         self, target: TargetBackend, draft: DraftBackend | None, tokenizer: Tokenizer, limits: EngineLimits
     ) -> None:
-        self.recorder = DraftStepRecorder(draft) if draft is not None else None
+        self.recorder = recorder_around(draft) if draft is not None else None
         super().__init__(target, self.recorder, tokenizer, limits)
 
     def take_draft_steps(self) -> list[DraftStep]:
