@@ -41,21 +41,6 @@ class SplitKVPlan:
     num_splits: int  # programs along the committed keys per (sequence, kv head, row tile)
     num_warps: int
     num_stages: int
-    # The tree kernel's loop over committed keys, as ``tl.range`` takes it. None: the kernel's num_stages
-    # pipelines only the key and value loads (they feed a dot), so each tile waits for its block-table read;
-    # a count pipelines that loop this deep, block-table reads included.
-    key_loop_stages: int | None = None
-    key_loop_warp_specialize: bool = False  # Triton's automatic warp specialisation of that loop
-    # Each full committed key tile as two halves, the second's exponentials on the FMA units (``exp2_on_fma``):
-    # for trees whose tiles are bound by the special-function unit. Needs block_n >= 32 (16-key dots).
-    fma_exponentials: bool = False
-    # Full committed key tiles rescale the running sums only when a row's maximum grew past 2**8 of the one they
-    # are kept at (``split_kv_triton.rescale_when_grown``): most tiles skip the [rows, head_dim] rescale.
-    lazy_rescale: bool = False
-
-    def __post_init__(self) -> None:
-        if self.fma_exponentials and self.block_n < 32:
-            raise ValueError(f"fma_exponentials splits a key tile in two 16-key dots at least: block_n {self.block_n}")
 
 
 @functools.lru_cache(maxsize=None)

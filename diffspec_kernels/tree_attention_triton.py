@@ -8,10 +8,7 @@ Same function as ``diffspec_kernels.tree_attention_ref.tree_attention_reference`
    each KV byte is read once per row tile. Programs with split < num_splits walk their slice of the
    committed prefix with no mask (paged, through the block table); the program with split ==
    num_splits attends to the sequence's own new tokens under ``new_token_mask``. Each writes an fp32
-   partial output, normalised, and its log-sum-exp (base 2). A plan may split each full committed key tile
-   in two halves and compute the second's exponentials on the FMA units (``fma_exponentials``: for large
-   trees, whose tiles the special-function unit would bound), and rescale the running sums only when a row's
-   maximum grew far (``lazy_rescale``).
+   partial output, normalised, and its log-sum-exp (base 2).
 2. ``diffspec_kernels.split_kv_triton.merge_partials``: each program merges the num_splits + 1 partials of a block of
    (new token, query head) rows in fp32 and writes the output dtype.
 
@@ -29,14 +26,7 @@ import triton.language as tl
 
 from diffspec_kernels.attention_checks import check_attention_inputs, check_triton_head_dim
 from diffspec_kernels.attention_metadata import AttentionMetadata
-from diffspec_kernels.split_kv_triton import (
-    LOG2_E,
-    finish_partial,
-    merge_partials,
-    online_softmax_update,
-    online_softmax_update_halves,
-    online_softmax_update_unmasked,
-)
+from diffspec_kernels.split_kv_triton import LOG2_E, finish_partial, merge_partials, online_softmax_update
 from diffspec_kernels.split_plan import (
     TUNED_SHARED_MEMORY_BYTES,
     SplitKVPlan,
@@ -77,38 +67,6 @@ def plan_tree_attention(
 
 
 @triton.jit
-def _context_kv(
-    k_pages_ptr,  # [num_pages, PAGE_SIZE, num_kv_heads, HEAD_DIM]
-    v_pages_ptr,  # [num_pages, PAGE_SIZE, num_kv_heads, HEAD_DIM]
-    block_table_ptr,  # [max_pages_per_seq] int32, this sequence's row
-    pos,  # [keys] committed positions
-    end,
-    head_offset,
-    num_kv_heads,
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """Keys and values [keys, HEAD_DIM] at ``pos`` through the block table; with MASKED, zeros from ``end`` on."""
-    dims = tl.arange(0, HEAD_DIM)
-    valid = pos < end
-    if MASKED:
-        page = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=valid, other=0)
-    else:
-        page = tl.load(block_table_ptr + pos // PAGE_SIZE)
-    token_stride = num_kv_heads * HEAD_DIM
-    slot_offset = page.to(tl.int64) * (PAGE_SIZE * token_stride) + (pos % PAGE_SIZE) * token_stride + head_offset
-    offsets = slot_offset[:, None] + dims[None, :]  # [keys, HEAD_DIM]
-    if MASKED:
-        k = tl.load(k_pages_ptr + offsets, mask=valid[:, None], other=0.0)
-        v = tl.load(v_pages_ptr + offsets, mask=valid[:, None], other=0.0)
-    else:
-        k = tl.load(k_pages_ptr + offsets)
-        v = tl.load(v_pages_ptr + offsets)
-    return k, v
-
-
-@triton.jit
 def _attend_context_tile(
     acc,
     m_i,
@@ -126,32 +84,27 @@ def _attend_context_tile(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
-    FMA_EXPONENTIALS: tl.constexpr,  # the plan's fma_exponentials (full tiles only: no score is masked)
-    LAZY_RESCALE: tl.constexpr,  # the plan's lazy_rescale (full tiles only)
 ):
-    if FMA_EXPONENTIALS:
-        half = tile_start + tl.arange(0, BLOCK_N // 2)
-        k_mufu, v_mufu = _context_kv(
-            k_pages_ptr, v_pages_ptr, block_table_ptr, half, end, head_offset, num_kv_heads, HEAD_DIM, PAGE_SIZE, False
-        )
-        k_fma, v_fma = _context_kv(
-            k_pages_ptr, v_pages_ptr, block_table_ptr, half + BLOCK_N // 2, end, head_offset, num_kv_heads,
-            HEAD_DIM, PAGE_SIZE, False,
-        )  # fmt: skip
-        qk_mufu = tl.dot(q, tl.trans(k_mufu), input_precision="ieee")
-        qk_fma = tl.dot(q, tl.trans(k_fma), input_precision="ieee")
-        return online_softmax_update_halves(
-            acc, m_i, l_i, qk_mufu, v_mufu, qk_fma, v_fma, qk_scale, LAZY=LAZY_RESCALE
-        )
     pos = tile_start + tl.arange(0, BLOCK_N)
-    k, v = _context_kv(
-        k_pages_ptr, v_pages_ptr, block_table_ptr, pos, end, head_offset, num_kv_heads, HEAD_DIM, PAGE_SIZE, MASKED
-    )
+    dims = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        valid = pos < end
+        page = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=valid, other=0)
+    else:
+        page = tl.load(block_table_ptr + pos // PAGE_SIZE)
+    token_stride = num_kv_heads * HEAD_DIM
+    slot_offset = page.to(tl.int64) * (PAGE_SIZE * token_stride) + (pos % PAGE_SIZE) * token_stride + head_offset
+    offsets = slot_offset[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
+    if MASKED:
+        k = tl.load(k_pages_ptr + offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(v_pages_ptr + offsets, mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_pages_ptr + offsets)
+        v = tl.load(v_pages_ptr + offsets)
     qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     if MASKED:
-        qk = tl.where((pos < end)[None, :], qk, float("-inf"))
-        return online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
-    return online_softmax_update_unmasked(acc, m_i, l_i, qk, v, qk_scale, LAZY=LAZY_RESCALE)
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+    return online_softmax_update(acc, m_i, l_i, qk, v, qk_scale)
 
 
 # The three sizes that change from call to call compile once: specialised, each would add a compile for every
@@ -179,10 +132,6 @@ def _tree_attention_partials_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    KEY_LOOP_STAGES: tl.constexpr,  # None: plain range (the plan's key_loop_stages)
-    KEY_LOOP_WARP_SPECIALIZE: tl.constexpr,
-    FMA_EXPONENTIALS: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -216,18 +165,16 @@ def _tree_attention_partials_kernel(
         end = tl.minimum(start + chunk, context_len)
         num_full_tiles = (end - start) // BLOCK_N
         block_table_ptr = block_tables_ptr + seq.to(tl.int64) * max_pages_per_seq
-        for tile in tl.range(num_full_tiles, num_stages=KEY_LOOP_STAGES, warp_specialize=KEY_LOOP_WARP_SPECIALIZE):
+        for tile in range(num_full_tiles):
             acc, m_i, l_i = _attend_context_tile(
                 acc, m_i, l_i, q, k_pages_ptr, v_pages_ptr, block_table_ptr, start + tile * BLOCK_N, end,
                 head_offset, qk_scale, num_kv_heads, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED=False,
-                FMA_EXPONENTIALS=FMA_EXPONENTIALS, LAZY_RESCALE=LAZY_RESCALE,
             )
         tail_start = start + num_full_tiles * BLOCK_N
         if tail_start < end:
             acc, m_i, l_i = _attend_context_tile(
                 acc, m_i, l_i, q, k_pages_ptr, v_pages_ptr, block_table_ptr, tail_start, end,
                 head_offset, qk_scale, num_kv_heads, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED=True,
-                FMA_EXPONENTIALS=False, LAZY_RESCALE=False,
             )
     else:
         # The sequence's own new tokens, under its new-token mask (a tree: ancestors and self).
@@ -287,8 +234,6 @@ def run_tree_attention(
         partial_out, partial_lse,
         scale * LOG2_E, num_kv_heads, group, plan.num_splits, meta.block_tables.shape[1], meta.max_q_len,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HEAD_DIM=head_dim, PAGE_SIZE=meta.page_size,
-        KEY_LOOP_STAGES=plan.key_loop_stages, KEY_LOOP_WARP_SPECIALIZE=plan.key_loop_warp_specialize,
-        FMA_EXPONENTIALS=plan.fma_exponentials, LAZY_RESCALE=plan.lazy_rescale,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     merge_partials(partial_out, partial_lse, out)

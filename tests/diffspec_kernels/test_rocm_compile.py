@@ -109,19 +109,6 @@ def tree_attention_cases(chips: list[tuple[int, int]]) -> list[Case]:
             )
             for block_m, block_n, num_warps, num_stages in tiles
         ],
-        # the widest tile (64 tree tokens) with the schedules a plan sweep tries: exponentials on the FMA units,
-        # lazy rescaling, both with the key loop pipelined
-        *[
-            Case(
-                f"tree_attention_partials[m{block_m},n{block_n},w{num_warps},{'+'.join(variant)}]",
-                "diffspec_kernels.tree_attention_triton", "_tree_attention_partials_kernel", signature,
-                {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "PAGE_SIZE": settings.page_size,
-                 **variant}, num_warps, num_stages,
-            )
-            for block_m, block_n, num_warps, num_stages in tiles[-1:]
-            for variant in ({"FMA_EXPONENTIALS": True}, {"LAZY_RESCALE": True},
-                            {"FMA_EXPONENTIALS": True, "LAZY_RESCALE": True, "KEY_LOOP_STAGES": 2})
-        ],
         *[
             Case(
                 f"merge_partials[r{block_r},p{block_p},c{part_chunk}]", "diffspec_kernels.split_kv_triton",

@@ -247,63 +247,6 @@ def test_triton_any_split_count_matches_reference(
     assert relative_error(out, ref) < 1e-2
 
 
-KEY_LOOPS = [(2, False), (3, False), (None, True), (2, True)]  # (key_loop_stages, key_loop_warp_specialize)
-
-
-@interpreter_loop_warning
-@pytest.mark.parametrize("stages, warp_specialize", KEY_LOOPS)
-def test_the_key_loops_a_sweep_tries_compute_the_same_function(kernel_device: str, stages, warp_specialize) -> None:
-    """Pipelining the committed keys' loop (its block-table reads too) or specialising its warps changes only the
-    schedule. A GPU's Triton may refuse warp specialisation there; what compiles gives the default's output."""
-    triton_attention = pytest.importorskip("diffspec_kernels.tree_attention_triton")
-    compile_errors = pytest.importorskip("triton.compiler.errors")
-    skip_if_interpreter_breaks_loops(kernel_device)
-    case = Case((3, 5), (70, 9), num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, dtype=F16)
-    inputs = make_inputs(case, kernel_device, seed=11)
-    default = SplitKVPlan(block_m=16, block_n=16, num_splits=3, num_warps=4, num_stages=2)
-    want = torch.empty_like(inputs.q)
-    triton_attention.run_tree_attention(*inputs.tensors(), inputs.meta, 0.25, default, want)
-    plan = dataclasses.replace(default, key_loop_stages=stages, key_loop_warp_specialize=warp_specialize)
-    out = torch.full_like(inputs.q, float("nan"))
-    try:
-        triton_attention.run_tree_attention(*inputs.tensors(), inputs.meta, 0.25, plan, out)
-    except (compile_errors.CompilationError, RuntimeError) as refused:
-        assert warp_specialize and kernel_device == "cuda", refused  # only a GPU's compiler may refuse, only that
-        return
-    assert torch.equal(out, want)
-
-
-SCHEDULES = [{"fma_exponentials": True}, {"lazy_rescale": True}, {"fma_exponentials": True, "lazy_rescale": True}]
-
-
-@interpreter_loop_warning
-@pytest.mark.parametrize("stages", [None, 2])
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=["fma", "lazy", "fma+lazy"])
-@pytest.mark.parametrize("growing", [False, True], ids=["flat", "growing scores"])
-def test_the_tile_schedules_a_sweep_tries_keep_the_function(kernel_device: str, stages, schedule, growing) -> None:
-    """Half of each full key tile's exponentials on the FMA units (within the polynomial's 1e-4), the running
-    sums rescaled only when a row's maximum grew past 2**8 of theirs (other roundings): the output stays the
-    default plan's within rounding, and the fp32 reference's as every plan's does. With some pages' keys
-    scaled up, rows' maxima grow past that mid-sequence, so lazy rescaling does rescale."""
-    triton_attention = pytest.importorskip("diffspec_kernels.tree_attention_triton")
-    skip_if_interpreter_breaks_loops(kernel_device)
-    case = Case((3, 5), (200, 77), num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, dtype=F16)
-    inputs = make_inputs(case, kernel_device, seed=12)
-    if growing:
-        inputs.k_pages[1::3] *= 50  # scores hundreds of log2 units past the first tiles: lazy or not, never inf
-    ref = tree_attention_reference(*(t.float() for t in inputs.tensors()), inputs.meta, 0.25)
-    default = SplitKVPlan(block_m=16, block_n=32, num_splits=3, num_warps=4, num_stages=2, key_loop_stages=stages)
-    want = torch.empty_like(inputs.q)
-    triton_attention.run_tree_attention(*inputs.tensors(), inputs.meta, 0.25, default, want)
-    out = torch.full_like(inputs.q, float("nan"))
-    triton_attention.run_tree_attention(*inputs.tensors(), inputs.meta, 0.25, dataclasses.replace(default, **schedule), out)
-    if not growing:  # (growing, each row's softmax is one key's: the outputs round alike)
-        assert not torch.equal(out, want)  # the schedule ran
-    assert relative_error(out, want) < 1e-3 and relative_error(out, ref) < 1e-2
-    with pytest.raises(ValueError, match="block_n 16"):
-        dataclasses.replace(default, block_n=16, fma_exponentials=True)
-
-
 HOPPER_SHARED_MEMORY = 232448  # bytes per block on an H100/H200
 
 
