@@ -29,7 +29,7 @@ from bench.reproduce.exactness import (
     first_divergence,
     rounding_gap,
 )
-from bench.reproduce.fp32_rerun import GREEDY, Fp32Rerun
+from bench.reproduce.fp32_rerun import Fp32Rerun
 from bench.reproduce.replay import TargetReplay
 from diffspec.acceptance import TokenUniforms
 from diffspec.sampling_params import SamplingParams
@@ -39,13 +39,16 @@ from draft_service.options import DraftOptions
 class Judge:
     """The rule's evidence sources for one serving configuration; each loads its model at first use."""
 
-    def __init__(self, replay: TargetReplay, rerun: Fp32Rerun, sampling: SamplingParams = GREEDY) -> None:
-        """``sampling``: the judged runs' (every arm's, seed included)."""
+    def __init__(self, replay: TargetReplay, rerun: Fp32Rerun) -> None:
         self.replay = replay
         self.rerun = rerun
-        self.sampling = sampling
         # (prompts run together, options, tokens) -> per prompt, whether the arm's fp32 run diverges
         self._fp32_diverges: dict[tuple[tuple[tuple[int, ...], ...], DraftOptions, int], list[bool]] = {}
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The judged runs' sampling (every arm's, seed included): the rule's fp32 runs repeat it."""
+        return self.rerun.sampling
 
     def verdict(
         self, prompt: list[int], auto: list[int], arm: list[int], draft: DraftOptions | None, verify_tokens: int,

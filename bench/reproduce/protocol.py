@@ -356,7 +356,7 @@ class _Protocol:
                               longest + self.config.eval_max_new_tokens)  # a prefix: the prompt and shared tokens
         backend = self.config.fp32_attention_backend
         fp32_settings = self.settings if backend is None else self.settings.model_copy(update={"attention_backend": backend})
-        judge = Judge(replay, Fp32Rerun(fp32_settings, longest, sampling=self.sampling), sampling=self.sampling)
+        judge = Judge(replay, Fp32Rerun(fp32_settings, longest, sampling=self.sampling))
         for run in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
             key = (run.dataset, run.context, run.prompt)
             run.exactness = self.checkpoint.verdict(run_key(run))

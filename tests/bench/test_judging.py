@@ -39,9 +39,10 @@ class GpuLedger:
 
 
 class StubRerun:
-    def __init__(self, auto_tokens: list[int], gpu: GpuLedger) -> None:
+    def __init__(self, auto_tokens: list[int], gpu: GpuLedger, sampling: SamplingParams) -> None:
         self.auto_tokens = auto_tokens
         self.gpu = gpu
+        self.sampling = sampling
         self.auto_runs: list[tuple[int, ...]] = []
         self.arm_runs: list[tuple[int, bool]] = []  # (prompts, concurrent)
 
@@ -91,8 +92,8 @@ def judge(
     auto_tokens: list[int] = AUTO, sampling: SamplingParams = GREEDY, boundary_distance: float = 0.0
 ) -> tuple[Judge, StubReplay, StubRerun]:
     gpu = GpuLedger()
-    replay, rerun = StubReplay(gpu, boundary_distance), StubRerun(auto_tokens, gpu)
-    return Judge(replay, rerun, sampling), replay, rerun  # type: ignore[arg-type]
+    replay, rerun = StubReplay(gpu, boundary_distance), StubRerun(auto_tokens, gpu, sampling)
+    return Judge(replay, rerun), replay, rerun  # type: ignore[arg-type]
 
 
 def test_an_equal_generation_needs_no_evidence():
