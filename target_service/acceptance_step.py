@@ -21,7 +21,7 @@ from diffspec.devices import HostCopy, upload
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import target_probs, token_logprobs
 from diffspec.sampling_params import SamplingParams
-from diffspec.tree import DeviceTree, DraftTree, PendingTree
+from diffspec.tree import DraftTree, PendingTree
 from target_service.backend import VerifyResult, VerifyStep
 from target_service.session import TargetSession
 from target_service.step_graphs import StepOutputs
@@ -176,22 +176,17 @@ def sampling_outcomes_of(
 def _side_by_side(parts: list[_SampledTree], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The trees' tokens, parents (each tree's own indices) and depths [their nodes, side by side] on ``device``: a
     pending tree's from its device copy, the host trees' in one upload."""
-    host = {i: DraftTree.of(part.tree) for i, part in enumerate(parts) if _on_device(part.tree, device) is None}
-    uploaded: dict[int, torch.Tensor] = {}
+    on_device = [part.tree.device_copy(device) if isinstance(part.tree, PendingTree) else None for part in parts]
+    host = {i: DraftTree.of(part.tree) for i, (part, copy) in enumerate(zip(parts, on_device)) if copy is None}
+    columns: dict[int, tuple[torch.Tensor, ...]] = {
+        i: (copy.tokens, copy.parents, copy.depths) for i, copy in enumerate(on_device) if copy is not None
+    }
     if host:
         stacked = torch.cat([torch.stack([t.tokens, t.parents, t.depths()]) for t in host.values()], dim=1)
-        uploaded = dict(zip(host, upload(stacked, device).split([t.num_nodes for t in host.values()], dim=1)))
-    columns = []
-    for i, part in enumerate(parts):
-        on_device = _on_device(part.tree, device)
-        trees = uploaded[i] if on_device is None else (on_device.tokens, on_device.parents, on_device.depths)
-        columns.append([column[: part.nodes] for column in trees])
-    tokens, parents, depths = (torch.cat([c[k] for c in columns]) for k in range(3))
+        columns |= dict(zip(host, upload(stacked, device).split([t.num_nodes for t in host.values()], dim=1)))
+    cut = [[column[: part.nodes] for column in columns[i]] for i, part in enumerate(parts)]
+    tokens, parents, depths = (torch.cat([c[k] for c in cut]) for k in range(3))
     return tokens, parents, depths
-
-
-def _on_device(tree: DraftTree | PendingTree, device: torch.device) -> DeviceTree | None:
-    return tree.device_copy(device) if isinstance(tree, PendingTree) else None
 
 
 class SampledReads:
@@ -199,9 +194,11 @@ class SampledReads:
     forward alone."""
 
     def __init__(self, sampled: SampledStep | None) -> None:
-        self._spans = sampled.spans if sampled is not None else {}
-        both = torch.stack([sampled.outcomes.accepted.long(), sampled.outcomes.bonus]) if sampled is not None else None
-        self._copy = HostCopy(both) if both is not None else None
+        self._spans: dict[str, tuple[int, int]] = {}
+        self._copy: HostCopy | None = None
+        if sampled is not None:
+            self._spans = sampled.spans
+            self._copy = HostCopy(torch.stack([sampled.outcomes.accepted.long(), sampled.outcomes.bonus]))
 
     def get(self) -> dict[str, SamplingOutcomes]:
         if self._copy is None:
