@@ -61,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
                    "the first evaluated prompt's arms at the first context (needs nsys on PATH)")
     p.add_argument("--fp32-attention-backend", choices=["auto", "triton", "torch"],
                    help="attention of the exactness rule's fp32 runs (default: the serving settings'); a judging cost only")
+    p.add_argument("--judge-minutes", type=float, help="judging time after which divergences not yet judged are "
+                   "left unchecked and the report is written (--resume judges them later; default: no limit)")
     p.add_argument("--profile-window", action="store_true", default=None, help=argparse.SUPPRESS)  # set by --nsys
     return p
 
@@ -71,6 +73,8 @@ def config_from(args: argparse.Namespace) -> ProtocolConfig:
              if f.name != "preset" and getattr(args, f.name, None) is not None}
     given = {name: tuple(value) if isinstance(value, list) else value for name, value in given.items()}
     config = replace(PRESETS[args.preset], preset=args.preset, **given)  # custom starts from smoke's values
+    if config.judge_minutes is not None and config.judge_minutes < 0:
+        raise InvalidRequest(f"--judge-minutes {config.judge_minutes}: minutes, 0 or more")
     if config.tune_finalists < 0:
         raise InvalidRequest(f"--tune-finalists {config.tune_finalists}: a count of candidates, 0 or more")
     for policy in config.policies:

@@ -17,6 +17,8 @@ prefill's activations. A switch costs a reload (seconds) against runs of a minut
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from functools import partial
 
 from bench.reproduce.exactness import (
@@ -110,3 +112,22 @@ class Judge:
             self.replay.release()
             self._fp32_diverges[key] = self.rerun.diverges(group, draft, max_new_tokens, concurrent=concurrent)
         return self._fp32_diverges[key][group.index(prompt)]
+
+
+class JudgingLimit:
+    """The judging's time limit (``--judge-minutes``): past it, a divergence not yet judged is left unchecked
+    rather than judged (its fp32 runs take a minute and more at 64K on an 8B target), so a run that must end
+    by a machine's deadline still writes its report."""
+
+    def __init__(self, minutes: float | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.deadline = None if minutes is None else clock() + 60 * minutes
+        self.left_unchecked = 0
+
+    def reached(self) -> bool:
+        return self.deadline is not None and self.clock() >= self.deadline
+
+    def unchecked(self, divergence: Divergence) -> ExactnessResult:
+        self.left_unchecked += 1
+        return ExactnessResult("unchecked", f"not judged: the judging's time limit came first (--judge-minutes); "
+                               f"diverges from Auto at token {divergence.position}", divergence)

@@ -62,7 +62,7 @@ def write_outputs(
         "commit": git_commit(),
         "config": json.loads(json.dumps(asdict(config), default=str)),
         "settings": json.loads(settings.model_dump_json()),
-        "exactness": {"passed": result.exit_code == 0, **counts},
+        "exactness": {"passed": result.exit_code == 0 and not counts["unchecked"], **counts},  # unchecked: not shown
         "tuning": to_dicts(result.scores),
         "summaries": to_dicts(result.summaries),
         "draft_step_fields": [f.name for f in fields(DraftStep)],  # the columns of every run's draft_steps

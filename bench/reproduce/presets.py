@@ -41,6 +41,9 @@ class ProtocolConfig:
     # attention of the exactness rule's fp32 runs (None: the serving settings'); at 32K-64K on an 8B target their
     # prefills are most of the judging's time, and which backend prefills fp32 faster is measured by bench.fp32_cost
     fp32_attention_backend: str | None = None
+    # judging time after which a divergence not yet judged is left "unchecked" (each costs fp32 runs, a minute and
+    # more at 64K on an 8B target), so a run held to a machine's time still writes its report; None: no limit
+    judge_minutes: float | None = None
 
 
 SMOKE = ProtocolConfig(

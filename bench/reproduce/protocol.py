@@ -34,7 +34,7 @@ from bench.reproduce.draft_steps import DraftStep, build_recording_engine, take_
 from bench.reproduce.exactness import ExactnessResult, first_divergence
 from bench.reproduce.fp32_rerun import Fp32Rerun
 from bench.reproduce.inflate import inflate_pair
-from bench.reproduce.judging import Judge
+from bench.reproduce.judging import Judge, JudgingLimit
 from bench.reproduce.output import write_outputs
 from bench.reproduce.presets import ProtocolConfig, default_out_dir
 from bench.reproduce.profiling import nvtx_range, profiled
@@ -52,7 +52,7 @@ from gateway.assembly import load_tokenizer
 
 log = logging.getLogger("bench.reproduce")
 # where and how a run writes or judges, not what it measures
-NOT_FINGERPRINTED = ("out_dir", "resume", "profile_window", "fp32_attention_backend")
+NOT_FINGERPRINTED = ("out_dir", "resume", "profile_window", "fp32_attention_backend", "judge_minutes")
 SLACK_TOKENS = 64  # context kept free beyond max_new_tokens for a last step's tree
 
 
@@ -357,10 +357,14 @@ class _Protocol:
         backend = self.config.fp32_attention_backend
         fp32_settings = self.settings if backend is None else self.settings.model_copy(update={"attention_backend": backend})
         judge = Judge(replay, Fp32Rerun(fp32_settings, longest, sampling=self.sampling))
+        limit = JudgingLimit(self.config.judge_minutes)
         for run in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
             key = (run.dataset, run.context, run.prompt)
             run.exactness = self.checkpoint.verdict(run_key(run))
-            if run.exactness is None:
+            divergence = first_divergence(auto[key].token_ids, run.token_ids)
+            if run.exactness is None and divergence is not None and limit.reached():
+                run.exactness = limit.unchecked(divergence)  # not recorded: --resume judges it
+            elif run.exactness is None:
                 started = time.perf_counter()
                 run.exactness = self._verdict(judge, run, auto[key], self.prompt_ids[key])
                 self.checkpoint.record_verdict(run_key(run), run.exactness)
@@ -374,6 +378,9 @@ class _Protocol:
                        "REFERENCE DIFFERS" if run.arm == REFERENCE else "EXACTNESS FAILED", run.dataset,
                        run.context, run.prompt, run.label, run.exactness.divergence.position, run.exactness.reason)
         judge.close()
+        if limit.left_unchecked:
+            log.warning("judging stopped after %.1f minutes (--judge-minutes): %d divergences unchecked; --resume "
+                        "judges them", self.config.judge_minutes, limit.left_unchecked)
         return int(any(r.exactness is not None and r.exactness.verdict == "mismatch" and r.arm != REFERENCE
                        for r in evaluated))
 

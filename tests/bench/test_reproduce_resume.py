@@ -11,6 +11,8 @@ import pytest
 
 from bench.reproduce.checkpoint import PROTOCOL_FILE, RUNS_FILE, VERDICTS_FILE
 from bench.reproduce.cli import main
+from bench.reproduce.exactness import Divergence
+from bench.reproduce.judging import Judge, JudgingLimit
 from tests.bench.conftest import forbid, stopped_copy
 
 KEPT_RUNS = 4  # of the smoke run's 7: its tuning pass and Auto's and one baseline's evaluation
@@ -144,3 +146,51 @@ def test_the_fp32_runs_attention_is_a_judging_choice_that_a_resumed_run_may_chan
     assert main([*_argv(code_prompts, resumed), "--resume"]) == 0  # without the flag: the serving settings' own
     assert built == ["torch", "auto"]
     assert json.loads((resumed / PROTOCOL_FILE).read_text())["settings"]["attention_backend"] == "auto"
+
+
+def test_past_the_judging_limit_a_divergence_is_left_unchecked_and_a_later_resume_judges_it(
+    smoke_run, code_prompts, tmp_path, monkeypatch
+):
+    """``--judge-minutes 0``: a divergence is neither judged nor recorded; the report says so and does not pass.
+    Runs equal to Auto's are still exact. Resumed without the limit, the divergence is judged."""
+    _, smoke_dir, _ = smoke_run
+    stopped = stopped_copy(smoke_dir, tmp_path / "stopped")
+    (stopped / VERDICTS_FILE).write_text("")
+    runs = [json.loads(line) for line in (stopped / RUNS_FILE).read_text().splitlines()]
+    planted = next(r for r in runs if r["phase"] == "eval" and r["arm"] == "eagle3")
+    planted["token_ids"][3] = (planted["token_ids"][3] + 1) % 8192
+    (stopped / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    def no_evidence(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a divergence was judged past the judging limit")
+
+    monkeypatch.setattr(Judge, "_greedy_evidence", no_evidence)
+
+    assert main([*_argv(code_prompts, stopped), "--resume", "--judge-minutes", "0"]) == 0
+    limited = json.loads((stopped / "results.json").read_text())
+    verdicts = {r["label"]: r["exactness"] for r in limited["runs"] if r["phase"] == "eval" and r["arm"] != "auto"}
+    unchecked = verdicts.pop(planted["label"])
+    assert unchecked["verdict"] == "unchecked" and unchecked["divergence"]["position"] == 3
+    assert {v["verdict"] for v in verdicts.values()} == {"exact"}
+    assert limited["exactness"]["unchecked"] == 1 and not limited["exactness"]["passed"]
+    assert "(1 unchecked)" in (stopped / "results.md").read_text()
+    recorded = [json.loads(line)["run"][-1] for line in (stopped / VERDICTS_FILE).read_text().splitlines()]
+    assert planted["label"] not in recorded and len(recorded) == len(verdicts)
+
+    monkeypatch.undo()
+    assert main([*_argv(code_prompts, stopped), "--resume"]) == 1  # the planted token: a mismatch
+    judged = json.loads((stopped / "results.json").read_text())
+    assert next(r for r in judged["runs"] if r["label"] == planted["label"] and r["phase"] == "eval")[
+        "exactness"]["verdict"] == "mismatch"
+
+
+def test_the_judging_limit_counts_from_its_start():
+    now = [100.0]
+    limit = JudgingLimit(0.5, clock=lambda: now[0])
+    assert not limit.reached()
+    now[0] += 29.9
+    assert not limit.reached()
+    now[0] += 0.1
+    assert limit.reached()
+    assert not JudgingLimit(None, clock=lambda: 1e12).reached()
+    verdict = limit.unchecked(Divergence(7, 1, 2))
+    assert (verdict.verdict, verdict.divergence, limit.left_unchecked) == ("unchecked", Divergence(7, 1, 2), 1)
