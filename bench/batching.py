@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,30 +56,38 @@ MODES: dict[str, DraftOptions | None] = {
 }
 
 
-async def one_stream(
-    engine: SpeculativeEngine, ids: list[int], options: DraftOptions | None, n: int, sampling: SamplingParams
-) -> GenerationStats:
+@dataclass(frozen=True)
+class RequestSpec:
+    """What every request of a measurement asks for; only the prompt differs."""
+
+    draft: DraftOptions | None  # None: Auto
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+
+    def of(self, prompt_ids: list[int]) -> GenerationRequest:
+        return GenerationRequest(prompt_ids, self.max_new_tokens, sampling=self.sampling, draft=self.draft)
+
+
+async def one_stream(engine: SpeculativeEngine, ids: list[int], spec: RequestSpec) -> GenerationStats:
     """One request through the engine; its stats (the last chunk's)."""
-    async for chunk in engine.generate(GenerationRequest(ids, n, sampling=sampling, draft=options)):
+    async for chunk in engine.generate(spec.of(ids)):
         if chunk.stats is not None:
             return chunk.stats
     raise RuntimeError("the engine's stream ended without its stats")
 
 
-async def one_client(
-    engine: SpeculativeEngine, prompts: list[list[int]], options, n: int, sampling: SamplingParams  # noqa: ANN001
-) -> list[GenerationStats]:
+async def one_client(engine: SpeculativeEngine, prompts: list[list[int]], spec: RequestSpec) -> list[GenerationStats]:
     """One stream's requests, one after another (the next starts when the last one ends)."""
-    return [await one_stream(engine, ids, options, n, sampling) for ids in prompts]
+    return [await one_stream(engine, ids, spec) for ids in prompts]
 
 
 async def concurrent(
-    engine: SpeculativeEngine, streams: list[list[list[int]]], options, n: int, sampling: SamplingParams  # noqa: ANN001
+    engine: SpeculativeEngine, streams: list[list[list[int]]], spec: RequestSpec
 ) -> tuple[list[GenerationStats], float]:
     """``streams[s]``: the prompts stream s sends in turn; all streams run at once. Every request's stats, and
     the wall seconds of the whole."""
     started = time.perf_counter()
-    per_stream = await asyncio.gather(*(one_client(engine, prompts, options, n, sampling) for prompts in streams))
+    per_stream = await asyncio.gather(*(one_client(engine, prompts, spec) for prompts in streams))
     return [stats for stream in per_stream for stats in stream], time.perf_counter() - started
 
 
@@ -90,7 +99,7 @@ def measure(
     _settle(engine)  # the last run's releases: an iteration in flight would add to the reset timing
     timing.reset()
     recorded_before, audit_before, compiled_before = _draft_graphs(engine), audit.snapshot(), triton_kernels_compiled()
-    requests, seconds = asyncio.run(concurrent(engine, streams, MODES[mode], max_new_tokens, sampling))
+    requests, seconds = asyncio.run(concurrent(engine, streams, RequestSpec(MODES[mode], max_new_tokens, sampling)))
     tokens = sum(stats.new_tokens for stats in requests)
     steps = sum(stats.steps for stats in requests)
     decode_seconds = sum(stats.decode_seconds for stats in requests)

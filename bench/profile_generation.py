@@ -38,9 +38,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.batching import MODES, concurrent
+from bench.batching import MODES, RequestSpec, concurrent
 from bench.warmup import warm_up_draft, warm_up_target
-from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from gateway.assembly import build_engine
 
@@ -291,7 +290,7 @@ def main() -> int:
 
 async def _run(engine, prompts, mode: str, max_new_tokens: int, report) -> None:  # noqa: ANN001
     streams = asyncio.ensure_future(
-        concurrent(engine, [[ids] for ids in prompts], MODES[mode], max_new_tokens, SamplingParams())
+        concurrent(engine, [[ids] for ids in prompts], RequestSpec(MODES[mode], max_new_tokens))
     )
     await asyncio.sleep(0.05)  # every request is in the inbox
     await asyncio.to_thread(_profiled_loop, engine.core, report)
