@@ -99,6 +99,12 @@ class DiffSpecSettings(BaseSettings):
         description="Re-select the working set early when the best-scoring chunks share less than this fraction "
         "with the chosen ones (0 = only every salience_reselect_every steps; each change costs an arena update).",
     )
+    salience_compact_positions: bool = Field(
+        False,
+        description="Re-rope the working set's chunks to follow one another up to its newest chunk, which keeps its "
+        "positions, so the draft sees a working set of working_set_tokens as a context that long (a head trained on "
+        "short windows never saw the distances of a long one); each change of the set restages its arena whole.",
+    )
 
     # Generation defaults
     max_new_tokens: int = Field(

@@ -18,6 +18,13 @@ when they are written (``Eagle3Head.attention_inputs``), and the draft attends t
 below its length with no mask between them (``draft_attention``), so the order changes only the
 float summation order. The plan is deterministic, so every decoder layer's arena, given the same
 selections, holds its chunks in the same slots.
+
+Compacted positions (``WorkingSetConfig.compact_positions``). The committed keys are roped at their own
+positions, so a working set at 64K spans distances a head trained on short windows never saw. ``restage``
+instead fills the arena with the chosen chunks in position order, each chunk's keys rotated by how far it
+moves: the newest chunk keeps its positions and the others follow one another up to it. A rotation composes
+with the one applied when the key was written (rope(k, p) rotated by d is rope(k, p + d)), so no unroped
+key is kept. The positions then depend on the whole set, so each change restages every chunk.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from diffspec_kernels.layer_ops_ref import apply_rotary
 
 
 @dataclass(frozen=True)
@@ -107,7 +116,32 @@ class ChunkArena:
         self.copies += len(plan.move_from) + len(plan.enter_chunks)
         return targets, sources
 
+    def restage(
+        self, chunks: list[int], source_keys: torch.Tensor, source_values: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Hold ``chunks`` (ascending, full chunks of the sources [length, kv_heads, hd]) in slots 0, 1, ...,
+        each slot's keys rotated by cos, sin [len(chunks) * chunk, hd] (``compacted_shifts``' positions)."""
+        if len(chunks) > self.num_slots:
+            raise ValueError(f"{len(chunks)} chunks selected for an arena of {self.num_slots} slots")
+        size, used = self.chunk_size, len(chunks)
+        index = torch.tensor(chunks, device=source_keys.device)
+        full = source_keys.shape[0] // size * size
+        keys = source_keys[:full].unflatten(0, (-1, size)).index_select(0, index).flatten(0, 1)
+        self.keys[:used].copy_(apply_rotary(keys, cos, sin).unflatten(0, (used, size)))
+        self.values[:used].copy_(source_values[:full].unflatten(0, (-1, size)).index_select(0, index))
+        self.slot_chunk = list(chunks)
+        self.copies += used
+
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_used * chunk, kv_heads, hd] keys and values of the working set's chunks, in slot order."""
         used = len(self.slot_chunk)
         return self.keys[:used].flatten(0, 1), self.values[:used].flatten(0, 1)
+
+
+def compacted_shifts(chunks: list[int], chunk_size: int) -> list[int]:
+    """Per chunk of ``chunks`` (ascending), how far its positions move when the chunks follow one another up to
+    the last, which stays: 0 for the last and for any run of chunks that already ends there, and for an earlier
+    chunk the distance it moves up (positive)."""
+    last = chunks[-1]
+    return [(last - (len(chunks) - 1 - i) - chunk) * chunk_size for i, chunk in enumerate(chunks)]

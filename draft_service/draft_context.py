@@ -29,13 +29,14 @@ multi-tensor copy between them. A single context is a batch of one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from diffspec.devices import HostCopy
-from draft_service.chunk_arena import ChunkArena
+from draft_service.chunk_arena import ChunkArena, compacted_shifts
 from draft_service.chunk_encoding import ChunkEncodingPool, ChunkIndex
 from draft_service.draft_kv import DraftKV
 from draft_service.working_set import (
@@ -45,6 +46,9 @@ from draft_service.working_set import (
     forced_counts,
     select_working_sets,
 )
+
+
+Rope = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # positions [n] int64 -> cos, sin [n, hd]
 
 
 @dataclass(frozen=True)
@@ -65,11 +69,16 @@ class DraftContext:
         salience: WorkingSetConfig | None = None,
         num_layers: int = 1,
         chunk_pool: ChunkEncodingPool | None = None,
+        rope: Rope | None = None,
     ) -> None:
         """``chunk_pool``: where the chunk encodings live, shared by the drafter's sessions of the same chunk size
-        so that a batch is scored in one launch (None: a pool of its own)."""
+        so that a batch is scored in one launch (None: a pool of its own). ``rope``: the head's cos/sin of positions,
+        which a working set with ``compact_positions`` rotates its chunks' keys by."""
+        if salience is not None and salience.compact_positions and rope is None:
+            raise ValueError("a working set with compacted positions needs the head's rope")
         self.kvs = [DraftKV(num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]  # per decoder layer
         self.salience = salience
+        self.rope = rope
         if salience is not None:
             size = salience.chunk_size
             pool = chunk_pool or ChunkEncodingPool(size, num_kv_heads, head_dim, dtype, device)
@@ -201,6 +210,9 @@ def reselect_all(contexts: list[DraftContext], candidates: np.ndarray, num_chunk
     for context, selected in zip(contexts, selections):
         if set(selected) == context.arenas[0].chunks():
             continue
+        if context.salience.compact_positions:
+            restage_compacted(context, selected)
+            continue
         plan = context.arenas[0].plan(selected, context.length // context.salience.chunk_size)
         for arena, kv in zip(context.arenas, context.kvs):
             to, of = arena.copy_views(plan, *kv.view())
@@ -211,3 +223,14 @@ def reselect_all(contexts: list[DraftContext], candidates: np.ndarray, num_chunk
         torch._foreach_copy_(targets, sources)  # every changed arena of the batch, every layer: a few launches
     for context, n in zip(contexts, num_chunks):
         context.covered_chunks = int(n)
+
+
+def restage_compacted(context: DraftContext, selected: list[int]) -> None:
+    """Every layer's arena restaged with ``selected`` in position order, their keys rotated so that the chunks
+    follow one another up to the newest (``ChunkArena.restage``)."""
+    chunks, size = sorted(selected), context.salience.chunk_size
+    shifts = torch.tensor(compacted_shifts(chunks, size), device=context.kvs[0].keys.device)
+    cos, sin = context.rope(shifts.repeat_interleave(size))  # [chunks * size, hd]: one shift per chunk's rows
+    for arena, kv in zip(context.arenas, context.kvs):
+        arena.restage(chunks, *kv.view(), cos, sin)
+    context.working_set_updates += 1

@@ -103,7 +103,9 @@ class Drafter:
         """Build the draft KV over the prompt: entries pair f[t] with token t + 1."""
         c, weight = self.head.config, self.head.fc.weight
         pool = self._chunk_pool(salience.chunk_size) if salience is not None else None
-        context = DraftContext(c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers, pool)
+        context = DraftContext(
+            c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers, pool, self.head.rope
+        )
         nothing = torch.empty(0)
         session = DraftSession(context, root_query=nothing, root_hidden=nothing, num_entries=0, root_token=first_token)
         self.extend_many([Extension(session, features, [*prompt_ids[1:], first_token])], select_now=True)

@@ -29,6 +29,7 @@ def working_set_config(settings: DiffSpecSettings) -> WorkingSetConfig:
         settings.salience_recent_tokens,
         reselect_every=settings.salience_reselect_every,
         min_overlap=settings.salience_min_overlap,
+        compact_positions=settings.salience_compact_positions,
     )
 
 

@@ -32,9 +32,12 @@ class WorkingSetConfig:
     recent_chunks: int = 4
     reselect_every: int = 8  # steps between scheduled re-selections
     min_overlap: float = 0.75  # re-select early when the top set drifts below this overlap
+    # the chosen chunks' keys re-roped to follow one another up to the newest chosen chunk, which keeps its own
+    # positions (``ChunkArena.restage``): the head sees a working set of ~budget_tokens as a context that long
+    compact_positions: bool = False
 
     @staticmethod
-    def of_tokens(chunk_size: int, budget_tokens: int, recent_tokens: int, **rest: float) -> WorkingSetConfig:
+    def of_tokens(chunk_size: int, budget_tokens: int, recent_tokens: int, **rest: float | bool) -> WorkingSetConfig:
         """The config of settings that count tokens (``working_set_tokens``, ``salience_recent_tokens``)."""
         return WorkingSetConfig(chunk_size, budget_tokens, recent_chunks=max(1, recent_tokens // chunk_size), **rest)
 

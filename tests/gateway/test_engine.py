@@ -285,3 +285,22 @@ def test_bad_requests_are_rejected(random_head_engine, request_, message):
         collect(random_head_engine, request_)
     assert_all_released(random_head_engine)
 
+
+
+def test_a_compacted_working_set_drafts_from_settings_and_stays_lossless(target, tokenizer, auto):
+    """``salience_compact_positions`` reaches the draft's working set; the trained head drafts over it, re-roped
+    each time the set moves, and the output is Auto's."""
+    settings = DiffSpecSettings(draft_model=BUNDLED_DRAFT, chunk_size=16, working_set_tokens=128,
+                                salience_recent_tokens=32, salience_compact_positions=True)
+    draft = load_draft_runtime(settings, target)
+    assert draft.working_set.compact_positions
+    engine = SpeculativeEngine(target, draft, tokenizer)
+    try:
+        ids = tokenizer(source_prompts(1)[0])["input_ids"][-900:]
+        spec_ids, _, stats = collect(engine, GenerationRequest(ids, NEW_TOKENS, draft=DraftOptions("full", salience=True)))
+        assert spec_ids == auto(ids, NEW_TOKENS)[0]
+        assert stats.accepted_drafts > 0 and 0 < stats.working_set_tokens <= 128
+        assert stats.working_set_updates >= 2  # the prompt's set, then at least one move
+        assert_all_released(engine)
+    finally:
+        engine.close()
