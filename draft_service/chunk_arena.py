@@ -117,19 +117,19 @@ class ChunkArena:
         return targets, sources
 
     def restage(
-        self, chunks: list[int], source_keys: torch.Tensor, source_values: torch.Tensor,
-        cos: torch.Tensor, sin: torch.Tensor,
+        self, chunks: list[int], chunks_on_device: torch.Tensor, source_keys: torch.Tensor,
+        source_values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     ) -> None:  # fmt: skip
-        """Hold ``chunks`` (ascending, full chunks of the sources [length, kv_heads, hd]) in slots 0, 1, ...,
-        each slot's keys rotated by cos, sin [len(chunks) * chunk, hd] (``compacted_shifts``' positions)."""
-        if len(chunks) > self.num_slots:
-            raise ValueError(f"{len(chunks)} chunks selected for an arena of {self.num_slots} slots")
+        """Hold ``chunks`` (ascending full chunks of the sources [length, kv_heads, hd]; ``chunks_on_device`` the
+        same ids, [n] int64 uploaded by the caller) in slots 0, 1, ..., each slot's keys rotated by cos, sin
+        [n * chunk, hd] (``compacted_shifts``' positions)."""
         size, used = self.chunk_size, len(chunks)
-        index = torch.tensor(chunks, device=source_keys.device)
+        if used > self.num_slots:
+            raise ValueError(f"{used} chunks selected for an arena of {self.num_slots} slots")
         full = source_keys.shape[0] // size * size
-        keys = source_keys[:full].unflatten(0, (-1, size)).index_select(0, index).flatten(0, 1)
+        keys = source_keys[:full].unflatten(0, (-1, size)).index_select(0, chunks_on_device).flatten(0, 1)
         self.keys[:used].copy_(apply_rotary(keys, cos, sin).unflatten(0, (used, size)))
-        self.values[:used].copy_(source_values[:full].unflatten(0, (-1, size)).index_select(0, index))
+        self.values[:used].copy_(source_values[:full].unflatten(0, (-1, size)).index_select(0, chunks_on_device))
         self.slot_chunk = list(chunks)
         self.copies += used
 

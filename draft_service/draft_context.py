@@ -229,8 +229,10 @@ def restage_compacted(context: DraftContext, selected: list[int]) -> None:
     """Every layer's arena restaged with ``selected`` in position order, their keys rotated so that the chunks
     follow one another up to the newest (``ChunkArena.restage``)."""
     chunks, size = sorted(selected), context.salience.chunk_size
-    shifts = torch.tensor(compacted_shifts(chunks, size), device=context.kvs[0].keys.device)
+    # one staged upload, no stream sync: this runs while a verify may still be on the device
+    uploaded = context.index.pool.staging.upload([*chunks, *compacted_shifts(chunks, size)])
+    on_device, shifts = uploaded.split(len(chunks))
     cos, sin = context.rope(shifts.repeat_interleave(size))  # [chunks * size, hd]: one shift per chunk's rows
     for arena, kv in zip(context.arenas, context.kvs):
-        arena.restage(chunks, *kv.view(), cos, sin)
+        arena.restage(chunks, on_device, *kv.view(), cos, sin)
     context.working_set_updates += 1

@@ -44,7 +44,7 @@ def test_a_restaged_chunk_holds_its_keys_roped_at_the_compacted_positions():
     chunks = [0, 4, 10, 11]
     shifts = torch.tensor(compacted_shifts(chunks, CHUNK)).repeat_interleave(CHUNK)
     arena = ChunkArena(6, CHUNK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
-    arena.restage(chunks, keys, values, *rotary.cos_sin(shifts, torch.float32))
+    arena.restage(chunks, torch.tensor(chunks), keys, values, *rotary.cos_sin(shifts, torch.float32))
 
     positions = torch.tensor([p for c in range(8, 12) for p in range(c * CHUNK, (c + 1) * CHUNK)])
     rows = torch.tensor([p for c in chunks for p in range(c * CHUNK, (c + 1) * CHUNK)])
