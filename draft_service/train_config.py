@@ -61,6 +61,9 @@ class TrainConfig(BaseModel):
     chunk_size: int = Field(64, ge=1, description="Context tokens per salience chunk (with working_set_tokens).")
     salience_recent_tokens: int = Field(256, ge=1, description="Most recent context tokens always in the working "
                                         "set (with working_set_tokens).")
+    salience_compact_positions: bool = Field(False, description="Train with the working set's positions compacted "
+                                             "(with working_set_tokens), as serving's salience_compact_positions "
+                                             "stages them: the head then learns the set as a context of its length.")
 
     @model_validator(mode="after")
     def _check_sizes(self) -> TrainConfig:

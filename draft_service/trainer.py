@@ -103,7 +103,8 @@ class _Run:
             head = Eagle3Head(Eagle3Config.for_target(tc, d2t.numel(), layers), target.embed_tokens.float())
             head.set_vocab_map(d2t.to(device), t2d.to(device))
         working_set = (
-            WorkingSetConfig.of_tokens(config.chunk_size, config.working_set_tokens, config.salience_recent_tokens)
+            WorkingSetConfig.of_tokens(config.chunk_size, config.working_set_tokens, config.salience_recent_tokens,
+                                       compact_positions=config.salience_compact_positions)
             if config.working_set_tokens else None
         )  # fmt: skip
         optimizer = torch.optim.AdamW(

@@ -78,7 +78,7 @@ def ttt_forward(
         if k == 0:
             k0, v0 = key, value
             if working_set is not None:
-                context = gather_block_context(key, value, choose_block_working_sets(q, key, working_set))
+                context = gather_block_context(key, value, choose_block_working_sets(q, key, working_set), head.rope)
         else:
             own_k.append(key)
             own_v.append(value)

@@ -12,7 +12,8 @@ when the set is chosen), ranked on the device, sinks and recent chunks forced, t
 the budget, and every chunk when they all fit. A query at t >= p attends to the keys of the chosen chunks,
 to its own block's keys up to t (the tail), and in unrolled step k to its own keys of steps 1..k (a depth-k
 node's ancestors), as ``ttt_unroll`` does without a working set. The selection reads detached keys: it is a
-choice, not a function to differentiate.
+choice, not a function to differentiate. With ``compact_positions`` the chosen keys are re-roped to follow one
+another up to the block, as serving's arena holds them (``chunk_arena``).
 
 Cost. The chosen keys are gathered per block, once per window: [batch, blocks, budget] keys and values. Each
 unrolled step keeps a [blocks, heads, chunk_size, budget] softmax for the backward pass. So memory grows as
@@ -28,7 +29,10 @@ import numpy as np
 import torch
 
 from diffspec_kernels.chunk_scoring_ref import chunk_scores_reference
+from diffspec_kernels.layer_ops_ref import apply_rotary
 from diffspec_kernels.draft_attention_ref import draft_attention_reference
+from draft_service.chunk_arena import compacted_shifts
+from draft_service.draft_context import Rope
 from draft_service.working_set import (
     WorkingSetConfig,
     WorkingSetSelector,
@@ -51,6 +55,9 @@ class BlockWorkingSets:
     chunks: list[list[list[int]]]  # [batch][block] chosen chunk ids, ascending (block 0 has none)
     positions: torch.Tensor  # [batch, blocks, width] int64 positions of the chosen chunks' keys, 0 past lengths
     lengths: torch.Tensor  # [batch, blocks] int64 valid entries of each row of ``positions``
+    # [batch, blocks, width] int64 how far each key's position moves with compacted positions (``chunk_arena``'s
+    # ``compacted_shifts``); None: the keys keep their own
+    shifts: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -89,6 +96,7 @@ def choose_block_working_sets(
             chunks[b][block] = ids
     width = max((len(ids) for per_block in chunks for ids in per_block), default=0) * size
     positions = np.zeros((batch, blocks, width), dtype=np.int64)
+    shifts = np.zeros((batch, blocks, width), dtype=np.int64)
     lengths = np.zeros((batch, blocks), dtype=np.int64)
     offsets = np.arange(size)
     for b, per_block in enumerate(chunks):
@@ -96,8 +104,10 @@ def choose_block_working_sets(
             if ids:
                 flat = (np.asarray(ids)[:, None] * size + offsets).ravel()
                 positions[b, block, : flat.size], lengths[b, block] = flat, flat.size
-    return BlockWorkingSets(size, chunks, torch.from_numpy(positions).to(k0.device),
-                            torch.from_numpy(lengths).to(k0.device))  # fmt: skip
+                shifts[b, block, : flat.size] = np.repeat(compacted_shifts(ids, size), size)
+    device = k0.device
+    return BlockWorkingSets(size, chunks, torch.from_numpy(positions).to(device), torch.from_numpy(lengths).to(device),
+                            torch.from_numpy(shifts).to(device) if config.compact_positions else None)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -121,12 +131,17 @@ def gather_block_context(
     k0: torch.Tensor,  # [B, L, kv_heads, hd] step-0 keys
     v0: torch.Tensor,  # [B, L, kv_heads, hd]
     sets: BlockWorkingSets,
+    rope: Rope | None = None,  # the head's cos/sin of positions: with compacted sets, the chosen keys move by them
 ) -> BlockContext:
     owner = torch.arange(k0.shape[0], device=k0.device)[:, None, None]
     blocks, size = sets.num_blocks, sets.chunk_size
+    chosen_k = k0[owner, sets.positions]
+    if sets.shifts is not None:
+        if rope is None:
+            raise ValueError("compacted working sets need the head's rope")
+        chosen_k = apply_rotary(chosen_k, *rope(sets.shifts))  # as serving restages its arena
     return BlockContext(
-        size, k0[owner, sets.positions], v0[owner, sets.positions], sets.lengths,
-        _by_block(k0, blocks, size), _by_block(v0, blocks, size),
+        size, chosen_k, v0[owner, sets.positions], sets.lengths, _by_block(k0, blocks, size), _by_block(v0, blocks, size),
     )  # fmt: skip
 
 

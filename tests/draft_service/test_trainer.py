@@ -189,6 +189,9 @@ def test_training_under_a_working_set(corpus_dir: Path, tmp_path: Path) -> None:
                                 salience_recent_tokens=8))  # fmt: skip
     assert under.losses[0] != plain.losses[0]  # the same head and batch: other keys seen
     assert sum(under.losses[-3:]) < 0.8 * sum(under.losses[:3]), under.losses
+    compacted = train_draft(_config(corpus_dir, tmp_path / "compact", steps=1, working_set_tokens=24, chunk_size=4,
+                                    salience_recent_tokens=8, salience_compact_positions=True))  # fmt: skip
+    assert compacted.losses[0] != under.losses[0]  # the same keys, at other positions
     with pytest.raises(ValueError, match="must be 0 or hold two chunks"):
         _config(corpus_dir, tmp_path, working_set_tokens=100, chunk_size=64)
 

@@ -131,3 +131,35 @@ def test_block_sets_and_attention_on_a_gpu_are_the_cpu_ones() -> None:
     out = working_set_attention(q.cuda(), context, diag_k.cuda(), diag_v.cuda(), SCALE)
     expected = working_set_attention(q, gather_block_context(k0, v0, on_cpu), diag_k, diag_v, SCALE)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["own-positions", "compacted"])
+def test_block_keys_are_what_serving_stages(compact: bool) -> None:
+    """The keys a block's queries attend to are the drafter's arena keys after a prompt ending at that block, with
+    their positions compacted or not as serving stages them: trained as served."""
+    head = random_head(seed=6)
+    config = WorkingSetConfig(chunk_size=4, budget_tokens=28, sink_chunks=1, recent_chunks=2, reselect_every=1,
+                              compact_positions=compact)
+    gen = torch.Generator().manual_seed(12)
+    window = 61
+    token_ids = torch.randint(0, VOCAB, (1, window), generator=gen)
+    features = torch.randn(1, window, 3 * HIDDEN, generator=gen)
+    with torch.no_grad():
+        positions = torch.arange(window - 1)[None]
+        q0, k0, v0 = head.attention_inputs(token_ids[:, 1:], head.fuse(features[:, :-1]), head.rope(positions))
+        sets = choose_block_working_sets(q0, k0, config)
+        context = gather_block_context(k0, v0, sets, head.rope)
+        drafter = Drafter(head, cuda_graphs=False)
+        ids = token_ids[0].tolist()
+        moved = []
+        for prompt in (36, 48, 56):
+            session = drafter.start(ids[:prompt], features[0, :prompt], ids[prompt], config)
+            arena, block = session.context.arenas[0], prompt // 4
+            rows = [slot * 4 + i for chunk in sets.chunks[0][block] for slot in [arena.slot_chunk.index(chunk)]
+                    for i in range(4)]  # the arena's rows in the trainer's chunk order
+            staged_k, staged_v = (x[rows] for x in arena.view())
+            width = int(sets.lengths[0, block])
+            torch.testing.assert_close(context.chosen_k[0, block, :width], staged_k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(context.chosen_v[0, block, :width], staged_v, rtol=0, atol=0)
+            moved.append(not torch.allclose(staged_k, k0[0, sets.positions[0, block, :width]], rtol=0, atol=1e-6))
+    assert any(moved) == compact  # compacted keys are not the keys at their own positions
