@@ -95,26 +95,6 @@ def test_blocks_scored_a_few_at_a_time_choose_the_same_sets(monkeypatch: pytest.
     assert choose_block_working_sets(q0, k0, SMALL).chunks == at_once.chunks
 
 
-def test_block_sets_are_what_serving_chooses() -> None:
-    """The set a block's queries attend to is the one the drafter stages after a prompt ending at that block."""
-    head = random_head(seed=4)
-    config = WorkingSetConfig(chunk_size=4, budget_tokens=28, sink_chunks=1, recent_chunks=2, reselect_every=1)
-    gen = torch.Generator().manual_seed(11)
-    window = 61
-    token_ids = torch.randint(0, VOCAB, (1, window), generator=gen)
-    features = torch.randn(1, window, 3 * HIDDEN, generator=gen)
-    with torch.no_grad():
-        positions = torch.arange(window - 1)[None]
-        q0, k0, _ = head.attention_inputs(token_ids[:, 1:], head.fuse(features[:, :-1]), head.rope(positions))
-        sets = choose_block_working_sets(q0, k0, config)
-        drafter = Drafter(head, cuda_graphs=False)
-        for prompt in (36, 48, 56):  # 9, 12 and 14 full chunks: more than the arena's 5 slots
-            ids = token_ids[0].tolist()
-            session = drafter.start(ids[:prompt], features[0, :prompt], ids[prompt], config)
-            assert session.context.selects
-            assert sorted(session.context.arenas[0].chunks()) == sets.chunks[0][prompt // 4], prompt
-
-
 @pytest.mark.gpu
 def test_block_sets_and_attention_on_a_gpu_are_the_cpu_ones() -> None:
     """A 16K window at serving's sizes: the device scores and ranks the chunks (Triton) to the same sets, and
@@ -134,13 +114,13 @@ def test_block_sets_and_attention_on_a_gpu_are_the_cpu_ones() -> None:
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["own-positions", "compacted"])
-def test_block_keys_are_what_serving_stages(compact: bool) -> None:
-    """The keys a block's queries attend to are the drafter's arena keys after a prompt ending at that block, with
-    their positions compacted or not as serving stages them: trained as served."""
-    head = random_head(seed=6)
+def test_block_sets_and_keys_are_what_serving_stages(compact: bool) -> None:
+    """The set a block's queries attend to is the one the drafter stages after a prompt ending at that block, and
+    so are its keys, their positions compacted or not as serving stages them: trained as served."""
+    head = random_head(seed=4)
     config = WorkingSetConfig(chunk_size=4, budget_tokens=28, sink_chunks=1, recent_chunks=2, reselect_every=1,
                               compact_positions=compact)
-    gen = torch.Generator().manual_seed(12)
+    gen = torch.Generator().manual_seed(11)
     window = 61
     token_ids = torch.randint(0, VOCAB, (1, window), generator=gen)
     features = torch.randn(1, window, 3 * HIDDEN, generator=gen)
@@ -152,9 +132,10 @@ def test_block_keys_are_what_serving_stages(compact: bool) -> None:
         drafter = Drafter(head, cuda_graphs=False)
         ids = token_ids[0].tolist()
         moved = []
-        for prompt in (36, 48, 56):
+        for prompt in (36, 48, 56):  # 9, 12 and 14 full chunks: more than the arena's 5 slots
             session = drafter.start(ids[:prompt], features[0, :prompt], ids[prompt], config)
             arena, block = session.context.arenas[0], prompt // 4
+            assert session.context.selects and sorted(arena.chunks()) == sets.chunks[0][block], prompt
             rows = [slot * 4 + i for chunk in sets.chunks[0][block] for slot in [arena.slot_chunk.index(chunk)]
                     for i in range(4)]  # the arena's rows in the trainer's chunk order
             staged_k, staged_v = (x[rows] for x in arena.view())
