@@ -24,7 +24,8 @@ positions, so a working set at 64K spans distances a head trained on short windo
 instead fills the arena with the chosen chunks in position order, each chunk's keys rotated by how far it
 moves: the newest chunk keeps its positions and the others follow one another up to it. A rotation composes
 with the one applied when the key was written (rope(k, p) rotated by d is rope(k, p + d)), so no unroped
-key is kept. The positions then depend on the whole set, so each change restages every chunk.
+key is kept. The positions then depend on the whole set, so each change restages every chunk. The chunks are
+still scored and chosen at their own positions (``draft_context``); only the attention sees them moved.
 """
 
 from __future__ import annotations
