@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from diffspec_kernels.chunk_scoring_ref import chunk_scores_reference
-from diffspec_kernels.layer_ops_ref import apply_rotary
 from diffspec_kernels.draft_attention_ref import draft_attention_reference
+from diffspec_kernels.layer_ops_ref import apply_rotary
 from draft_service.chunk_arena import compacted_shifts
 from draft_service.draft_context import Rope
 from draft_service.working_set import (

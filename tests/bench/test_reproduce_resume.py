@@ -160,6 +160,7 @@ def test_past_the_judging_limit_a_divergence_is_left_unchecked_and_a_later_resum
     planted = next(r for r in runs if r["phase"] == "eval" and r["arm"] == "eagle3")
     planted["token_ids"][3] = (planted["token_ids"][3] + 1) % 8192
     (stopped / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+
     def no_evidence(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a divergence was judged past the judging limit")
 
