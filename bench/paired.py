@@ -143,6 +143,8 @@ def main() -> int:
         "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d"),
         "device": device_name(),
+        # every engine setting, those from DIFFSPEC_* variables included: the command alone does not say them
+        "settings": json.loads(settings.model_dump_json()),
         "summaries": to_dicts(summaries),
         "runs": [r.to_dict() for r in runs],
     }

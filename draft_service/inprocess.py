@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from diffspec.devices import resolve_device, resolve_dtype
+from diffspec.errors import InvalidRequest
 from diffspec.model_config import load_llama_config
 from diffspec.settings import DiffSpecSettings, parse_sizes
 from draft_service.eagle3_head import Eagle3Head
@@ -23,14 +24,20 @@ if TYPE_CHECKING:
 
 
 def working_set_config(settings: DiffSpecSettings) -> WorkingSetConfig:
-    return WorkingSetConfig.of_tokens(
-        settings.chunk_size,
-        settings.working_set_tokens,
-        settings.salience_recent_tokens,
-        reselect_every=settings.salience_reselect_every,
-        min_overlap=settings.salience_min_overlap,
-        compact_positions=settings.salience_compact_positions,
-    )
+    """The settings' working set, checked at start: one too small for its own sink and recent chunks is refused
+    here rather than in a request."""
+    try:
+        return WorkingSetConfig.of_tokens(
+            settings.chunk_size,
+            settings.working_set_tokens,
+            settings.salience_recent_tokens,
+            reselect_every=settings.salience_reselect_every,
+            min_overlap=settings.salience_min_overlap,
+            compact_positions=settings.salience_compact_positions,
+        ).fitting()
+    except ValueError as bad:
+        raise InvalidRequest(f"working_set_tokens {settings.working_set_tokens} with chunk_size {settings.chunk_size} "
+                             f"and salience_recent_tokens {settings.salience_recent_tokens}: {bad}") from None
 
 
 def load_draft_runtime(settings: DiffSpecSettings, target: TargetRuntime | None = None) -> DraftRuntime:

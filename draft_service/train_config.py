@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from diffspec.settings import BUNDLED_TARGET
+from draft_service.working_set import WorkingSetConfig
 
 
 class TrainConfig(BaseModel):
@@ -73,4 +74,13 @@ class TrainConfig(BaseModel):
         if 0 < self.working_set_tokens < 2 * self.chunk_size:
             raise ValueError(f"working_set_tokens {self.working_set_tokens} must be 0 or hold two chunks of "
                              f"chunk_size {self.chunk_size}")
+        if self.working_set_tokens:
+            self.working_set()  # its own sink and recent chunks must fit
         return self
+
+    def working_set(self) -> WorkingSetConfig | None:
+        """What each position attends to in training, as serving's settings make it; None: every earlier one."""
+        if not self.working_set_tokens:
+            return None
+        return WorkingSetConfig.of_tokens(self.chunk_size, self.working_set_tokens, self.salience_recent_tokens,
+                                          compact_positions=self.salience_compact_positions).fitting()

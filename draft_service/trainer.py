@@ -102,11 +102,7 @@ class _Run:
             d2t, t2d = build_vocab_map(corpus.token_counts, min(config.draft_vocab_size, tc.vocab_size))
             head = Eagle3Head(Eagle3Config.for_target(tc, d2t.numel(), layers), target.embed_tokens.float())
             head.set_vocab_map(d2t.to(device), t2d.to(device))
-        working_set = (
-            WorkingSetConfig.of_tokens(config.chunk_size, config.working_set_tokens, config.salience_recent_tokens,
-                                       compact_positions=config.salience_compact_positions)
-            if config.working_set_tokens else None
-        )  # fmt: skip
+        working_set = config.working_set()
         optimizer = torch.optim.AdamW(
             head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
         )

@@ -36,6 +36,18 @@ class WorkingSetConfig:
     # positions (``ChunkArena.restage``): the head sees a working set of ~budget_tokens as a context that long
     compact_positions: bool = False
 
+    def fitting(self) -> WorkingSetConfig:
+        """This config, when its arena holds the sink and recent chunks the rule always chooses (serving stages
+        every chosen chunk); a ValueError saying what would fit otherwise."""
+        forced = self.sink_chunks + self.recent_chunks
+        if self.max_chunks < forced:
+            raise ValueError(
+                f"a working set of {self.budget_tokens} tokens has room for {self.max_chunks} chunks of {self.chunk_size} "
+                f"beside its tail, fewer than its {self.sink_chunks} sink and {self.recent_chunks} recent chunks: it "
+                f"needs at least {(forced + 2) * self.chunk_size} tokens, or fewer recent ones"
+            )
+        return self
+
     @staticmethod
     def of_tokens(chunk_size: int, budget_tokens: int, recent_tokens: int, **rest: float | bool) -> WorkingSetConfig:
         """The config of settings that count tokens (``working_set_tokens``, ``salience_recent_tokens``)."""

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import pytest
 
 from bench.paired import arms_at, main, run_all, tree_config_arg
 from bench.reproduce.prompts import Dataset
-from diffspec.settings import DiffSpecSettings
+from diffspec.settings import BUNDLED_DRAFT, BUNDLED_TARGET, DiffSpecSettings
 from gateway.assembly import build_engine, load_tokenizer
 
 
@@ -61,3 +62,18 @@ def test_a_negative_temperature_is_refused_before_anything_loads(monkeypatch, ca
     with pytest.raises(SystemExit) as exited:
         main()
     assert exited.value.code == 2 and "--temperature must be at least 0" in capsys.readouterr().err
+
+
+def test_the_results_hold_every_setting_the_environment_gave(monkeypatch, tmp_path, code_prompts) -> None:
+    """A setting from a DIFFSPEC_* variable shapes the run but not its command line: the results record it."""
+    out = tmp_path / "paired.json"
+    monkeypatch.setenv("DIFFSPEC_SALIENCE_COMPACT_POSITIONS", "1")
+    monkeypatch.setattr("sys.argv", [
+        "bench.paired", "--base-model", str(BUNDLED_TARGET), "--draft-model", str(BUNDLED_DRAFT), "--data",
+        str(code_prompts), "--lengths", "512", "--prompts", "1", "--max-new-tokens", "4",
+        "--configs", "auto", "eagle3+salience", "--working-set-tokens", "512", "--out", str(out)])  # fmt: skip
+    assert main() == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["salience_compact_positions"] is True
+    assert result["settings"]["working_set_tokens"] == 512  # and the flags' own
+    assert [s["arm"] for s in result["summaries"]] == ["auto", "eagle3+salience"]

@@ -117,3 +117,4 @@ def test_compacted_positions_need_the_head_s_rope():
 
     with pytest.raises(ValueError, match="rope"):
         DraftContext(KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"), COMPACT)
+

@@ -8,9 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from diffspec.errors import InvalidRequest
+from diffspec.settings import DiffSpecSettings
 from draft_service.chunk_arena import ChunkArena
 from draft_service.chunk_encoding import ChunkEncodingPool, ChunkIndex
 from draft_service.draft_context import DraftContext, refresh_all, reselect_all
+from draft_service.inprocess import working_set_config
+from draft_service.train_config import TrainConfig
 from draft_service.working_set import WorkingSetConfig, WorkingSetSelector
 from tests.draft_service.reference_selection import candidates_on_cpu, select_alone
 
@@ -181,3 +185,16 @@ def test_the_working_set_settings_reach_the_selector():
     assert (config.min_overlap, config.reselect_every, config.chunk_size) == (0.5, 4, 32)
     with pytest.raises(ValueError):
         DiffSpecSettings(salience_min_overlap=1.5)
+
+
+def test_a_working_set_too_small_for_its_sink_and_recent_chunks_is_refused_at_start(tmp_path):
+    """128 tokens of 64-token chunks leave one chunk beside the tail, against a sink and four recent chunks: the
+    settings are refused when the draft runtime reads them, not in a request; the trainer's config likewise."""
+    with pytest.raises(InvalidRequest, match="working_set_tokens 128 .* needs at least 448 tokens"):
+        working_set_config(DiffSpecSettings(working_set_tokens=128))
+    assert working_set_config(DiffSpecSettings(working_set_tokens=256, salience_recent_tokens=64)).max_chunks == 2
+    with pytest.raises(ValueError, match="needs at least 448 tokens"):
+        TrainConfig(corpus=[tmp_path], out_dir=tmp_path, working_set_tokens=128, chunk_size=64)
+    with pytest.raises(ValueError, match="needs at least"):
+        WorkingSetConfig(chunk_size=CHUNK, budget_tokens=4 * CHUNK, sink_chunks=1, recent_chunks=2).fitting()
+

@@ -215,5 +215,6 @@ def test_a_gpu_trains_under_a_working_set_in_bf16(corpus_dir: Path, trained: tup
     """The device path: bf16 autocast, the Triton ranking of the working sets, a trained head as the start."""
     head_dir, summary = trained
     run = train_draft(_config(corpus_dir, tmp_path, device="cuda", steps=3, batch_size=2, seq_len=512,
-                              init_head=head_dir, working_set_tokens=128, chunk_size=16))  # fmt: skip
+                              init_head=head_dir, working_set_tokens=128, chunk_size=16,
+                              salience_recent_tokens=32))  # fmt: skip
     assert all(math.isfinite(loss) for loss in run.losses) and run.losses[0] < summary.losses[0]
