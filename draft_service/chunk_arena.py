@@ -92,11 +92,15 @@ class ChunkArena:
 
     def plan(self, selected: list[int], num_full: int) -> ArenaPlan:
         """How the arena comes to hold ``selected``, distinct chunks among the sources' ``num_full`` full ones."""
+        self._check_selection(selected, num_full)
+        return ArenaPlan.of(self.slot_chunk, selected)
+
+    def _check_selection(self, selected: list[int], num_full: int) -> None:
+        """``selected`` fits the arena and names distinct chunks among ``num_full`` full ones."""
         if len(selected) > self.num_slots:
             raise ValueError(f"{len(selected)} chunks selected for an arena of {self.num_slots} slots")
         if len(set(selected)) != len(selected) or any(not 0 <= c < num_full for c in selected):
             raise ValueError(f"selected chunks {selected} are not distinct full chunks of {num_full}")
-        return ArenaPlan.of(self.slot_chunk, selected)
 
     def copy_views(
         self, plan: ArenaPlan, source_keys: torch.Tensor, source_values: torch.Tensor
@@ -125,8 +129,7 @@ class ChunkArena:
         same ids, [n] int64 uploaded by the caller) in slots 0, 1, ..., each slot's keys rotated by cos, sin
         [n * chunk, hd] (``compacted_shifts``' positions)."""
         size, used = self.chunk_size, len(chunks)
-        if used > self.num_slots:
-            raise ValueError(f"{used} chunks selected for an arena of {self.num_slots} slots")
+        self._check_selection(chunks, source_keys.shape[0] // size)
         full = source_keys.shape[0] // size * size
         keys = source_keys[:full].unflatten(0, (-1, size)).index_select(0, chunks_on_device).flatten(0, 1)
         self.keys[:used].copy_(apply_rotary(keys, cos, sin).unflatten(0, (used, size)))

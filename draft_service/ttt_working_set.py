@@ -96,7 +96,7 @@ def choose_block_working_sets(
             chunks[b][block] = ids
     width = max((len(ids) for per_block in chunks for ids in per_block), default=0) * size
     positions = np.zeros((batch, blocks, width), dtype=np.int64)
-    shifts = np.zeros((batch, blocks, width), dtype=np.int64)
+    shifts = np.zeros((batch, blocks, width), dtype=np.int64) if config.compact_positions else None
     lengths = np.zeros((batch, blocks), dtype=np.int64)
     offsets = np.arange(size)
     for b, per_block in enumerate(chunks):
@@ -104,10 +104,11 @@ def choose_block_working_sets(
             if ids:
                 flat = (np.asarray(ids)[:, None] * size + offsets).ravel()
                 positions[b, block, : flat.size], lengths[b, block] = flat, flat.size
-                shifts[b, block, : flat.size] = np.repeat(compacted_shifts(ids, size), size)
+                if shifts is not None:
+                    shifts[b, block, : flat.size] = np.repeat(compacted_shifts(ids, size), size)
     device = k0.device
     return BlockWorkingSets(size, chunks, torch.from_numpy(positions).to(device), torch.from_numpy(lengths).to(device),
-                            torch.from_numpy(shifts).to(device) if config.compact_positions else None)  # fmt: skip
+                            None if shifts is None else torch.from_numpy(shifts).to(device))  # fmt: skip
 
 
 @dataclass(frozen=True)
