@@ -100,10 +100,11 @@ class DiffSpecSettings(BaseSettings):
         "with the chosen ones (0 = only every salience_reselect_every steps; each change costs an arena update).",
     )
     salience_compact_positions: bool = Field(
-        False,
+        True,
         description="Re-rope the working set's chunks to follow one another up to its newest chunk, which keeps its "
         "positions, so the draft sees a working set of working_set_tokens as a context that long (a head trained on "
-        "short windows never saw the distances of a long one); each change of the set restages its arena whole.",
+        "short windows never saw the distances of a long one: bench/RESULTS.md measures the gain); each change of "
+        "the set restages its arena whole.",
     )
 
     # Generation defaults

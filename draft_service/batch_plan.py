@@ -24,12 +24,13 @@ crosses a power of two (the verify cost moves with it). The runtime's first onli
 the largest of its sessions' own budgets (where a tuned profile starts them) and keeps it
 ``START_STEPS`` proposals, so the own budgets are measured first.
 
-Probes. One online session in turn proposes its probe (``tree_plan.TreePlanner.probe``) in one proposal
+Probes. One online session in turn proposes a probe (``tree_plan.TreePlanner.probes``) in one proposal
 of every ``PROBE_EVERY``, so candidates larger than the bound stay measured. A probe pads the whole
 batch's verify, so probes that change nothing back off (``ProbeSchedule``): the first choice after a
 probe that keeps the bound doubles the interval, up to ``PROBE_EVERY_MAX``; a new bound, a batch size
-that crosses a power of two, or a new batch returns it to ``PROBE_EVERY`` at once. A probe goes ahead
-only when its padded verify is predicted to cost at most ``PROBE_OVERHEAD`` more than the bound's.
+that crosses a power of two, or a new batch returns it to ``PROBE_EVERY`` at once. The probe is the largest
+of the session's nested probes past the bound whose padded verify is predicted to cost at most
+``PROBE_OVERHEAD`` more than the bound's; where none does, the turn passes without one.
 
 Record. Each choice keeps what it predicted for the bound it chose, by part, and the best other bound's
 value (``BoundChoice``): ``draft_service.bound_audit`` sets it beside what the steps within the bound delivered.
@@ -215,11 +216,14 @@ class BatchPlanner:
         """Which of the batch's ``online_sessions`` online sessions may probe at this proposal, if any."""
         return self.probes.turn(online_sessions)
 
-    def admit_probe(self, probe: Candidate, cost: BatchCost) -> bool:
-        """Whether the prober's probe goes ahead: only where padding the whole batch to it keeps the verify within
-        the overhead. One that does is noted for the next choice of the bound to judge."""
+    def affordable_probe(self, probes: tuple[Candidate, ...], cost: BatchCost) -> Candidate | None:
+        """The prober's probe: the largest of its ``probes`` (ascending) past the bound that keeps the whole batch's
+        verify, padded to it, within the overhead; None where none does. One that goes ahead is noted for the next
+        choice of the bound to judge."""
         assert self.bound is not None
-        admitted = cost.verify_seconds(probe.tokens) <= (1 + PROBE_OVERHEAD) * cost.verify_seconds(self.bound.tokens)
-        if admitted:
-            self.probes.probed()
-        return admitted
+        most = (1 + PROBE_OVERHEAD) * cost.verify_seconds(self.bound.tokens)
+        past = [p for p in probes if not self.bound.fits(p) and cost.verify_seconds(p.tokens) <= most]
+        if not past:
+            return None
+        self.probes.probed()
+        return past[-1]

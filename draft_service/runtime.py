@@ -254,7 +254,7 @@ class DraftRuntime:
     @torch.no_grad()
     def warm_up(self, context_tokens: int = 256) -> int:
         """Propose once, over throwaway sessions with and without the working set, every tree an ``online``
-        session starts from (its dynamic candidates, the probe and the first hazard-shaped tree), at every batch
+        session starts from (its dynamic candidates, its probes and the first hazard-shaped tree), at every batch
         of ``warm_up_batches``: each
         proposal shape's Triton kernels compile and its graph is recorded here rather than inside a request.
         Returns the proposals made."""
@@ -265,7 +265,7 @@ class DraftRuntime:
             self.drafter.start([0] * context_tokens, features, 0, salience) for salience in (None, self.working_set)
         ]
         planner = TreePlanner.start(self.candidate_grid[0], SharedMeasurements(), self.candidate_grid)
-        candidates = list(dict.fromkeys([*planner.dynamic, planner.probe, planner.shaped]))  # the probe may be one
+        candidates = list(dict.fromkeys([*planner.dynamic, *planner.probes, planner.shaped]))  # probes may be some
         for session in sessions:
             for batch in self.warm_up_batches:
                 for candidate in candidates:
@@ -436,8 +436,9 @@ class DraftRuntime:
             i = online_indices[probing]
             planner = sessions[i].planner
             assert planner is not None
-            if self.batch_plan.admit_probe(planner.probe, cost):
-                chosen[i] = planner.probe
+            probe = self.batch_plan.affordable_probe(planner.probes, cost)
+            if probe is not None:
+                chosen[i] = probe
         return chosen
 
     def _plan_beside(self, sessions: list[_SessionState]) -> list[Candidate]:

@@ -20,10 +20,13 @@ Prediction. A candidate's tokens per step E (accepted drafts + the bonus):
   every candidate, so every dynamic step measures it; a candidate's E is the base's decayed mean
   plus the candidate's mean difference from the base over the steps that measured both (paired on
   the same text, the difference varies far less than an accepted length). Now and then one online
-  session, in turn, may propose its *probe*, the dynamic tree containing every candidate, so
-  candidates larger than the current trees stay measured (for that session, and through the global
-  estimates for all); the batch sets how often (less often while probes leave its bound as it was)
-  and allows a probe only where its padded verify costs little more (``batch_plan``). Each estimate
+  session, in turn, may propose a *probe*, a dynamic tree past the batch's bound that contains every
+  candidate of its size or smaller, so candidates larger than the current trees stay measured (for
+  that session, and through the global estimates for all); the batch sets how often (less often
+  while probes leave its bound as it was) and which probe: the largest whose padded verify costs
+  little more (``batch_plan``). The probes are nested, one per candidate size, so where the largest
+  costs too much (a compute-bound verify at long context) the next size up is still measured, and
+  the bound can grow one size at a time on text that accepts long paths. Each estimate
   is smoothed toward the global one (all requests' sessions), and where nothing is measured toward
   the rank model's E of the uniform static tree of the same size and depth.
 - shaped: the rank model's E(w) (``hazard.expected_tokens``) times the ratio shaped trees realised
@@ -268,6 +271,16 @@ class Calibration:
         return (self.realised + CALIBRATION_PRIOR_TOKENS * prior) / (self.predicted + CALIBRATION_PRIOR_TOKENS)
 
 
+def nested_probes(budgets: list[TreeBudget]) -> tuple[Candidate, ...]:
+    """One dynamic tree per size of ``budgets``, ascending, at their lowest threshold and as deep as any budget
+    of its size or smaller: each probe measures every candidate it is as large as, and the last every candidate."""
+    threshold, depth, probes = min(b.threshold for b in budgets), 0, []
+    for tokens in sorted({b.total_tokens for b in budgets}):
+        depth = max(depth, *(b.depth for b in budgets if b.total_tokens == tokens))
+        probes.append(Candidate.dynamic(TreeBudget(tokens, threshold, depth)))
+    return tuple(probes)
+
+
 @dataclass(frozen=True)
 class Bound:
     """What every tree of a verify batch may hold: the batch pads its trees to the widest, and proposes
@@ -297,16 +310,13 @@ class TreePlanner:
     accepted: SessionAcceptance  # dynamic trees' accepted drafts
     calibration: Calibration  # shaped trees' realised over predicted tokens
     current: Candidate = field(init=False)  # the candidate proposed until the next re-plan
-    probe: Candidate = field(init=False)  # the dynamic tree containing every dynamic candidate
+    probes: tuple[Candidate, ...] = field(init=False)  # nested dynamic trees, ascending (``nested_probes``)
     current_model_tokens: float = field(init=False, default=0.0)  # the rank model's E of ``current`` when chosen
     observed_steps: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.current = self.dynamic[0]  # a request starts from its own budget (a tuned profile's, say)
-        budgets = [c.budget for c in self.dynamic]
-        self.probe = Candidate.dynamic(TreeBudget(
-            max(b.total_tokens for b in budgets), min(b.threshold for b in budgets), max(b.depth for b in budgets)
-        ))  # fmt: skip
+        self.probes = nested_probes([c.budget for c in self.dynamic])
 
     @property
     def max_tokens(self) -> int:

@@ -2,11 +2,12 @@
 
 It computes the small pair's function with Llama-3.1-8B's matrix shapes (14 GB target, 593 MB head;
 vocabulary 8,192 and draft vocabulary 4,096 stay the small pair's: state that beside any number).
-A pair already built for the same source directory is reused.
+A pair already built from the same two source directories is reused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import tempfile
@@ -15,8 +16,10 @@ from pathlib import Path
 import torch
 
 
-def inflated_dir(base_model: Path) -> Path:
-    return Path(tempfile.gettempdir()) / f"diffspec-8b-{base_model.resolve().name}"
+def inflated_dir(base_model: Path, draft_model: Path) -> Path:
+    """One folder per (target, head) source pair: a pair built from another head is never reused."""
+    sources = f"{base_model.resolve()}\n{draft_model.resolve()}".encode()
+    return Path(tempfile.gettempdir()) / f"diffspec-8b-{base_model.resolve().name}-{hashlib.sha1(sources).hexdigest()[:10]}"
 
 
 def inflate_command(shared_dir: Path, base_model: Path, draft_model: Path, out: Path) -> list[str]:
@@ -31,7 +34,7 @@ def inflate_pair(shared_dir: Path, base_model: Path, draft_model: Path) -> tuple
         raise SystemExit(f"--inflate-8b: no {tool}; pass --shared-dir pointing at the folder that holds tools/inflate.py")
     if not torch.cuda.is_available():
         raise SystemExit("--inflate-8b builds a 14 GB Llama-3.1-8B-shaped pair on the GPU; no GPU is visible here")
-    out = inflated_dir(base_model)
+    out = inflated_dir(base_model, draft_model)
     target, head = out / "target", out / "head"
     if not ((target / "config.json").exists() and (head / "config.json").exists()):
         subprocess.run(inflate_command(shared_dir, base_model, draft_model, out), check=True)

@@ -11,7 +11,7 @@ from bench.reproduce import profiling
 from bench.reproduce.arms import baseline_arms, tuning_grid
 from bench.reproduce.draft_steps import DraftStep, take_draft_steps
 from bench.reproduce.cli import config_from, parser
-from bench.reproduce.inflate import inflate_command, inflate_pair
+from bench.reproduce.inflate import inflate_command, inflate_pair, inflated_dir
 from bench.reproduce.presets import FULL, SMOKE
 from bench.reproduce.prompts import Dataset, cut_to_context, load_datasets, prompts_at
 from bench.reproduce.protocol import fingerprint_defaults, model_settings
@@ -226,3 +226,9 @@ def test_inflate_calls_the_shared_tool(tmp_path):
                            "--out", "/tmp/b8"]
     with pytest.raises(SystemExit, match="tools/inflate.py"):
         inflate_pair(tmp_path, Path("/m/bench-code"), Path("/m/head"))
+
+
+def test_each_head_gets_its_own_inflated_pair():
+    short, long = inflated_dir(Path("/m/bench-code"), Path("/m/head")), inflated_dir(Path("/m/bench-code"), Path("/r/head"))
+    assert short != long and short.name.startswith("diffspec-8b-bench-code-")
+    assert inflated_dir(Path("/m/bench-code"), Path("/m/head")) == short

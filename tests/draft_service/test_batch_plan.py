@@ -128,17 +128,26 @@ def test_a_batch_starts_from_the_largest_own_budget_and_chooses_again_when_due()
     assert planner.due(3)
 
 
-PROBE = Candidate.dynamic(TreeBudget.parse("96:0.0:10"))
+PROBES = tuple(Candidate.dynamic(budget) for budget in CANDIDATE_GRID)  # nested, as a planner's of the grid
 
 
-def test_a_probe_goes_ahead_only_where_the_padded_verify_stays_cheap():
+@pytest.mark.parametrize(
+    ("cost", "batch", "bound", "probe"),
+    [
+        (KNEE, 16, Bound(16, 4), None),  # 512 rows for the next size up already cost 1.6x the bound's 256
+        (KNEE, 4, Bound(16, 4), "64:0.0:8"),  # 256 rows: the weights' read; 96's 384 rows cost 1.4x
+        (KNEE, 1, Bound(16, 4), "96:0.0:10"),  # 96 rows: still the weights' read
+        (FLAT, 16, Bound(16, 4), "96:0.0:10"),
+        (FLAT, 16, Bound(64, 8), "96:0.0:10"),
+        (FLAT, 16, Bound(96, 10), None),  # nothing past the bound
+    ],
+)
+def test_the_probe_is_the_largest_past_the_bound_whose_padded_verify_stays_cheap(cost, batch, bound, probe):
     planner = BatchPlanner()
-    planner.bound = Bound(16, 4)
-    assert not planner.admit_probe(PROBE, BatchCost(KNEE, 16, 2048))  # 1,536 rows against 256
-    assert not planner.probes.unjudged  # a probe that did not go ahead has nothing for a choice to judge
-    assert planner.admit_probe(PROBE, BatchCost(KNEE, 1, 2048))  # 96 rows: still the weights' read
-    assert planner.admit_probe(PROBE, BatchCost(FLAT, 16, 2048))
-    assert planner.probes.unjudged
+    planner.bound = bound
+    chosen = planner.affordable_probe(PROBES, BatchCost(cost, batch, 2048))
+    assert (chosen.budget.config if chosen else None) == probe
+    assert planner.probes.unjudged == (probe is not None)  # one that did not go ahead leaves nothing to judge
 
 
 def probes_made(
@@ -156,7 +165,7 @@ def probes_made(
             planner.choose([bound], outlooks(batch), cost)
         planner.step()
         prober = planner.prober(batch)
-        if prober is not None and planner.admit_probe(PROBE, cost):
+        if prober is not None and planner.affordable_probe(PROBES, cost) is not None:
             made.append((proposal, prober))
     return made
 

@@ -13,8 +13,8 @@ from tests.draft_service.test_drafter import load_head
 def test_warm_up_proposes_each_starting_tree_once_and_keeps_no_session():
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
     planner = TreePlanner.start(runtime.candidate_grid[0], SharedMeasurements(), runtime.candidate_grid)
-    starting = [*planner.dynamic, planner.probe, planner.shaped]
-    assert planner.probe in planner.dynamic  # with the default grid, the probe is its largest tree
+    starting = [*planner.dynamic, *planner.probes, planner.shaped]
+    assert set(planner.probes) == set(planner.dynamic)  # with the default grid, the probes are its trees
     assert runtime.warm_up() == 2 * len(set(starting)) == 12  # over the whole context and with the working set
     assert runtime.sessions == {}
     met = runtime.drafter.proposer.shapes_met  # what a GPU compiled kernels (and recorded graphs) for

@@ -101,9 +101,13 @@ def test_a_tight_bound_leaves_the_shaped_tree_and_a_loose_one_the_largest_dynami
     assert (loose.kind, loose.budget) == (DYNAMIC, B("96:0.0:10"))
 
 
-def test_the_probe_contains_every_candidate():
+def test_the_probes_are_nested_and_the_last_contains_every_candidate():
     planner = TreePlanner.start(B("24:0.05:11"), SharedMeasurements())
-    assert planner.probe == Candidate.dynamic(B("96:0.0:11"))
+    expected = ["16:0.0:4", "24:0.0:11", "32:0.0:11", "48:0.0:11", "64:0.0:11", "96:0.0:11"]
+    assert planner.probes == tuple(Candidate.dynamic(B(config)) for config in expected)
+    for probe in planner.probes:  # each measures every candidate no larger than it (counterfactual_accepted)
+        inside = [c for c in planner.dynamic if c.budget.total_tokens <= probe.budget.total_tokens]
+        assert all(c.depth <= probe.depth and c.budget.threshold >= probe.budget.threshold for c in inside)
 
 
 def simulate(cost: StepCostModel, start: str, sessions: int, steps: int, seed: int) -> list[Candidate]:
@@ -119,8 +123,8 @@ def simulate(cost: StepCostModel, start: str, sessions: int, steps: int, seed: i
                 outlook = SessionOutlook(planner.expectations(hazard), fixed=False)
                 planner.choose(hazard, batch_plan.choose(planner.bounds(), [outlook], batch))
             world = World(random.Random(rng.random()))
-            probing = batch_plan.prober(1) is not None and batch_plan.admit_probe(planner.probe, batch)
-            proposed = planner.probe if probing else planner.current
+            probe = batch_plan.affordable_probe(planner.probes, batch) if batch_plan.prober(1) is not None else None
+            proposed = probe or planner.current
             tree, paths = grow(world, list(proposed.plan), proposed.budget)
             ranks, stop_width = verify(world, tree, paths)
             hazard.observe(ranks, stop_width)
@@ -142,4 +146,6 @@ def simulate(cost: StepCostModel, start: str, sessions: int, steps: int, seed: i
 )
 def test_online_converges_to_the_best_full_tree(cost, start, best):
     ends = simulate(cost, start, sessions=8, steps=64, seed=3)
-    assert all(c.kind == DYNAMIC and c.budget == B(best) for c in ends[2:]), [c.budget for c in ends]
+    assert all(c.kind == DYNAMIC for c in ends), [c.budget for c in ends]
+    # on the steep verify the next size up (4% slower) is probed, so one session's noise may end there
+    assert sum(c.budget == B(best) for c in ends[2:]) >= 5, [c.budget for c in ends]
