@@ -214,7 +214,7 @@ class _Protocol:
         close = getattr(self.engine, "close", None)  # stop the engine's thread before the replays load a model
         if close is not None:
             close()
-        del self.engine
+        del self.engine, close  # the bound method holds the engine too: kept, its model and pool outlive the judging
         free_gpu_memory()  # the serving pool's blocks, before the judging's models load
         # on a thread of its own: the fp32 run behind a near-tie drives an engine with asyncio.run of its own
         exit_code = await asyncio.to_thread(self._judge_exactness, info.dtype)

@@ -3,10 +3,15 @@ speedups, exactness, the outside reference and the recorded draft steps."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
+import bench.reproduce.protocol as protocol
+from bench.reproduce.cli import main
 from draft_service.options import DraftOptions
 from draft_service.tuned_profile import load_tuned_profile
+from gateway.engine import SpeculativeEngine
 
 ARMS = ["auto", "eagle3", "eagle3+salience", "diffspec", "transformers"]
 
@@ -105,3 +110,21 @@ def test_drafting_runs_record_their_steps(smoke_run):
                 assert stop_width == 0
     # one warm-up (one context) before the first run; a 4-token warm-up may end in its first step, feeding none
     assert [w["before_run"] for w in result["warmup_draft_steps"]] == [0]
+
+
+
+def test_the_serving_engine_is_freed_before_the_judging_loads_its_models(code_prompts, tmp_path, monkeypatch):
+    """At 64K an 8B target's fp32 replay beside a serving engine kept alive does not fit an 80 GB card."""
+    engines_at_judging: list[int] = []
+    free = protocol.free_gpu_memory
+    monkeypatch.setattr(protocol, "free_gpu_memory", lambda: (free(), engines_at_judging.append(_live_engines())))
+    argv = ["--preset", "smoke", "--data-files", str(code_prompts), "--context-targets", "1024", "--prompts", "1",
+            "--tune-max-new-tokens", "4", "--eval-max-new-tokens", "4", "--warmup-tokens", "2",
+            "--reference-prompts", "0", "--out-dir", str(tmp_path / "run")]
+    assert main(argv) == 0
+    assert engines_at_judging == [0]
+
+
+def _live_engines() -> int:
+    gc.collect()
+    return sum(isinstance(o, SpeculativeEngine) for o in gc.get_objects())
