@@ -18,8 +18,8 @@ import torch
 
 def inflated_dir(base_model: Path, draft_model: Path) -> Path:
     """One folder per (target, head) source pair: a pair built from another head is never reused."""
-    sources = f"{base_model.resolve()}\n{draft_model.resolve()}".encode()
-    return Path(tempfile.gettempdir()) / f"diffspec-8b-{base_model.resolve().name}-{hashlib.sha1(sources).hexdigest()[:10]}"
+    sources = hashlib.sha1(f"{base_model.resolve()}\n{draft_model.resolve()}".encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"diffspec-8b-{base_model.resolve().name}-{sources}"
 
 
 def inflate_command(shared_dir: Path, base_model: Path, draft_model: Path, out: Path) -> list[str]:

@@ -229,6 +229,7 @@ def test_inflate_calls_the_shared_tool(tmp_path):
 
 
 def test_each_head_gets_its_own_inflated_pair():
-    short, long = inflated_dir(Path("/m/bench-code"), Path("/m/head")), inflated_dir(Path("/m/bench-code"), Path("/r/head"))
+    target = Path("/m/bench-code")
+    short, long = inflated_dir(target, Path("/m/head")), inflated_dir(target, Path("/r/head"))
     assert short != long and short.name.startswith("diffspec-8b-bench-code-")
-    assert inflated_dir(Path("/m/bench-code"), Path("/m/head")) == short
+    assert inflated_dir(target, Path("/m/head")) == short

@@ -112,7 +112,6 @@ def test_drafting_runs_record_their_steps(smoke_run):
     assert [w["before_run"] for w in result["warmup_draft_steps"]] == [0]
 
 
-
 def test_the_serving_engine_is_freed_before_the_judging_loads_its_models(code_prompts, tmp_path, monkeypatch):
     """At 64K an 8B target's fp32 replay beside a serving engine kept alive does not fit an 80 GB card."""
     engines_at_judging: list[int] = []
