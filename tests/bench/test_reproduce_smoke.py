@@ -3,7 +3,7 @@ speedups, exactness, the outside reference and the recorded draft steps."""
 
 from __future__ import annotations
 
-import gc
+import weakref
 
 import pytest
 
@@ -11,7 +11,6 @@ import bench.reproduce.protocol as protocol
 from bench.reproduce.cli import main
 from draft_service.options import DraftOptions
 from draft_service.tuned_profile import load_tuned_profile
-from gateway.engine import SpeculativeEngine
 
 ARMS = ["auto", "eagle3", "eagle3+salience", "diffspec", "transformers"]
 
@@ -114,16 +113,19 @@ def test_drafting_runs_record_their_steps(smoke_run):
 
 def test_the_serving_engine_is_freed_before_the_judging_loads_its_models(code_prompts, tmp_path, monkeypatch):
     """At 64K an 8B target's fp32 replay beside a serving engine kept alive does not fit an 80 GB card."""
-    engines_at_judging: list[int] = []
+    engines: list[weakref.ref] = []  # the protocol's serving engine (other tests' may live in this process)
+    alive_at_judging: list[bool] = []
+    start = protocol._Protocol.__init__
+
+    def tracked_start(self, config, engine, *rest):  # noqa: ANN001, ANN002, ANN202
+        engines.append(weakref.ref(engine))
+        start(self, config, engine, *rest)
+
     free = protocol.free_gpu_memory
-    monkeypatch.setattr(protocol, "free_gpu_memory", lambda: (free(), engines_at_judging.append(_live_engines())))
+    monkeypatch.setattr(protocol._Protocol, "__init__", tracked_start)
+    monkeypatch.setattr(protocol, "free_gpu_memory", lambda: (free(), alive_at_judging.append(engines[0]() is not None)))
     argv = ["--preset", "smoke", "--data-files", str(code_prompts), "--context-targets", "1024", "--prompts", "1",
             "--tune-max-new-tokens", "4", "--eval-max-new-tokens", "4", "--warmup-tokens", "2",
             "--reference-prompts", "0", "--out-dir", str(tmp_path / "run")]
     assert main(argv) == 0
-    assert engines_at_judging == [0]
-
-
-def _live_engines() -> int:
-    gc.collect()
-    return sum(isinstance(o, SpeculativeEngine) for o in gc.get_objects())
+    assert alive_at_judging == [False]  # free_gpu_memory collects first
