@@ -128,9 +128,9 @@ class ChunkArena:
         """Hold ``chunks`` (ascending full chunks of the sources [length, kv_heads, hd]; ``chunks_on_device`` the
         same ids, [n] int64 uploaded by the caller) in slots 0, 1, ..., each slot's keys rotated by cos, sin
         [n * chunk, hd] (``compacted_shifts``' positions)."""
-        size, used = self.chunk_size, len(chunks)
-        self._check_selection(chunks, source_keys.shape[0] // size)
-        full = source_keys.shape[0] // size * size
+        size, used, num_full = self.chunk_size, len(chunks), source_keys.shape[0] // self.chunk_size
+        self._check_selection(chunks, num_full)
+        full = num_full * size
         keys = source_keys[:full].unflatten(0, (-1, size)).index_select(0, chunks_on_device).flatten(0, 1)
         self.keys[:used].copy_(apply_rotary(keys, cos, sin).unflatten(0, (used, size)))
         self.values[:used].copy_(source_values[:full].unflatten(0, (-1, size)).index_select(0, chunks_on_device))

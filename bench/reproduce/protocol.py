@@ -361,8 +361,8 @@ class _Protocol:
         for run in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
             key = (run.dataset, run.context, run.prompt)
             run.exactness = self.checkpoint.verdict(run_key(run))
-            divergence = first_divergence(auto[key].token_ids, run.token_ids)
-            if run.exactness is None and divergence is not None and limit.reached():
+            if (run.exactness is None and limit.reached()
+                    and (divergence := first_divergence(auto[key].token_ids, run.token_ids)) is not None):
                 run.exactness = limit.unchecked(divergence)  # not recorded: --resume judges it
             elif run.exactness is None:
                 started = time.perf_counter()

@@ -197,4 +197,3 @@ def test_a_working_set_too_small_for_its_sink_and_recent_chunks_is_refused_at_st
         TrainConfig(corpus=[tmp_path], out_dir=tmp_path, working_set_tokens=128, chunk_size=64)
     with pytest.raises(ValueError, match="needs at least"):
         WorkingSetConfig(chunk_size=CHUNK, budget_tokens=4 * CHUNK, sink_chunks=1, recent_chunks=2).fitting()
-

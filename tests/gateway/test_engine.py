@@ -286,7 +286,6 @@ def test_bad_requests_are_rejected(random_head_engine, request_, message):
     assert_all_released(random_head_engine)
 
 
-
 def test_a_compacted_working_set_drafts_from_settings_and_stays_lossless(target, tokenizer, auto):
     """``salience_compact_positions`` reaches the draft's working set; the trained head drafts over it, re-roped
     each time the set moves, and the output is Auto's."""
