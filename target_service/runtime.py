@@ -82,6 +82,7 @@ class TargetRuntime:
         self.feature_layers = resolve_feature_layers(settings.feature_layers, config.num_layers)
         max_context = min(settings.max_context or config.max_positions, config.max_positions)
         self.limits = SessionLimits(config.vocab_size, max_context)
+        self.prefill_chunk = settings.prefill_chunk  # prompt tokens per forward of ``prefill``
         self.pool = PagedKVPool(settings.num_pages, settings.page_size)
         self.cache = PagedKVCache(config, settings.num_pages, settings.page_size, dtype, self.device)
         backend_name = resolve_backend_name(settings.attention_backend, self.device)
@@ -424,11 +425,12 @@ class TargetRuntime:
     # -- one session at a time (tests, tools) --------------------------------------------------
 
     def prefill(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams, want_features: bool) -> PrefillResult:
-        """Open a session and prefill its whole prompt; the result holds every prompt row's features."""
+        """Open a session and prefill its whole prompt, ``prefill_chunk`` tokens a forward; the result holds every
+        prompt row's features."""
         self._raise_failures(self.step(TargetBatch(opens=[SessionOpen(session_id, prompt_ids, sampling, want_features)])))
         parts: list[PrefillResult] = []
         while not parts or parts[-1].first_token is None:
-            work = PrefillWork(session_id, len(prompt_ids))
+            work = PrefillWork(session_id, self.prefill_chunk)
             parts.append(self._raise_failures(self.step(TargetBatch(prefills=[work]))).prefills[session_id])
         features = [p.features for p in parts if p.features is not None]
         joined = torch.cat(features) if features else None

@@ -73,6 +73,25 @@ def test_chunked_prefill_features_equal_dense_forward(runtime):
         runtime.release(sid)
 
 
+def test_the_one_session_prefill_runs_prefill_chunk_tokens_a_forward(tiny_target_dir, monkeypatch):
+    """``prefill`` (tools, tests) bounds each forward by ``prefill_chunk`` as the engine does, so a long prompt
+    never needs one forward's activations over its whole length; features and first token are the dense ones."""
+    runtime = TargetRuntime(DiffSpecSettings(base_model=tiny_target_dir, num_pages=128, prefill_chunk=300))
+    forwards, forward_paged = [], runtime.model.forward_paged
+
+    def counted(input_ids, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        forwards.append(input_ids.numel())
+        return forward_paged(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.model, "forward_paged", counted)
+    prompt = torch.randint(3, 8192, (777,), generator=torch.Generator().manual_seed(1)).tolist()
+    result = runtime.prefill("long", prompt, GREEDY, want_features=True)
+    assert forwards == [300, 300, 177]
+    hidden, features = runtime.model.forward_dense(torch.tensor([prompt]), runtime.feature_layers)
+    assert torch.allclose(result.features, features[0], atol=1e-4)
+    assert result.first_token == int(runtime.model.logits(hidden[0, -1]).argmax())
+
+
 @pytest.mark.parametrize("num_nodes, seed", [(1, 0), (9, 1), (40, 2)])
 def test_tree_logits_equal_sequential_path_decoding(runtime, num_nodes, seed):
     prompt = torch.randint(3, 8192, (53,), generator=torch.Generator().manual_seed(seed)).tolist()

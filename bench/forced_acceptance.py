@@ -1,0 +1,253 @@
+"""Acceptance of draft configurations along the target's own greedy text, without a decode per configuration.
+
+tau depends only on what the draft proposes and on the text the target generates, not on the machine, but
+measuring it at 64K through the engine costs a whole prefill per configuration and prompt (minutes each on a
+CPU). Here the target runs once per prompt: a prefill, then ``--max-new-tokens`` Auto decode steps, which give
+every position's EAGLE-3 features and the greedy continuation. Each draft configuration then drafts along that
+text with the serving drafter: a proposal from each root, the longest path of its tree that the continuation
+follows is accepted, the bonus is the continuation's next token, and the accepted entries are written as an
+accept writes them. At temperature 0 this is the engine's own generation, step for step, except where the
+verify's features differ from the decode's in rounding (a tree token at a near-tie can then go either way).
+
+Configurations: tree budgets (``full``, EAGLE-2's dynamic tree) crossed with what the draft attends to:
+``whole`` (every committed entry, the EAGLE-3 baseline) or a working set ``BUDGET:RECENT`` in tokens
+(``working_set_tokens``, ``salience_recent_tokens``; the other working-set settings as ``DIFFSPEC_*`` sets them).
+``--cache`` keeps each prompt's target pass, so further configurations cost only drafting.
+
+    python -m bench.forced_acceptance --base-model ../shared/models/bench-code \
+        --draft-model ../shared/models/bench-code-eagle3 --data ../shared/data/longctx_eval.jsonl \
+        --lengths 4096 65536 --prompts 8 --tree-configs 32:0.0:6 --working-sets whole 2048:256 8192:256 \
+        --cache /tmp/forced --out bench/results/forced_acceptance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.reproduce.output import device_name
+from bench.reproduce.prompts import cut_to_context, load_datasets, prompts_at
+from diffspec.errors import InvalidRequest
+from diffspec.sampling_params import SamplingParams
+from diffspec.settings import DiffSpecSettings
+from diffspec.tree import DraftTree
+from draft_service.drafter import Drafter, Extension, ProposalRequest
+from draft_service.inprocess import working_set_config
+from draft_service.tree_budget import TreeBudget, TreePolicy
+from draft_service.tree_plan import fixed_candidate
+from draft_service.working_set import WorkingSetConfig
+from gateway.assembly import build_draft, build_target, load_tokenizer
+from target_service.runtime import TargetRuntime
+
+WHOLE = "whole"  # the working-set spec of a draft over every committed entry
+LOOKAHEAD = 16  # tokens decoded past the last one counted: the last step accepts what its tree matches, as the engine's
+
+
+@dataclass(frozen=True)
+class TargetText:
+    """One prompt's target pass: what every configuration drafts along."""
+
+    prompt_ids: list[int]  # [L]
+    continuation: list[int]  # [n + LOOKAHEAD] the first token (the prefill's), then decoded ones
+    features: torch.Tensor  # [L + n + LOOKAHEAD - 1, 3 * hidden]: row t pairs with token t + 1 of prompt + continuation
+
+
+def target_text(target: TargetRuntime, prompt_ids: list[int], n: int) -> TargetText:
+    """Prefill, then greedy decode steps up to ``n`` new tokens (the first one, the prefill's, counted as the
+    engine counts it) and ``LOOKAHEAD`` more: the continuation and every position's features."""
+    session = "forced"
+    prefill = target.prefill(session, prompt_ids, SamplingParams(), want_features=True)
+    continuation, features = [prefill.first_token], [prefill.features]
+    try:
+        for _ in range(n + LOOKAHEAD - 1):
+            step = target.decode(session)
+            continuation.append(step.bonus_token)
+            features.append(step.features)
+    finally:
+        target.release(session)
+    return TargetText(prompt_ids, continuation, torch.cat(features).float())
+
+
+def cached_text(target: TargetRuntime, prompt_ids: list[int], n: int, cache: Path | None, key: str) -> TargetText:
+    """``target_text``, kept in ``cache`` (when given) under ``key``: a later run with other configurations reads it."""
+    path = cache / f"{key}.pt" if cache is not None else None
+    if path is not None and path.exists():
+        saved = torch.load(path)
+        if saved["prompt_ids"] == prompt_ids and len(saved["continuation"]) == n + LOOKAHEAD:
+            return TargetText(saved["prompt_ids"], saved["continuation"], saved["features"])
+    text = target_text(target, prompt_ids, n)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(vars(text), path)
+    return text
+
+
+def accepted_path(tree: DraftTree, following: list[int]) -> list[int]:
+    """The tree's longest path from the root whose tokens are ``following``'s first ones: the greedy acceptance
+    of a target that generates ``following`` next."""
+    children, node, accepted = tree.children(), 0, []
+    tokens = tree.token_list()
+    for token in following:
+        match = next((child for child in children[node] if tokens[child] == token), None)
+        if match is None:
+            break
+        accepted.append(token)
+        node = match
+    return accepted
+
+
+def drafted_steps(
+    drafter: Drafter, text: TargetText, new_tokens: int, budget: TreeBudget, salience: WorkingSetConfig | None
+) -> list[int]:
+    """Accepted drafts per verification step as the draft follows ``text``'s continuation from its first token
+    until ``new_tokens`` are out; as in the engine's count, the last step's whole accepted path counts."""
+    if budget.depth >= LOOKAHEAD:
+        raise ValueError(f"a tree {budget.depth} deep may accept past the {LOOKAHEAD} tokens decoded beyond the last")
+    length, cont = len(text.prompt_ids), text.continuation
+    session = drafter.start(text.prompt_ids, text.features[:length], cont[0], salience)
+    plan = list(fixed_candidate(TreePolicy.parse("full"), budget).plan)
+    accepted_counts, root = [], 0  # root: the continuation index of the current tree's root
+    while root < new_tokens - 1:
+        tree = drafter.propose_many([ProposalRequest(session, plan, budget)])[0]
+        accepted = accepted_path(tree, cont[root + 1 :])
+        accepted_counts.append(len(accepted))
+        emitted = len(accepted) + 1
+        rows = text.features[length + root : length + root + emitted]  # the root's and the accepted entries'
+        drafter.extend_many([Extension(session, rows, cont[root + 1 : root + 1 + emitted])])
+        root += emitted
+    return accepted_counts
+
+
+def working_set_arg(text: str) -> str:
+    """``whole`` or ``BUDGET:RECENT`` (tokens)."""
+    if text != WHOLE:
+        try:
+            budget, recent = (int(part) for part in text.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither 'whole' nor BUDGET:RECENT tokens") from None
+        if budget <= 0 or recent <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: budget and recent tokens must be positive")
+    return text
+
+
+def salience_of(spec: str, settings: DiffSpecSettings) -> WorkingSetConfig | None:
+    if spec == WHOLE:
+        return None
+    budget, recent = (int(part) for part in spec.split(":"))
+    update = {"working_set_tokens": budget, "salience_recent_tokens": recent}
+    return working_set_config(settings.model_copy(update=update))
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """tau per (context, working set, tree) over its prompts: accepted drafts + 1 per step, over steps."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["context"], row["working_set"], row["tree_config"]), []).append(row)
+    summaries = []
+    for (context, spec, tree), mine in sorted(groups.items()):
+        steps = sum(r["steps"] for r in mine)
+        tau = (sum(r["accepted"] for r in mine) + steps) / steps
+        summaries.append({"context": context, "working_set": spec, "tree_config": tree, "prompts": len(mine),
+                          "steps": steps, "tau": round(tau, 3)})  # fmt: skip
+    return summaries
+
+
+def plot(summaries: list[dict], path: Path) -> None:
+    """tau against context, one line per (working set, tree)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(s["working_set"], s["tree_config"]) for s in summaries}):
+        mine = sorted((s for s in summaries if (s["working_set"], s["tree_config"]) == key), key=lambda s: s["context"])
+        ax.plot([s["context"] for s in mine], [s["tau"] for s in mine], marker="o", label=f"{key[0]}, full {key[1]}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("tau (accepted drafts + 1 per step)")
+    ax.set_title("Acceptance along the target's greedy text")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(out: Path, settings: DiffSpecSettings, rows: list[dict]) -> None:
+    """The JSON (command, settings, summaries, one row per prompt and configuration) and its plot."""
+    summaries = summarise(rows)
+    result = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "device": device_name(),
+              "settings": json.loads(settings.model_dump_json()), "summaries": summaries, "runs": rows}  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(summaries, out.with_suffix(".png"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-model", type=Path, required=True)
+    parser.add_argument("--draft-model", type=Path, required=True)
+    parser.add_argument("--data", type=Path, required=True,
+                        help="JSONL with a 'text' field per prompt, or a plain file")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--first-prompt", type=int, default=0, help="the dataset index the prompts are taken from on")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="the first token included, as the engine counts")
+    parser.add_argument("--tree-configs", nargs="+", default=["32:0.0:6"])
+    parser.add_argument("--working-sets", nargs="+", type=working_set_arg, default=[WHOLE, "2048:256"],
+                        help="'whole' or BUDGET:RECENT tokens, each a configuration")
+    parser.add_argument("--same-prompts", action="store_true",
+                        help="at every length the prompts long enough for the longest, each cut to it: context "
+                             "length is then the only difference between lengths (cuts keep the prompt's end)")
+    parser.add_argument("--cache", type=Path, help="a folder keeping each prompt's target pass for later runs")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    settings = DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model,
+                                num_pages=(max(args.lengths) + args.max_new_tokens) // 16 + 64)  # fmt: skip
+    try:
+        budgets = [TreeBudget.parse(config) for config in args.tree_configs]
+        saliences = {spec: salience_of(spec, settings) for spec in args.working_sets}
+    except InvalidRequest as bad:
+        parser.error(str(bad))
+    tokenizer = load_tokenizer(settings)
+    dataset = load_datasets([args.data], lambda text: tokenizer(text)["input_ids"])[0]
+    target = build_target(settings)
+    draft = build_draft(settings, target)
+    if draft is None:
+        parser.error(f"no draft head at {args.draft_model}")
+    rows: list[dict] = []
+    chosen = prompts_at(dataset, max(args.lengths), args.first_prompt, args.prompts)
+    for length in args.lengths:
+        if args.same_prompts:
+            prompts = [(index, cut_to_context(dataset.prompt_ids[index], length)) for index, _ in chosen]
+        else:
+            prompts = prompts_at(dataset, length, args.first_prompt, args.prompts)
+        for index, ids in prompts:
+            started = time.perf_counter()
+            key = f"{dataset.name}_{length}_{index}_{args.max_new_tokens}"
+            text = cached_text(target, ids, args.max_new_tokens, args.cache, key)
+            print(f"ctx={length} prompt={index}: target pass {time.perf_counter() - started:.0f} s", flush=True)
+            for spec, salience in saliences.items():
+                for budget in budgets:
+                    counts = drafted_steps(draft.drafter, text, args.max_new_tokens, budget, salience)
+                    rows.append({"context": length, "prompt": index, "working_set": spec, "tree_config": budget.config,
+                                 "steps": len(counts), "accepted": sum(counts)})  # fmt: skip
+                    tau = (sum(counts) + len(counts)) / len(counts)
+                    print(f"  {spec} full {budget.config}: tau {tau:.2f}", flush=True)
+            write_results(args.out, settings, rows)  # after every prompt: a long run's results so far are kept
+    for s in summarise(rows):
+        print(f"{s['context']:>6} {s['working_set']:>10} full {s['tree_config']}: "
+              f"tau {s['tau']:.3f} ({s['prompts']} prompts)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Acceptance along the target's greedy text: the tree walk, the argument checks, and agreement with the engine
+on the bundled pair (CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+import torch
+
+from bench.forced_acceptance import accepted_path, drafted_steps, main, salience_of, target_text, working_set_arg
+from bench.reproduce.arms import baseline_arms
+from bench.reproduce.runs import generate_run
+from diffspec.errors import InvalidRequest
+from diffspec.settings import DiffSpecSettings
+from diffspec.tree import DraftTree
+from draft_service.tree_budget import TreeBudget
+from gateway.assembly import build_draft, build_engine, build_target, load_tokenizer
+from tests.conftest import CODE_PROMPTS
+
+# root 0 -> 1 (token 5) -> 3 (token 7) -> 4 (token 8); root -> 2 (token 6) -> 5 (token 7)
+TREE = DraftTree(
+    tokens=torch.tensor([0, 5, 6, 7, 8, 7]),
+    parents=torch.tensor([-1, 0, 0, 1, 3, 2]),
+    draft_probs=torch.ones(6),
+)
+
+
+@pytest.mark.parametrize(
+    ("following", "accepted"),
+    [
+        ([5, 7, 8, 9], [5, 7, 8]),  # the deepest path, then a token no leaf has
+        ([6, 7, 8], [6, 7]),  # the other branch: its 7 has no child
+        ([5, 6], [5]),  # 6 is the root's child, not node 1's
+        ([9, 5], []),
+        ([], []),
+    ],
+)
+def test_the_accepted_path_follows_the_text_from_the_root(following, accepted):
+    assert accepted_path(TREE, following) == accepted
+
+
+@pytest.mark.parametrize("bad", ["2048", "a:b", "0:256", "2048:-1", "2048:256:1"])
+def test_a_working_set_spec_is_whole_or_two_positive_token_counts(bad):
+    assert working_set_arg("whole") == "whole" and working_set_arg("2048:256") == "2048:256"
+    with pytest.raises(argparse.ArgumentTypeError):
+        working_set_arg(bad)
+
+
+def test_a_working_set_too_small_for_its_recent_window_is_refused():
+    with pytest.raises(InvalidRequest, match="recent"):
+        salience_of("256:1024", DiffSpecSettings())
+
+
+def test_drafting_along_the_target_s_text_takes_the_engine_s_steps():
+    """At temperature 0 the engine's generation is the target's greedy text, and each of its steps accepts the
+    path of the tree that text follows: the same steps and accepted drafts, per configuration, as the engine's
+    own run (the working set small enough to select on a short prompt)."""
+    settings = DiffSpecSettings(chunk_size=16, working_set_tokens=128, salience_recent_tokens=32)
+    ids = load_tokenizer(settings)("\n\n".join(CODE_PROMPTS) * 3)["input_ids"]  # ~200 tokens: 12 chunks for 6 slots
+    new_tokens, tree = 24, "16:0.0:4"
+    engine = build_engine(settings)
+    try:
+        arms = baseline_arms(tree)
+        runs = {name: asyncio.run(generate_run(engine, ids, arms[name], new_tokens))
+                for name in ("eagle3", "eagle3+salience")}  # fmt: skip
+    finally:
+        engine.close()
+    target = build_target(settings)
+    drafter = build_draft(settings, target).drafter
+    text = target_text(target, ids, new_tokens)
+    assert text.continuation[:new_tokens] == runs["eagle3"].token_ids
+    for name, spec in (("eagle3", "whole"), ("eagle3+salience", "128:32")):
+        counts = drafted_steps(drafter, text, new_tokens, TreeBudget.parse(tree), salience_of(spec, settings))
+        assert (len(counts), sum(counts)) == (runs[name].stats.steps, runs[name].stats.accepted_drafts), name
+    assert sum(counts) > 0
+
+
+def test_a_second_run_drafts_from_the_cached_target_passes(code_prompts, tmp_path, monkeypatch):
+    argv = ["--base-model", "models/tiny-code", "--draft-model", "models/tiny-code-eagle3", "--data", str(code_prompts),
+            "--lengths", "512", "--prompts", "1", "--max-new-tokens", "12", "--tree-configs", "8:0.0:3",
+            "--working-sets", "whole", "256:64", "--cache", str(tmp_path / "cache")]  # fmt: skip
+    assert main([*argv, "--out", str(tmp_path / "first.json")]) == 0
+
+    def no_target_pass(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the target pass was cached")
+
+    monkeypatch.setattr("bench.forced_acceptance.target_text", no_target_pass)
+    assert main([*argv, "--out", str(tmp_path / "second.json")]) == 0
+    first, second = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("first", "second"))
+    assert first["runs"] == second["runs"] and len(first["runs"]) == 2
+    assert [s["working_set"] for s in first["summaries"]] == ["256:64", "whole"]
+    assert all(s["tau"] >= 1 and s["steps"] > 0 for s in first["summaries"])
+    assert (tmp_path / "first.png").stat().st_size > 0
