@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.reproduce.output import device_name
-from bench.reproduce.prompts import cut_to_context, load_datasets, prompts_at
+from bench.reproduce.prompts import load_datasets, prompts_at
 from diffspec.errors import InvalidRequest
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
@@ -224,13 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     if draft is None:
         parser.error(f"no draft head at {args.draft_model}")
     rows: list[dict] = []
-    chosen = prompts_at(dataset, max(args.lengths), args.first_prompt, args.prompts)
+    long_enough_for = max(args.lengths) if args.same_prompts else None
     for length in args.lengths:
-        if args.same_prompts:
-            prompts = [(index, cut_to_context(dataset.prompt_ids[index], length)) for index, _ in chosen]
-        else:
-            prompts = prompts_at(dataset, length, args.first_prompt, args.prompts)
-        for index, ids in prompts:
+        for index, ids in prompts_at(dataset, length, args.first_prompt, args.prompts, long_enough_for):
             started = time.perf_counter()
             key = f"{dataset.name}_{length}_{index}_{args.max_new_tokens}"
             text = cached_text(target, ids, args.max_new_tokens, args.cache, key)

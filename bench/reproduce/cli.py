@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
                    help="attention of the exactness rule's fp32 runs (default: the serving settings'); a judging cost only")
     p.add_argument("--judge-minutes", type=float, help="judging time after which divergences not yet judged are "
                    "left unchecked and the report is written (--resume judges them later; default: no limit)")
+    p.add_argument("--same-prompts", type=parse_switch, metavar="{on,off}", help="on: every context takes the "
+                   "prompts long enough for the longest context, so ratios across contexts compare the same texts "
+                   "(full's default); off: each context the first prompts that fill it")
     p.add_argument("--profile-window", action="store_true", default=None, help=argparse.SUPPRESS)  # set by --nsys
     return p
 

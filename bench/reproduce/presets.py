@@ -44,6 +44,10 @@ class ProtocolConfig:
     # judging time after which a divergence not yet judged is left "unchecked" (each costs fp32 runs, a minute and
     # more at 64K on an 8B target), so a run held to a machine's time still writes its report; None: no limit
     judge_minutes: float | None = None
+    # every context evaluates and tunes on the prompts long enough for the longest context any prompt fills, cut
+    # to it: a ratio across contexts (tau(64K) / tau(4K)) then compares the same texts; off, each context takes
+    # the first prompts that fill it, so short contexts also draw on prompts too short for long ones
+    same_prompts: bool = False
 
 
 SMOKE = ProtocolConfig(
@@ -58,6 +62,7 @@ FULL = replace(
     salience_candidates=(True, False),  # where the context is short, drafting over all of it can be the faster
     tune_max_new_tokens=64, eval_max_new_tokens=128, prompts=8, tune_prompts=2,  # 128: as every speed table in bench/RESULTS.md
     tune_finalists=3,  # 64 tokens on 2 prompts (12-25 verification steps) rank candidates within a few % by noise
+    same_prompts=True,
 )
 
 PRESETS = {"smoke": SMOKE, "full": FULL, "custom": SMOKE}

@@ -41,13 +41,17 @@ def cut_to_context(ids: list[int], context: int) -> list[int]:
     return ids[:1] + ids[1:][-(context - 1):]
 
 
-def prompts_at(dataset: Dataset, context: int, first: int, count: int) -> list[tuple[int, list[int]]]:
-    """Up to ``count`` (index, prompt) pairs from index ``first`` on, among prompts at least ``context``
-    tokens long (shorter prompts cannot fill the context and are passed over)."""
+def prompts_at(
+    dataset: Dataset, context: int, first: int, count: int, long_enough_for: int | None = None
+) -> list[tuple[int, list[int]]]:
+    """Up to ``count`` (index, prompt) pairs from index ``first`` on, each cut to ``context``, among prompts at
+    least ``long_enough_for`` tokens long (default ``context``: shorter prompts cannot fill the context and are
+    passed over). Every context choosing by the longest one takes the same texts, so that context length is
+    the only difference between them (a cut keeps the prompt's end, where generation continues)."""
     chosen: list[tuple[int, list[int]]] = []
     for index in range(first, len(dataset.prompt_ids)):
         if len(chosen) == count:
             break
-        if len(dataset.prompt_ids[index]) >= context:
+        if len(dataset.prompt_ids[index]) >= max(context, long_enough_for or 0):
             chosen.append((index, cut_to_context(dataset.prompt_ids[index], context)))
     return chosen

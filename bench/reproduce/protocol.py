@@ -153,6 +153,39 @@ def pages_for(settings: DiffSpecSettings, context: int, config: ProtocolConfig) 
     return max(settings.num_pages, 2 * -(-tokens // settings.page_size) + 64)
 
 
+def cases_of(config: ProtocolConfig, datasets: list[Dataset], contexts: list[int], max_context: int) -> list[Case]:
+    """Each (dataset, context) the protocol runs, with its evaluation and tuning prompts: contexts some prompt
+    fills (``contexts``) whose generation fits the target's ``max_context``."""
+    cases = []
+    room = max(config.eval_max_new_tokens, config.tune_max_new_tokens) + SLACK_TOKENS
+    fitting = [c for c in config.context_targets if c in contexts and c + room <= max_context]
+    for dataset in datasets:
+        # with same_prompts every context takes the texts long enough for the longest one any prompt fills
+        filled = [c for c in fitting if prompts_at(dataset, c, 0, 1)]
+        long_enough_for = max(filled) if config.same_prompts and filled else None
+        for context in config.context_targets:
+            if context not in fitting:
+                log.warning("%s: context %d skipped (longest prompt or the target's %d-token limit)",
+                            dataset.name, context, max_context)
+                continue
+            evaluated = prompts_at(dataset, context, 0, config.prompts, long_enough_for)
+            if not evaluated:
+                log.warning("%s: no prompt fills %d tokens; context skipped", dataset.name, context)
+                continue
+            if len(evaluated) < config.prompts:
+                log.warning("%s: only %d prompts fill %d tokens", dataset.name, len(evaluated), context)
+            tuning = prompts_at(dataset, context, evaluated[-1][0] + 1, config.tune_prompts, long_enough_for)
+            if not tuning:
+                log.warning("%s @ %d: no prompt left for tuning; tuning on the evaluation prompts, so Auto's "
+                            "prefill may hit the prefix cache and its end-to-end figure is flattered",
+                            dataset.name, context)
+                tuning = evaluated[: config.tune_prompts]
+            cases.append(Case(dataset.name, context, evaluated, tuning))
+    if not cases:
+        raise SystemExit("no (dataset, context) pair has prompts long enough: lower --context-targets")
+    return cases
+
+
 class _Protocol:
     def __init__(
         self, config: ProtocolConfig, engine: Engine, settings: DiffSpecSettings, out_dir: Path,
@@ -181,7 +214,7 @@ class _Protocol:
         torch.manual_seed(self.config.seed)
         info = await self.engine.target_info()
         log.info("target %s (%s, %s), max context %d", info.model, info.device, info.dtype, info.max_context)
-        cases = self._cases(datasets, contexts, info.max_context)
+        cases = cases_of(self.config, datasets, contexts, info.max_context)
         shortest = min(case.context for case in cases)
         if self.config.reference_prompts > 0 and not self.sampling.greedy:
             log.info("no transformers reference above temperature 0: it generates greedily")
@@ -220,32 +253,6 @@ class _Protocol:
         exit_code = await asyncio.to_thread(self._judge_exactness, info.dtype)
         return ProtocolResult(self.out_dir, self.runs, self.scores, summarise([r for r in self.runs if r.phase == "eval"]),
                               exit_code, self.warmup_draft_steps)
-
-    def _cases(self, datasets: list[Dataset], contexts: list[int], max_context: int) -> list[Case]:
-        cases = []
-        room = max(self.config.eval_max_new_tokens, self.config.tune_max_new_tokens) + SLACK_TOKENS
-        for dataset in datasets:
-            for context in self.config.context_targets:
-                if context not in contexts or context + room > max_context:
-                    log.warning("%s: context %d skipped (longest prompt or the target's %d-token limit)",
-                                dataset.name, context, max_context)
-                    continue
-                evaluated = prompts_at(dataset, context, 0, self.config.prompts)
-                if not evaluated:
-                    log.warning("%s: no prompt fills %d tokens; context skipped", dataset.name, context)
-                    continue
-                if len(evaluated) < self.config.prompts:
-                    log.warning("%s: only %d prompts fill %d tokens", dataset.name, len(evaluated), context)
-                tuning = prompts_at(dataset, context, evaluated[-1][0] + 1, self.config.tune_prompts)
-                if not tuning:
-                    log.warning("%s @ %d: no prompt left for tuning; tuning on the evaluation prompts, so Auto's "
-                                "prefill may hit the prefix cache and its end-to-end figure is flattered",
-                                dataset.name, context)
-                    tuning = evaluated[: self.config.tune_prompts]
-                cases.append(Case(dataset.name, context, evaluated, tuning))
-        if not cases:
-            raise SystemExit("no (dataset, context) pair has prompts long enough: lower --context-targets")
-        return cases
 
     def _has_runs_left(self, case: Case, shortest: int) -> bool:
         """Whether any run of ``case`` is still to generate, not recorded by an earlier process (``--resume``):

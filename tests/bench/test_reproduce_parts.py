@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from bench.reproduce.cli import config_from, parser
 from bench.reproduce.inflate import inflate_command, inflate_pair, inflated_dir
 from bench.reproduce.presets import FULL, SMOKE
 from bench.reproduce.prompts import Dataset, cut_to_context, load_datasets, prompts_at
-from bench.reproduce.protocol import fingerprint_defaults, model_settings
+from bench.reproduce.protocol import cases_of, fingerprint_defaults, model_settings
 from bench.reproduce.runs import RunRecord
 from bench.reproduce.tuning import (
     FINAL_TIE, CandidateScore, finalists, score_candidates, score_finalists, tuned_profile, write_tuned_profile,
@@ -46,6 +47,11 @@ def test_flags_replace_preset_fields_and_the_rest_stays():
 def test_the_full_preset_has_a_final_round_and_a_run_recorded_without_one_had_none():
     assert (FULL.tune_finalists, SMOKE.tune_finalists, fingerprint_defaults()["tune_finalists"]) == (3, 0, 0)
     assert config("--preset", "full", "--tune-finalists", "0").tune_finalists == 0
+
+
+def test_the_full_preset_compares_contexts_on_the_same_texts_and_a_run_recorded_before_did_not():
+    assert (FULL.same_prompts, SMOKE.same_prompts, fingerprint_defaults()["same_prompts"]) == (True, False, False)
+    assert config("--preset", "full", "--same-prompts", "off").same_prompts is False
 
 
 def test_the_working_set_is_a_tuning_dimension_of_the_full_preset():
@@ -101,6 +107,21 @@ def test_prompts_keep_bos_and_their_end_and_skip_short_ones():
     assert prompts_at(dataset, 4, 0, 5) == [(1, [0, 2, 3, 4]), (3, [0, 5, 6, 7])]
     assert prompts_at(dataset, 4, 2, 1) == [(3, [0, 5, 6, 7])]
     assert prompts_at(dataset, 9, 0, 2) == []
+    assert prompts_at(dataset, 2, 0, 5, long_enough_for=4) == [(1, [0, 4]), (3, [0, 7])]  # the texts that fill 4
+
+
+@pytest.mark.parametrize(("same", "indices"), [(True, {2: [1, 3], 4: [1, 3]}), (False, {2: [0, 1], 4: [1, 3]})])
+def test_contexts_take_the_texts_of_the_longest_with_same_prompts(same, indices):
+    """On, every context evaluates the prompts that fill the longest context some prompt fills (8 here: none
+    fills it, and it is skipped), and tunes on the next one; off, each context the first prompts that fill it."""
+    dataset = Dataset("d", [[0, 1, 2], [0, 1, 2, 3, 4], [0, 1], [0, 5, 6, 7], [0, 8, 9, 10, 11]])
+    config = replace(SMOKE, context_targets=(2, 4, 8), prompts=2, tune_prompts=1, tune_max_new_tokens=1,
+                     eval_max_new_tokens=1, same_prompts=same)  # fmt: skip
+    cases = cases_of(config, [dataset], contexts=[2, 4], max_context=10_000)
+    assert {case.context: [i for i, _ in case.eval_prompts] for case in cases} == indices
+    tuned = {2: [4], 4: [4]} if same else {2: [2], 4: [4]}
+    assert {case.context: [i for i, _ in case.tune_prompts] for case in cases} == tuned
+    assert all(len(ids) == case.context for case in cases for _, ids in case.eval_prompts + case.tune_prompts)
 
 
 def _run(
