@@ -75,14 +75,18 @@ async def run_all(
     arms: list[Arm],
     n: int,
     temperature: float = 0.0,
+    same_prompts: bool = False,
 ) -> list[RunRecord]:
+    """Every arm on each length's prompts; with ``same_prompts`` every length takes the prompts long enough for
+    the longest, so a ratio across lengths compares the same texts."""
     runs: list[RunRecord] = []
     total = len(lengths) * prompts * len(arms)
+    long_enough_for = max(lengths) if same_prompts else None
     for length in lengths:
-        chosen = prompts_at(dataset, length, 0, prompts)
+        chosen = prompts_at(dataset, length, 0, prompts, long_enough_for)
         # draft graphs are per context capacity: record them outside the timed runs (on another prompt
         # than the evaluated ones where there is one, so Auto's timed prefill finds no cached pages)
-        warm = prompts_at(dataset, length, chosen[-1][0] + 1, 1) or chosen
+        warm = prompts_at(dataset, length, chosen[-1][0] + 1, 1, long_enough_for) or chosen
         await warm_up_generations(engine, warm[0][1], [a.draft for a in arms], 32)
         for index, ids in chosen:
             for arm in arms:
@@ -116,6 +120,8 @@ def main() -> int:
                         help="the draft head's per-depth matmuls (DIFFSPEC_DRAFT_QUANTIZATION)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample above 0 (seeded per prompt; outputs not compared), greedy at 0")
+    parser.add_argument("--same-prompts", action="store_true",
+                        help="every length takes the prompts long enough for the longest (the same texts, cut)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.temperature < 0:
@@ -136,7 +142,8 @@ def main() -> int:
     named = arms_at(args.tree_config)
     arms = [named["auto"]] + [named[c] for c in args.configs if c != "auto"]  # Auto first: cold prefill
     runs = asyncio.run(
-        run_all(engine, dataset, args.lengths, args.prompts, arms, args.max_new_tokens, args.temperature)
+        run_all(engine, dataset, args.lengths, args.prompts, arms, args.max_new_tokens, args.temperature,
+                args.same_prompts)
     )
     summaries = summarise(runs)
     result = {

@@ -55,6 +55,19 @@ def test_runs_above_temperature_zero_sample_auto_s_tokens() -> None:
     assert any(r.token_ids != g.token_ids for r, g in zip(sampled, greedy))  # they did sample
 
 
+@pytest.mark.parametrize(("same", "indices"), [(False, [(32, 0), (96, 1)]), (True, [(32, 1), (96, 1)])])
+def test_same_prompts_cut_the_texts_of_the_longest_length_to_every_length(same, indices) -> None:
+    settings = DiffSpecSettings(num_pages=64)
+    tokenizer, engine = load_tokenizer(settings), build_engine(settings, with_draft=False)
+    ids = tokenizer("def parse(argv):\n    return argv\n" * 30)["input_ids"]
+    dataset = Dataset("code", [ids[:40], ids[:120], ids[:100]])  # the first fills 32 tokens, not 96
+    try:
+        runs = asyncio.run(run_all(engine, dataset, [32, 96], 1, [arms_at("16:0.0:4")["auto"]], 2, same_prompts=same))
+    finally:
+        engine.close()
+    assert [(r.context, r.prompt) for r in runs] == indices
+
+
 def test_a_negative_temperature_is_refused_before_anything_loads(monkeypatch, capsys) -> None:
     argv = ["bench.paired", "--base-model", "nowhere", "--draft-model", "nowhere", "--data", "nowhere.jsonl",
             "--out", "nowhere.json", "--temperature", "-0.5"]  # fmt: skip
