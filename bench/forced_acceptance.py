@@ -75,16 +75,18 @@ def target_text(target: TargetRuntime, prompt_ids: list[int], n: int) -> TargetT
 
 
 def cached_text(target: TargetRuntime, prompt_ids: list[int], n: int, cache: Path | None, key: str) -> TargetText:
-    """``target_text``, kept in ``cache`` (when given) under ``key``: a later run with other configurations reads it."""
+    """``target_text``, kept in ``cache`` (when given) under ``key``: a later run with other configurations reads
+    it, when it was made by the same target for the same prompt and length."""
     path = cache / f"{key}.pt" if cache is not None else None
+    made_by = {"model": target.model_path, "prompt_ids": prompt_ids, "tokens": n + LOOKAHEAD}
     if path is not None and path.exists():
-        saved = torch.load(path)
-        if saved["prompt_ids"] == prompt_ids and len(saved["continuation"]) == n + LOOKAHEAD:
+        saved = torch.load(path)  # plain lists and a tensor: loads with torch's weights_only default
+        if saved.get("made_by") == made_by:
             return TargetText(saved["prompt_ids"], saved["continuation"], saved["features"])
     text = target_text(target, prompt_ids, n)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(vars(text), path)
+        torch.save({"made_by": made_by, **vars(text)}, path)
     return text
 
 
@@ -217,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         saliences = {spec: salience_of(spec, settings) for spec in args.working_sets}
     except InvalidRequest as bad:
         parser.error(str(bad))
+    if any(budget.depth >= LOOKAHEAD for budget in budgets):
+        parser.error(f"--tree-configs: depths under {LOOKAHEAD}, the tokens decoded past the last one counted")
     tokenizer = load_tokenizer(settings)
     dataset = load_datasets([args.data], lambda text: tokenizer(text)["input_ids"])[0]
     target = build_target(settings)

@@ -10,7 +10,15 @@ import json
 import pytest
 import torch
 
-from bench.forced_acceptance import accepted_path, drafted_steps, main, salience_of, target_text, working_set_arg
+from bench.forced_acceptance import (
+    accepted_path,
+    cached_text,
+    drafted_steps,
+    main,
+    salience_of,
+    target_text,
+    working_set_arg,
+)
 from bench.reproduce.arms import baseline_arms
 from bench.reproduce.runs import generate_run
 from diffspec.errors import InvalidRequest
@@ -94,3 +102,20 @@ def test_a_second_run_drafts_from_the_cached_target_passes(code_prompts, tmp_pat
     assert [s["working_set"] for s in first["summaries"]] == ["256:64", "whole"]
     assert all(s["tau"] >= 1 and s["steps"] > 0 for s in first["summaries"])
     assert (tmp_path / "first.png").stat().st_size > 0
+
+
+def test_a_cached_pass_is_read_back_only_for_its_own_target_prompt_and_length(tmp_path, monkeypatch):
+    settings = DiffSpecSettings()
+    target = build_target(settings)
+    ids = load_tokenizer(settings)(CODE_PROMPTS[1])["input_ids"]
+    made = cached_text(target, ids, 6, tmp_path, "k")
+    saved = (tmp_path / "k.pt").read_bytes()
+    passes = []
+    monkeypatch.setattr("bench.forced_acceptance.target_text", lambda *args: passes.append(args) or made)
+    again = cached_text(target, ids, 6, tmp_path, "k")
+    assert passes == [] and again.continuation == made.continuation and torch.equal(again.features, made.features)
+    for prompt, n, model in ((ids, 7, target.model_path), (ids[1:], 6, target.model_path), (ids, 6, "another")):
+        (tmp_path / "k.pt").write_bytes(saved)  # the first pass's file each time
+        monkeypatch.setattr(target, "model_path", model)
+        cached_text(target, prompt, n, tmp_path, "k")
+    assert len(passes) == 3
