@@ -33,6 +33,7 @@ import torch
 
 from bench.reproduce.output import device_name
 from bench.reproduce.prompts import load_datasets, prompts_at
+from diffspec.acceptance import accept_greedy
 from diffspec.errors import InvalidRequest
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
@@ -92,16 +93,11 @@ def cached_text(target: TargetRuntime, prompt_ids: list[int], n: int, cache: Pat
 
 def accepted_path(tree: DraftTree, following: list[int]) -> list[int]:
     """The tree's longest path from the root whose tokens are ``following``'s first ones: the greedy acceptance
-    of a target that generates ``following`` next."""
-    children, node, accepted = tree.children(), 0, []
+    of a target that generates ``following`` next: at a node of depth d on that path its argmax is following[d]
+    (-1, no token, past its end)."""
+    argmax = [following[d] if d < len(following) else -1 for d in tree.depths().tolist()]
     tokens = tree.token_list()
-    for token in following:
-        match = next((child for child in children[node] if tokens[child] == token), None)
-        if match is None:
-            break
-        accepted.append(token)
-        node = match
-    return accepted
+    return [tokens[node] for node in accept_greedy(tree, argmax).accepted_nodes]
 
 
 def drafted_steps(

@@ -161,8 +161,8 @@ def cases_of(config: ProtocolConfig, datasets: list[Dataset], contexts: list[int
     fitting = [c for c in config.context_targets if c in contexts and c + room <= max_context]
     for dataset in datasets:
         # with same_prompts every context takes the texts long enough for the longest one any prompt fills
-        filled = [c for c in fitting if prompts_at(dataset, c, 0, 1)]
-        long_enough_for = max(filled) if config.same_prompts and filled else None
+        filled = [c for c in fitting if prompts_at(dataset, c, 0, 1)] if config.same_prompts else []
+        long_enough_for = max(filled, default=None)
         for context in config.context_targets:
             if context not in fitting:
                 log.warning("%s: context %d skipped (longest prompt or the target's %d-token limit)",
