@@ -123,14 +123,14 @@ def drafted_steps(
 
 
 def working_set_arg(text: str) -> str:
-    """``whole`` or ``BUDGET:RECENT`` (tokens)."""
+    """``whole`` or ``BUDGET:RECENT`` (tokens; RECENT 0 = the settings' default, half the budget)."""
     if text != WHOLE:
         try:
             budget, recent = (int(part) for part in text.split(":"))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is neither 'whole' nor BUDGET:RECENT tokens") from None
-        if budget <= 0 or recent <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: budget and recent tokens must be positive")
+        if budget <= 0 or recent < 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: the budget must be positive and the recent tokens 0 or more")
     return text
 
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="the first token included, as the engine counts")
     parser.add_argument("--tree-configs", nargs="+", default=["32:0.0:6"])
-    parser.add_argument("--working-sets", nargs="+", type=working_set_arg, default=[WHOLE, "2048:256"],
+    parser.add_argument("--working-sets", nargs="+", type=working_set_arg, default=[WHOLE, "2048:0"],
                         help="'whole' or BUDGET:RECENT tokens, each a configuration")
     parser.add_argument("--same-prompts", action="store_true",
                         help="at every length the prompts long enough for the longest, each cut to it: context "

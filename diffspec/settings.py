@@ -92,7 +92,11 @@ class DiffSpecSettings(BaseSettings):
     )
     chunk_size: int = Field(64, ge=1, description="Context tokens per salience chunk.")
     working_set_tokens: int = Field(2048, ge=64, description="Token budget of the draft's working set.")
-    salience_recent_tokens: int = Field(256, ge=1, description="Most recent context tokens always in the working set.")
+    salience_recent_tokens: int = Field(
+        0, ge=0,
+        description="Most recent context tokens always in the working set; 0 = half of working_set_tokens (fewer when "
+        "the sink chunks leave no room for half).",
+    )
     salience_reselect_every: int = Field(8, ge=1, description="Draft steps between scheduled working-set re-selections.")
     salience_min_overlap: float = Field(
         0.75, ge=0.0, le=1.0,

@@ -187,13 +187,32 @@ def test_the_working_set_settings_reach_the_selector():
         DiffSpecSettings(salience_min_overlap=1.5)
 
 
+@pytest.mark.parametrize(
+    ("budget_tokens", "recent_tokens", "recent_chunks"),
+    [
+        (2048, 0, 16),  # half the budget
+        (8192, 0, 64),
+        (512, 0, 4),
+        (256, 0, 1),  # 2 chunks beside the tail, one of them the sink: half would not fit
+        (2048, 256, 4),  # an explicit window as given
+        (2048, 100, 1),  # whole chunks, at least one
+    ],
+)
+def test_the_recent_window_defaults_to_half_the_working_set(budget_tokens, recent_tokens, recent_chunks):
+    settings = DiffSpecSettings(working_set_tokens=budget_tokens, salience_recent_tokens=recent_tokens)
+    assert working_set_config(settings).recent_chunks == recent_chunks
+
+
 def test_a_working_set_too_small_for_its_sink_and_recent_chunks_is_refused_at_start(tmp_path):
-    """128 tokens of 64-token chunks leave one chunk beside the tail, against a sink and four recent chunks: the
-    settings are refused when the draft runtime reads them, not in a request; the trainer's config likewise."""
-    with pytest.raises(InvalidRequest, match="working_set_tokens 128 .* needs at least 448 tokens"):
+    """128 tokens of 64-token chunks leave one chunk beside the tail, against a sink and at least one recent
+    chunk: the settings are refused when the draft runtime reads them, not in a request; the trainer's config
+    likewise. An explicit recent window the set cannot hold is refused, not shrunk."""
+    with pytest.raises(InvalidRequest, match="working_set_tokens 128 .* needs at least 256 tokens"):
         working_set_config(DiffSpecSettings(working_set_tokens=128))
+    with pytest.raises(InvalidRequest, match="needs at least 448 tokens"):
+        working_set_config(DiffSpecSettings(working_set_tokens=256, salience_recent_tokens=256))
     assert working_set_config(DiffSpecSettings(working_set_tokens=256, salience_recent_tokens=64)).max_chunks == 2
-    with pytest.raises(ValueError, match="needs at least 448 tokens"):
+    with pytest.raises(ValueError, match="needs at least 256 tokens"):
         TrainConfig(corpus=[tmp_path], out_dir=tmp_path, working_set_tokens=128, chunk_size=64)
     with pytest.raises(ValueError, match="needs at least"):
         WorkingSetConfig(chunk_size=CHUNK, budget_tokens=4 * CHUNK, sink_chunks=1, recent_chunks=2).fitting()
