@@ -123,7 +123,7 @@ def drafted_steps(
 
 
 def working_set_arg(text: str) -> str:
-    """``whole`` or ``BUDGET:RECENT`` (tokens; RECENT 0 = the settings' default, half the budget)."""
+    """``whole`` or ``BUDGET:RECENT`` (tokens; RECENT 0 = the settings' default, three quarters of the budget)."""
     if text != WHOLE:
         try:
             budget, recent = (int(part) for part in text.split(":"))

@@ -94,8 +94,8 @@ class DiffSpecSettings(BaseSettings):
     working_set_tokens: int = Field(2048, ge=64, description="Token budget of the draft's working set.")
     salience_recent_tokens: int = Field(
         0, ge=0,
-        description="Most recent context tokens always in the working set; 0 = half of working_set_tokens (fewer when "
-        "the sink chunks leave no room for half).",
+        description="Most recent context tokens always in the working set; 0 = three quarters of working_set_tokens "
+        "(fewer when the sink chunks leave no room for them).",
     )
     salience_reselect_every: int = Field(8, ge=1, description="Draft steps between scheduled working-set re-selections.")
     salience_min_overlap: float = Field(

@@ -61,7 +61,7 @@ class TrainConfig(BaseModel):
                                     "chunk; 0 = every earlier position. Serving's working_set_tokens.")
     chunk_size: int = Field(64, ge=1, description="Context tokens per salience chunk (with working_set_tokens).")
     salience_recent_tokens: int = Field(0, ge=0, description="Most recent context tokens always in the working "
-                                        "set (with working_set_tokens); 0 = half of it, as serving's default.")
+                                        "set (with working_set_tokens); 0 = three quarters of it, as serving's default.")
     salience_compact_positions: bool = Field(False, description="Train with the working set's positions compacted "
                                              "(with working_set_tokens), as serving's salience_compact_positions "
                                              "stages them: the head then learns the set as a context of its length.")

@@ -52,14 +52,16 @@ class WorkingSetConfig:
     def of_tokens(chunk_size: int, budget_tokens: int, recent_tokens: int, **rest: float | bool) -> WorkingSetConfig:
         """The config of settings that count tokens (``working_set_tokens``, ``salience_recent_tokens``).
 
-        ``recent_tokens`` 0 gives the recent window half the budget, or as many chunks as fit beside the sinks
-        when that is fewer: at 64K the text the draft continues is mostly near its end (bench-code, 2,048 tokens:
-        1,024 recent ones accept 6-8% more drafts than 256, at 4K 1% fewer; bench/RESULTS.md)."""
+        ``recent_tokens`` 0 gives the recent window three quarters of the budget, or as many chunks as fit
+        beside the sinks when that is fewer: the head was trained on short windows and drafts best from the text
+        just before it (bench-code at 64K, 2,048 tokens: tau grows with the window up to 1,536 recent tokens,
+        +10% over 256, and a quarter left to the best-scoring chunks costs at most 1% against a window of the
+        whole budget; at 4K all agree within 1%: bench/RESULTS.md)."""
         config = WorkingSetConfig(chunk_size, budget_tokens, **rest)
         if recent_tokens:
             recent_chunks = max(1, recent_tokens // chunk_size)
         else:
-            recent_chunks = max(1, min(budget_tokens // 2 // chunk_size, config.max_chunks - config.sink_chunks))
+            recent_chunks = max(1, min(budget_tokens * 3 // 4 // chunk_size, config.max_chunks - config.sink_chunks))
         return replace(config, recent_chunks=recent_chunks)
 
     @property

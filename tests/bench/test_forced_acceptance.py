@@ -53,7 +53,7 @@ def test_the_accepted_path_follows_the_text_from_the_root(following, accepted):
 @pytest.mark.parametrize("bad", ["2048", "a:b", "0:256", "2048:-1", "2048:256:1"])
 def test_a_working_set_spec_is_whole_or_a_budget_and_a_recent_window(bad):
     assert working_set_arg("whole") == "whole" and working_set_arg("2048:256") == "2048:256"
-    assert salience_of(working_set_arg("2048:0"), DiffSpecSettings()).recent_chunks == 2048 // 2 // 64  # default
+    assert salience_of(working_set_arg("2048:0"), DiffSpecSettings()).recent_chunks == 2048 * 3 // 4 // 64  # default
     with pytest.raises(argparse.ArgumentTypeError):
         working_set_arg(bad)
 

@@ -190,15 +190,15 @@ def test_the_working_set_settings_reach_the_selector():
 @pytest.mark.parametrize(
     ("budget_tokens", "recent_tokens", "recent_chunks"),
     [
-        (2048, 0, 16),  # half the budget
-        (8192, 0, 64),
-        (512, 0, 4),
-        (256, 0, 1),  # 2 chunks beside the tail, one of them the sink: half would not fit
+        (2048, 0, 24),  # three quarters of the budget
+        (8192, 0, 96),
+        (512, 0, 5),  # 6 chunks beside the tail, one of them the sink
+        (256, 0, 1),
         (2048, 256, 4),  # an explicit window as given
         (2048, 100, 1),  # whole chunks, at least one
     ],
 )
-def test_the_recent_window_defaults_to_half_the_working_set(budget_tokens, recent_tokens, recent_chunks):
+def test_the_recent_window_defaults_to_three_quarters_of_the_working_set(budget_tokens, recent_tokens, recent_chunks):
     settings = DiffSpecSettings(working_set_tokens=budget_tokens, salience_recent_tokens=recent_tokens)
     assert working_set_config(settings).recent_chunks == recent_chunks
 
