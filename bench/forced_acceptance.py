@@ -122,11 +122,17 @@ def drafted_steps(
     return accepted_counts
 
 
+def budget_and_recent(spec: str) -> tuple[int, int]:
+    """A working-set spec's ``BUDGET:RECENT`` tokens; ValueError when it is not two integers."""
+    budget, recent = (int(part) for part in spec.split(":"))
+    return budget, recent
+
+
 def working_set_arg(text: str) -> str:
     """``whole`` or ``BUDGET:RECENT`` (tokens; RECENT 0 = the settings' default, three quarters of the budget)."""
     if text != WHOLE:
         try:
-            budget, recent = (int(part) for part in text.split(":"))
+            budget, recent = budget_and_recent(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is neither 'whole' nor BUDGET:RECENT tokens") from None
         if budget <= 0 or recent < 0:
@@ -137,7 +143,7 @@ def working_set_arg(text: str) -> str:
 def salience_of(spec: str, settings: DiffSpecSettings) -> WorkingSetConfig | None:
     if spec == WHOLE:
         return None
-    budget, recent = (int(part) for part in spec.split(":"))
+    budget, recent = budget_and_recent(spec)
     update = {"working_set_tokens": budget, "salience_recent_tokens": recent}
     return working_set_config(settings.model_copy(update=update))
 

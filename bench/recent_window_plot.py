@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.forced_acceptance import WHOLE, summarise
+from bench.forced_acceptance import WHOLE, budget_and_recent, summarise
 from draft_service.working_set import WorkingSetConfig
 
 
@@ -40,7 +40,7 @@ def window_lines(summaries: list[dict], chunk_size: int) -> dict[tuple[int, int,
     for summary in summaries:
         if summary["working_set"] == WHOLE:
             continue
-        budget, recent = (int(part) for part in summary["working_set"].split(":"))
+        budget, recent = budget_and_recent(summary["working_set"])
         window = WorkingSetConfig.of_tokens(chunk_size, budget, recent).recent_chunks * chunk_size
         lines.setdefault((summary["context"], budget, summary["tree_config"]), []).append((window, summary["tau"]))
     return {key: sorted(points) for key, points in sorted(lines.items())}
