@@ -19,6 +19,7 @@ class ArmSummary:
     arm: str
     label: str  # arm plus its tree
     prompts: int
+    prompt_indices: list[int]  # [prompts] the dataset's indices of the prompts, ascending
     new_tokens: int  # summed over prompts
     tau: float  # accepted drafts + 1 bonus per verification step (1.0 for Auto)
     decode_tokens_per_s: float  # tokens after the first / decode seconds
@@ -68,7 +69,7 @@ def summarise_arm(runs: list[RunRecord], auto: list[RunRecord]) -> ArmSummary:
     decode_tps, e2e_tps = decode_tokens_per_second(runs), end_to_end_tokens_per_second(runs)
     return ArmSummary(
         dataset=first.dataset, context=first.context, arm=first.arm, label=first.label, prompts=len(runs),
-        new_tokens=sum(r.stats.new_tokens for r in runs), tau=round(tau(runs), 4),
+        prompt_indices=sorted(r.prompt for r in runs), new_tokens=sum(r.stats.new_tokens for r in runs), tau=round(tau(runs), 4),
         decode_tokens_per_s=round(decode_tps, 3),
         decode_speedup=_ratio(decode_tps, decode_tokens_per_second(auto)) if auto else None,
         end_to_end_tokens_per_s=round(e2e_tps, 3),
@@ -105,6 +106,27 @@ def _cell(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def tau_by_context_lines(summaries: list[ArmSummary]) -> list[str]:
+    """tau at each context and its ratio to the shortest context's, per arm that ran the same prompts at every
+    context (the protocol's same-prompt choice), so that the context is the only input that differs. An arm
+    whose tree the tuning chose (DiffSpec) may run another tree at each context: the table above names it."""
+    contexts = sorted({s.context for s in summaries})
+    if len(contexts) < 2:
+        return []
+    lines = ["| arm | " + " | ".join(f"tau at {c}" for c in contexts) + " | "
+             + " | ".join(f"{c} / {contexts[0]}" for c in contexts[1:]) + " |",
+             "| --- |" + " --- |" * (2 * len(contexts) - 1)]
+    for arm in dict.fromkeys(s.arm for s in summaries if s.arm != AUTO):
+        by_context = {s.context: s for s in summaries if s.arm == arm}
+        if sorted(by_context) != contexts or len({tuple(s.prompt_indices) for s in by_context.values()}) > 1:
+            continue  # not at every context, or not on the same prompts: no like-for-like ratio
+        shortest = by_context[contexts[0]].tau
+        lines.append(f"| {arm} | " + " | ".join(f"{by_context[c].tau:.2f}" for c in contexts) + " | "
+                     + " | ".join(_cell(by_context[c].tau / shortest if shortest else None) for c in contexts[1:])
+                     + " |")
+    return lines if len(lines) > 2 else []
+
+
 def markdown(summaries: list[ArmSummary], scores: list[CandidateScore], header: str) -> str:
     """The report: one evaluation table per dataset, then the tuning pass."""
     lines = [header, ""]
@@ -124,6 +146,9 @@ def markdown(summaries: list[ArmSummary], scores: list[CandidateScore], header: 
                 f"| {s.exact} / {s.near_ties} / {s.mismatches}{f' ({s.unchecked} unchecked)' if s.unchecked else ''} |"
             )
         lines.append("")
+        by_context = tau_by_context_lines([s for s in summaries if s.dataset == dataset])
+        if by_context:
+            lines += [f"### {dataset}: tau against the shortest context, on the same prompts", "", *by_context, ""]
     if not scores:
         return "\n".join(lines) + "\n"
     lines += ["## Tuning pass", "",
