@@ -69,7 +69,8 @@ def summarise_arm(runs: list[RunRecord], auto: list[RunRecord]) -> ArmSummary:
     decode_tps, e2e_tps = decode_tokens_per_second(runs), end_to_end_tokens_per_second(runs)
     return ArmSummary(
         dataset=first.dataset, context=first.context, arm=first.arm, label=first.label, prompts=len(runs),
-        prompt_indices=sorted(r.prompt for r in runs), new_tokens=sum(r.stats.new_tokens for r in runs), tau=round(tau(runs), 4),
+        prompt_indices=sorted(r.prompt for r in runs), new_tokens=sum(r.stats.new_tokens for r in runs),
+        tau=round(tau(runs), 4),
         decode_tokens_per_s=round(decode_tps, 3),
         decode_speedup=_ratio(decode_tps, decode_tokens_per_second(auto)) if auto else None,
         end_to_end_tokens_per_s=round(e2e_tps, 3),
