@@ -51,6 +51,7 @@ MODES: dict[str, DraftOptions | None] = {
     "full-64": DraftOptions("full", "64:0.0:8"),  # the reproduction protocol's EAGLE-3 baseline tree
     "salience-64": DraftOptions("full", "64:0.0:8", salience=True),  # that tree over the working set (eagle3+salience)
     "full-32": DraftOptions("full", "32:0.0:6"),  # a fixed EAGLE-2 tree, for reference
+    "salience-32": DraftOptions("full", "32:0.0:6", salience=True),  # that tree over the working set: 64K's choice
     "full-16": DraftOptions("full", "16:0.0:4"),
     "salience-16": DraftOptions("full", "16:0.0:4", salience=True),  # the small tree over the working set
     "chain-4": DraftOptions("chain", "5:0.0:4"),
