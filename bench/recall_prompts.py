@@ -23,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from diffspec.errors import CheckpointError
+from diffspec.settings import DiffSpecSettings
+from gateway.assembly import load_tokenizer
 
 FILE_LINE = re.compile(r"^# file: (.+)$", re.MULTILINE)  # each file of a prompt starts under one
 
@@ -92,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.context < 8 * args.lead_tokens or args.lead_tokens < 1:
         parser.error(f"--context {args.context} must be at least 8 x --lead-tokens {args.lead_tokens} (>= 1)")
-    tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer_model))
+    try:
+        tokenizer = load_tokenizer(DiffSpecSettings(base_model=args.tokenizer_model))
+    except CheckpointError as bad:
+        parser.error(str(bad))
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -63,3 +63,12 @@ def test_the_command_writes_the_prompts_that_fit_and_refuses_a_context_too_small
     assert written["recalled_file"] in {"a.py", "b.py", "c.py"}
     with pytest.raises(SystemExit):
         main(["--data", str(data), "--tokenizer-model", str(tiny_target_dir), "--context", "32", "--out", str(out)])
+
+
+def test_a_folder_without_a_tokenizer_is_refused_with_its_path(tmp_path, capsys):
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"id": "x", "text": _prompt()}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["--data", str(data), "--tokenizer-model", str(tmp_path / "nowhere"), "--context", "2048",
+              "--out", str(tmp_path / "out.jsonl")])
+    assert f"cannot load a tokenizer from {tmp_path / 'nowhere'}" in capsys.readouterr().err
