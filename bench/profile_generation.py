@@ -10,6 +10,10 @@ phases the runtimes mark (``draft.accept``, ``draft.propose.search``, ``target.v
 with their host time and the GPU time of the kernels they launched, how much of an iteration the device is
 busy (all iterations, and those without prompt work: the idle rest is host time on the critical path), then
 the costliest ops.
+``--profiler timeline`` (a GPU only) records the device's kernels and copies alone, none of the host's ops, so
+the host runs at its own speed: how long the device idles per iteration, and between which two kernels (the gap
+after a step's last kernel is the host deciding what to launch next).
+``--decode-only`` leaves the iterations that compute prompt chunks out of every report.
 ``--profiler syncs`` (a GPU only) counts the host's waits for the GPU per iteration by source line.
 ``--profiler stacks`` samples the loop thread's Python stack on the wall clock: each function's share
 of an iteration, waits for the GPU included, with no per-call cost added to what it measures.
@@ -220,6 +224,60 @@ class StackSampleReport:
             print()
 
 
+class DeviceTimelineReport:
+    """The device's own timeline, kernels and copies only: no host op is recorded, so the idle time it
+    shows is the host's, not a profiler's. Each idle gap is named by the kernels on either side of it."""
+
+    def __init__(self) -> None:
+        self.iterations = 0
+        self.profile = profile(activities=[ProfilerActivity.CUDA])
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
+        def call(step: Callable[[], None]) -> None:
+            self.iterations += 1
+            step()
+
+        with self.profile:
+            yield call
+            torch.cuda.synchronize()
+
+    def print(self, rows: int) -> None:
+        work = [(e.time_range.start, e.time_range.end, e.name) for e in self.profile.events()
+                if _on_device(e) and not _annotation(e)]  # fmt: skip
+        if not work:
+            print("no device work recorded")
+            return
+        n = max(1, self.iterations)
+        span_us = max(end for _, end, _ in work) - min(start for start, _, _ in work)
+        gaps = idle_gaps(work)
+        idle_us = sum(gap for gap, _, _ in gaps)
+        print(f"{n} iterations: {span_us / n / 1e3:.3f} ms each from the first kernel to the last, the device "
+              f"busy {(span_us - idle_us) / n / 1e3:.3f} ms (idle {idle_us / n / 1e3:.3f} ms)")
+        by_pair: collections.Counter[tuple[str, str]] = collections.Counter()
+        counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        for gap, before, after in gaps:
+            by_pair[before, after] += gap
+            counts[before, after] += 1
+        print(f"{'idle ms/it':>10} {'gaps/it':>8}  the kernel before the gap -> the kernel after it")
+        for (before, after), us in by_pair.most_common(rows):
+            print(f"{us / n / 1e3:10.3f} {counts[before, after] / n:8.2f}  {before[:60]} -> {after[:60]}")
+
+
+def idle_gaps(work: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
+    """The device's idle gaps in ``work`` (start, end, name): (length, the name of the interval that ended last
+    before the gap, the name of the first after it); overlapping intervals are busy once."""
+    gaps = []
+    ordered = sorted(work)
+    last_end, last_name = ordered[0][1], ordered[0][2]
+    for start, end, name in ordered[1:]:
+        if start > last_end:
+            gaps.append((start - last_end, last_name, name))
+        if end > last_end:
+            last_end, last_name = end, name
+    return gaps
+
+
 def busy_us(windows: list[tuple[float, float]], work: list[tuple[float, float]]) -> float:
     """Microseconds of the (disjoint) ``windows`` during which at least one interval of ``work`` runs: the
     intervals' union, clipped to each window."""
@@ -258,7 +316,8 @@ def _innermost_phase(event) -> str:  # noqa: ANN001 (a torch.autograd.profiler F
     return "loop"
 
 
-REPORTS = {"cprofile": CProfileReport, "torch": TorchProfileReport, "syncs": SyncReport, "stacks": StackSampleReport}
+REPORTS = {"cprofile": CProfileReport, "torch": TorchProfileReport, "timeline": DeviceTimelineReport,
+           "syncs": SyncReport, "stacks": StackSampleReport}
 
 
 def main() -> int:
@@ -272,7 +331,11 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--profiler", choices=list(REPORTS), default="cprofile")
     parser.add_argument("--rows", type=int, default=30, help="functions or ops listed per table")
+    parser.add_argument("--decode-only", action="store_true", help="profile from the first iteration without "
+                        "prompt work on (the prompt's chunks run first, outside the profile)")
     args = parser.parse_args()
+    if args.profiler == "timeline" and not torch.cuda.is_available():
+        parser.error("--profiler timeline records the GPU's timeline: it needs a GPU")
     settings = DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model, num_pages=8192)
     engine = build_engine(settings)
     engine.core.detach_loop()  # the loop runs in this thread instead, under the profiler
@@ -282,23 +345,30 @@ def main() -> int:
     prompts = [engine.tokenizer(t)["input_ids"][-args.prompt_tokens :] for t in texts]
     for mode in args.modes:
         for report in (REPORTS[args.profiler](), REPORTS[args.profiler]()):  # the first run records graphs, untimed
-            asyncio.run(_run(engine, prompts, mode, args.max_new_tokens, report))
+            asyncio.run(_run(engine, prompts, mode, args.max_new_tokens, report, args.decode_only))
         print(f"==== {mode}, {args.streams} streams, {args.max_new_tokens} new tokens each ====")
         report.print(args.rows)
     return 0
 
 
-async def _run(engine, prompts, mode: str, max_new_tokens: int, report) -> None:  # noqa: ANN001
+async def _run(engine, prompts, mode: str, max_new_tokens: int, report, decode_only: bool) -> None:  # noqa: ANN001
     streams = asyncio.ensure_future(
         concurrent(engine, [[ids] for ids in prompts], RequestSpec(MODES[mode], max_new_tokens))
     )
     await asyncio.sleep(0.05)  # every request is in the inbox
-    await asyncio.to_thread(_profiled_loop, engine.core, report)
+    await asyncio.to_thread(_profiled_loop, engine.core, report, decode_only)
     await streams
 
 
-def _profiled_loop(core, report) -> None:  # noqa: ANN001
-    """Run ``core``'s iterations under ``report``'s profiler while it has work (this thread stands in for the loop's)."""
+def _profiled_loop(core, report, decode_only: bool) -> None:  # noqa: ANN001
+    """Run ``core``'s iterations under ``report``'s profiler while it has work (this thread stands in for the
+    loop's); with ``decode_only``, the iterations up to the first that verifies without prompt work run first,
+    outside it."""
+    verified_alone = core.timing.verify_only_iterations
+    while decode_only and core.has_work() and core.timing.verify_only_iterations == verified_alone:
+        core.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the prompt's queued work stays out of the profile
     with report.active() as call:
         while core.has_work():
             call(core.step)

@@ -7,7 +7,7 @@ import pytest
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from bench.profile_generation import ITERATION, _annotation, _on_device, busy_us
+from bench.profile_generation import ITERATION, _annotation, _on_device, busy_us, idle_gaps
 
 # (iteration windows, device work intervals) -> microseconds the device is busy inside the windows
 CASES = [
@@ -33,3 +33,19 @@ def test_marked_ranges_on_the_device_timeline_are_not_work():
     assert _on_device(kernel) and not _annotation(kernel)
     assert _on_device(repeated) and _annotation(repeated) and _annotation(iteration)
     assert not _on_device(host)
+
+
+# device work (start, end, name) -> idle gaps (length, the last to end before, the first after)
+GAP_CASES = [
+    ([(0, 5, "a")], []),
+    ([(0, 5, "a"), (5, 9, "b")], []),  # back to back: no gap
+    ([(0, 5, "a"), (8, 9, "b")], [(3, "a", "b")]),
+    ([(0, 10, "long"), (2, 4, "short"), (12, 13, "next")], [(2, "long", "next")]),  # the one that ended last
+    ([(6, 9, "c"), (0, 5, "a"), (1, 2, "b")], [(1, "a", "c")]),  # any order in
+    ([(0, 2, "a"), (4, 6, "b"), (9, 10, "a")], [(2, "a", "b"), (3, "b", "a")]),
+]
+
+
+@pytest.mark.parametrize("work, gaps", GAP_CASES)
+def test_idle_gaps_are_named_by_the_kernels_on_either_side(work, gaps):
+    assert idle_gaps(work) == gaps
