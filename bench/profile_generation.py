@@ -97,6 +97,7 @@ class TorchProfileReport:
                 print(f"{event.key:32} {event.count / n:8.2f} {host_ms:8.3f} {gpu_ms:8.3f}")
         if torch.cuda.is_available():
             self._print_device_busy()
+            self._print_gaps_by_phase(n, rows)
             self._print_kernels_by_phase(n)
             print(events.table(sort_by="self_cuda_time_total", row_limit=rows))
         print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
@@ -113,6 +114,20 @@ class TorchProfileReport:
                 busy_ms = busy_us(chosen, work) / len(chosen) / 1e3
                 print(f"{len(chosen)} {label}: {wall_ms:.3f} ms each, the device busy {busy_ms:.3f} ms of it "
                       f"(idle {wall_ms - busy_ms:.3f} ms)")
+
+    def _print_gaps_by_phase(self, iterations: int, rows: int) -> None:
+        """The device's idle gaps named by the phase that launched the work on either side of each (a phase's host
+        work before its first launch is what the device waits for); the profiler's own host cost lengthens them."""
+        events = self.profile.events()
+        launchers = {e.id: e for e in events if not _on_device(e) and e.linked_correlation_id == 0}
+        work = []
+        for event in events:
+            if _on_device(event) and not _annotation(event):
+                launcher = launchers.get(event.linked_correlation_id)
+                phase = _innermost_phase(launcher) if launcher is not None else "?"
+                work.append((event.time_range.start, event.time_range.end, f"{phase} {event.name[:40]}"))
+        if work:
+            print_gaps(idle_gaps(work), iterations, rows)
 
     def _print_kernels_by_phase(self, iterations: int, per_phase: int = 10) -> None:
         """Each phase's kernels (a graph's included, under the phase that replayed it): how many per iteration,
@@ -254,14 +269,19 @@ class DeviceTimelineReport:
         idle_us = sum(gap for gap, _, _ in gaps)
         print(f"{n} iterations: {span_us / n / 1e3:.3f} ms each from the first kernel to the last, the device "
               f"busy {(span_us - idle_us) / n / 1e3:.3f} ms (idle {idle_us / n / 1e3:.3f} ms)")
-        by_pair: collections.Counter[tuple[str, str]] = collections.Counter()
-        counts: collections.Counter[tuple[str, str]] = collections.Counter()
-        for gap, before, after in gaps:
-            by_pair[before, after] += gap
-            counts[before, after] += 1
-        print(f"{'idle ms/it':>10} {'gaps/it':>8}  the kernel before the gap -> the kernel after it")
-        for (before, after), us in by_pair.most_common(rows):
-            print(f"{us / n / 1e3:10.3f} {counts[before, after] / n:8.2f}  {before[:60]} -> {after[:60]}")
+        print_gaps(gaps, n, rows)
+
+
+def print_gaps(gaps: list[tuple[float, str, str]], iterations: int, rows: int) -> None:
+    """The idle gaps summed per (before, after) pair, the longest total first."""
+    by_pair: collections.Counter[tuple[str, str]] = collections.Counter()
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    for gap, before, after in gaps:
+        by_pair[before, after] += gap
+        counts[before, after] += 1
+    print(f"{'idle ms/it':>10} {'gaps/it':>8}  the work before the gap -> the work after it")
+    for (before, after), us in by_pair.most_common(rows):
+        print(f"{us / iterations / 1e3:10.3f} {counts[before, after] / iterations:8.2f}  {before[:70]} -> {after[:70]}")
 
 
 def idle_gaps(work: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:

@@ -12,12 +12,13 @@ Layers. Chunks are scored on the last decoder layer's keys against its query of 
 from an arena of its own that takes the same selections.
 
 When. A prompt's working set is chosen at once (``refresh_all(..., wait=True)``). An accept's choice
-is only queued, and only once the next proposal is launched (``Drafter.rescore``), so its host work
-overlaps that proposal on the device: the device ranks the chunks and copies the best to the host behind
-the proposal, and the context takes the new working set at its next accept, when the copy is long done. The proposal in
-between attends to the set chosen a step earlier, and the tail past the chunks that set chose among
-grows to hold the newer tokens, so nothing committed is left out. So no step waits for the device to
-choose chunks.
+is only queued (``Drafter.rescore``), once the device has other work to hide it behind: after the next
+proposal's launch, or, where entries are written on the device, after the next verify's launch, so its host
+work never sits between one verify's results and the next verify's launch. The device ranks the chunks and
+copies the best to the host behind that work, and the context takes the new working set at its next accept
+(or device write), when the copy is long done. The proposals in between attend to the set chosen a step or
+two earlier, and the tail past the chunks that set chose among grows to hold the newer tokens, so nothing
+committed is left out. So no step waits for the device to choose chunks.
 
 Batches. An accept's salience work is a constant number of launches and host passes for the whole
 batch: the chunks that filled are encoded together, every context's chunks are scored in one launch

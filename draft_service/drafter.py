@@ -162,17 +162,18 @@ class Drafter:
         from the last real one, so nothing here waits for the forward. The entries stay unsettled until
         ``commit_accepted`` compares them with the host's acceptance and keeps the real ones.
 
-        A salience session takes the working set its last scores chose here too, as an accept would: the
-        scores' copy was queued behind the proposal this verify follows, so reading it waits at most for that
-        proposal, while the host has the verify to wait for anyway; the arenas' update is queued behind the
-        verify, before the next proposal reads them."""
+        A salience session takes the working set its last scores chose here too, as an accept would (their copy
+        was queued a verify or a proposal ago: reading it does not wait), and the chunks of the contexts settled
+        since are scored now, behind this verify, for the next write to take: the scoring's host work then runs
+        while the verify's forward does, not between one verify's results and the next verify's launch. The
+        arenas' update is queued behind the verify, before the next proposal reads them."""
         if not extensions:
             return
         sessions = [e.session for e in extensions]
         if any(s.unsettled is not None for s in sessions):
             raise ValueError("a session's last entries written on the device are not settled yet")
-        self.rescore()
         take_queued_selections([s.context for s in sessions])
+        self.rescore()
         counts = [e.accept.max_entries for e in extensions]
         ends = list(itertools.accumulate(counts))
         rows = self.staging.upload([*_positions(sessions, counts), *(end - n for end, n in zip(ends, counts))])

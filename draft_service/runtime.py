@@ -363,8 +363,7 @@ class DraftRuntime:
             self.proposals_ahead += 1
             if others:
                 launched = launched.beside(self._launch(others, self._plan_beside))
-            else:
-                self.drafter.rescore()  # the settled sessions' chunk scoring, behind the proposal as after a launch
+            # the settled sessions' chunk scoring waits for their next write, behind the verify (extend_on_device)
         else:
             launched = self._launch(others, self._plan_batch)
         last = self._timed_proposal
