@@ -119,6 +119,10 @@ class TorchProfileReport:
         """The device's idle gaps named by the phase that launched the work on either side of each (a phase's host
         work before its first launch is what the device waits for); the profiler's own host cost lengthens them."""
         events = self.profile.events()
+        if events and not hasattr(events[0], "linked_correlation_id"):
+            print("(idle gaps by phase: this torch's profiler does not link a kernel to its launch; "
+                  "--profiler timeline names them by kernel)")
+            return
         launchers = {e.id: e for e in events if not _on_device(e) and e.linked_correlation_id == 0}
         work = []
         for event in events:
