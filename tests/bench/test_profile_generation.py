@@ -1,13 +1,17 @@
-"""The engine profile's device-busy arithmetic: which intervals count as the device's work, and their union
-inside the iterations' windows."""
+"""The engine profile's device-busy arithmetic: which intervals count as the device's work, their union
+inside the iterations' windows, the idle gaps and the work either side of each, and the device timeline's
+refusal on a machine without a GPU."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from bench.profile_generation import ITERATION, _annotation, _on_device, busy_us, idle_gaps
+from bench.profile_generation import ITERATION, _annotation, _on_device, busy_us, idle_gaps, main
 
 # (iteration windows, device work intervals) -> microseconds the device is busy inside the windows
 CASES = [
@@ -49,3 +53,13 @@ GAP_CASES = [
 @pytest.mark.parametrize("work, gaps", GAP_CASES)
 def test_idle_gaps_are_named_by_the_kernels_on_either_side(work, gaps):
     assert idle_gaps(work) == gaps
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_the_device_timeline_is_refused_without_a_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["profile_generation", "--base-model", "m", "--draft-model", "d", "--data", "p",
+                                      "--profiler", "timeline"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    assert "needs a GPU" in capsys.readouterr().err
