@@ -51,10 +51,13 @@ def accept_batch(
     ran: StepOutputs,
     argmax: list[int],
     sampled: dict[str, SamplingOutcomes],
+    device_features: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, VerifyResult], list[Commit], dict[str, DiffSpecError]]:
     """Per session: its result and its commit (root + accepted nodes), or why it failed. ``argmax``: the
     forward's argmax token of every row, read once for the greedy sessions ([] when there are none);
-    ``sampled``: each sampled session's outcomes on the host."""
+    ``sampled``: each sampled session's outcomes on the host; ``device_features``: the features its device
+    acceptance gathered, per session that has one (``device_acceptance``: the same rows, from the same argmax
+    or outcomes), whose first rows its result takes instead of a gather on the way to the next verify."""
     results: dict[str, VerifyResult] = {}
     commits: list[Commit] = []
     failures: dict[str, DiffSpecError] = {}
@@ -69,7 +72,7 @@ def accept_batch(
         tree_tokens = step.tree.token_list()
         rows, tokens = [offset + node for node in nodes], [tree_tokens[node] for node in nodes]
         accepted.append(_Accepted(step, session, acceptance, rows, tokens))
-    for item, features in zip(accepted, _features(accepted, ran)):
+    for item, features in zip(accepted, _features(accepted, ran, device_features or {})):
         session, acceptance, tokens = item.session, item.acceptance, item.tokens
         emitted = [*tokens[1:], acceptance.bonus_token]
         session.pending_token = acceptance.bonus_token
@@ -93,13 +96,19 @@ def greedy_argmax(sessions: list[TargetSession], ran: StepOutputs) -> torch.Tens
     return ran.logits.argmax(-1) if any(session.sampling.greedy for session in sessions) else None
 
 
-def _features(accepted: list[_Accepted], ran: StepOutputs) -> list[torch.Tensor | None]:
+def _features(
+    accepted: list[_Accepted], ran: StepOutputs, device_features: dict[str, torch.Tensor]
+) -> list[torch.Tensor | None]:
     """Each session's features at its committed rows ([len(rows), len(layers) * hidden]; None when it wants
-    none): one gather for all the sessions that want the same layers, split into per-session views."""
+    none): the first rows of its device acceptance's where it has one, else one gather for all the sessions
+    that want the same layers, split into per-session views."""
     features: list[torch.Tensor | None] = [None] * len(accepted)
     by_layers: dict[tuple[int, ...], list[int]] = {}  # feature layers -> indices of the sessions wanting them
     for i, item in enumerate(accepted):
-        if item.session.want_features:
+        on_device = device_features.get(item.step.session_id)
+        if on_device is not None and item.session.want_features:
+            features[i] = on_device[: len(item.rows)]
+        elif item.session.want_features:
             by_layers.setdefault(item.session.feature_layers, []).append(i)
     for layers, members in by_layers.items():
         rows = [row for i in members for row in accepted[i].rows]

@@ -294,6 +294,7 @@ class TargetRuntime:
         # their copies are queued before the draft's work: reading them waits for the forward alone
         argmax_read = HostCopy(argmax) if argmax is not None else None
         sampled_read = SampledReads(sampled)
+        accepts: dict[str, DeviceAccept] = {}
         if on_queued is not None:
             accepts = self._device_accepts(valid, ran, argmax, sampled)
             if accepts:
@@ -302,7 +303,10 @@ class TargetRuntime:
         sessions = [self.sessions[step.session_id] for step in valid]
         with record_function("target.verify.accept"):
             argmax_list = argmax_read.get().tolist() if argmax_read is not None else []
-            results, commits, rejected = accept_batch(valid, sessions, ran, argmax_list, sampled_read.get())
+            device_features = {session_id: accept.features for session_id, accept in accepts.items()}
+            results, commits, rejected = accept_batch(
+                valid, sessions, ran, argmax_list, sampled_read.get(), device_features
+            )
         failures.update(rejected)
         self._commit(ran.forward, commits)
         return results, timer.seconds(), ran.logits.shape[0]

@@ -79,6 +79,35 @@ def test_each_session_gets_its_own_rule_from_one_batch(padded):
         assert torch.equal(result.features, ran.forward.features_of(rows, case.layers))  # the per-session rule
 
 
+def test_a_session_with_a_device_acceptance_takes_its_features_instead_of_a_gather(monkeypatch):
+    """The device acceptance gathered the same rows (padded to the depth bound): its first rows are the result's
+    features, and only the other sessions that want features are gathered."""
+    offsets = [0, 3, 5, 9, 10]
+    ran = _ran(offsets, 18, CASES)
+    steps = [VerifyStep(f"s{b}", DraftTree.chain(case.tree)) for b, case in enumerate(CASES)]
+    sessions = [
+        TargetSession([0], SamplingParams(), None, case.want_features, 1, case.tree[0], case.layers) for case in CASES
+    ]
+    rows = [offsets[0] + node for node in [0, *ACCEPTED[0]]]
+    padded = ran.forward.features_of([*rows, rows[-1]], CASES[0].layers)  # one row past the path, as the device pads
+    gathered: list[list[int]] = []
+    features_of = ran.forward.features_of
+    def counted(rows: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+        gathered.append(list(rows))
+        return features_of(rows, layers)
+
+    monkeypatch.setattr(ran.forward, "features_of", counted)
+    results, _, failures = accept_batch(steps, sessions, ran, greedy_argmax(sessions, ran).tolist(), {}, {"s0": padded})
+    assert not failures
+    assert torch.equal(results["s0"].features, padded[: len(rows)])
+    assert results["s0"].features.data_ptr() == padded.data_ptr()  # a view: nothing gathered for it
+    assert gathered and all(row not in rows for batch in gathered for row in batch)
+    for b in (1, 3, 4):  # the others that want features: gathered as before
+        want = ran.forward.features_of([offsets[b] + node for node in [0, *ACCEPTED[b]]], CASES[b].layers)
+        assert torch.equal(results[f"s{b}"].features, want)
+    assert results["s2"].features is None
+
+
 def test_no_argmax_is_read_for_a_batch_without_a_greedy_session():
     ran = _ran([0], 8, CASES[:1])
     sampled = TargetSession([0], SamplingParams(temperature=0.7), None, True, 1, 3, FORWARD_LAYERS)
