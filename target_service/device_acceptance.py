@@ -5,23 +5,28 @@ accepted entries, a few dozen launches of host time during which the GPU would i
 instead, behind the forward, the draft queues that commit while the forward still runs, and the host's
 read of the results waits for the forward only.
 
-The rules are ``diffspec.acceptance``'s, in tensors. Greedy: a node matches when its token is the target's
-argmax at its parent, and the bonus is the argmax at the path's end. Sampled: a node matches when the step's
-outcomes have its parent take it, and the bonus is the sample at the path's end; the host walks the
-same outcomes. Either way the accepted path ends at the
-deepest node whose ancestors all match (matching siblings are never both kept, so they form one path from
-the root). The host's acceptance, computed afterwards from the same values, is what the results carry; a
-draft that committed from this one checks that they agree.
+The rules are ``diffspec.acceptance``'s, in tensors (``diffspec_kernels/accepted_path_ref.py``; on a GPU one
+launch, ``accepted_path_triton``). Greedy: a node matches when its token is the target's argmax at its parent,
+and the bonus is the argmax at the path's end. Sampled: a node matches when the step's outcomes have its
+parent take it, and the bonus is the sample at the path's end; the host walks the same outcomes. The host's
+acceptance, computed afterwards from the same values, is what the results carry; a draft that committed from
+this one checks that they agree.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from diffspec.acceptance import SamplingOutcomes
 from diffspec.device_accept import DeviceAccept
 from diffspec.tree import DeviceTree
+from diffspec_kernels.accepted_path_ref import accepted_path_reference
+from diffspec_kernels.dispatch import triton_kernels_on
 from target_service.llama import PagedForwardOutput
+
+AcceptedPath = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def greedy_device_accept(
@@ -35,11 +40,9 @@ def greedy_device_accept(
 ) -> DeviceAccept:
     """tree: the device copy of a tree whose first ``nodes`` nodes the forward verified, from row ``first_row``
     of ``argmax`` [rows] int64; ``max_depth``: its depth bound. Nothing is read back to the host."""
-    index = torch.arange(nodes, device=tree.tokens.device)
-    choices = argmax[first_row : first_row + nodes]  # [nodes]: the target's token after each node
-    matches = (tree.tokens[:nodes] == choices[tree.parents[:nodes].clamp(min=0)]) | (index == 0)
-    leaf = _path_end(tree, nodes, matches)
-    return _entries(tree, nodes, max_depth, leaf, choices[leaf], first_row, forward, layers)
+    # the target's token after each node; fewer rows where an eager forward computed the real nodes alone
+    choices = argmax[first_row : first_row + nodes]
+    return _entries(tree, choices.numel(), max_depth, first_row, forward, layers, choices=choices)
 
 
 def sampled_device_accept(
@@ -53,47 +56,29 @@ def sampled_device_accept(
     """As ``greedy_device_accept``, from the step's ``outcomes``, which cover the tree's first nodes: the rows the
     forward computed for it."""
     nodes = outcomes.accepted.numel()
-    index = torch.arange(nodes, device=tree.tokens.device)
-    leaf = _path_end(tree, nodes, outcomes.accepted | (index == 0))
-    # a row that is no distribution has bonus -1: the host fails the session, and the entry stays a valid token
-    bonus = outcomes.bonus[leaf].clamp(min=0)
-    return _entries(tree, nodes, max_depth, leaf, bonus, first_row, forward, layers)
-
-
-def _path_end(tree: DeviceTree, nodes: int, matches: torch.Tensor) -> torch.Tensor:
-    """[1] int64: the deepest real node whose ancestors (and itself) all match."""
-    index = torch.arange(nodes, device=matches.device)
-    real = index < tree.num_nodes
-    ancestors = tree.ancestor_mask[:nodes, :nodes]  # [nodes, nodes]: j is i or an ancestor of i
-    on_matching_path = ~(ancestors & ~(matches & real)[None, :]).any(dim=1) & real
-    # one element, not a 0-dim tensor: indexing with a 0-dim tensor reads it back to the host (``item``), which
-    # would wait for the forward this runs behind
-    return torch.where(on_matching_path, tree.depths[:nodes], -1).argmax(dim=0, keepdim=True)
+    return _entries(tree, nodes, max_depth, first_row, forward, layers, accepted=outcomes.accepted, bonus=outcomes.bonus)
 
 
 def _entries(
     tree: DeviceTree,
     nodes: int,
     max_depth: int,
-    leaf: torch.Tensor,
-    bonus: torch.Tensor,
     first_row: int,
     forward: PagedForwardOutput,
     layers: tuple[int, ...],
+    **rule: torch.Tensor,
 ) -> DeviceAccept:
-    """The path from the root to ``leaf`` as entries: each node's features and the token emitted after it (the
-    next node's, then ``bonus`` [1]), padded to ``max_depth`` + 1 rows by repeating the last."""
-    device = leaf.device
-    index = torch.arange(nodes, device=device)
-    depths = tree.depths[:nodes]
-    num_entries = (depths[leaf] + 1).squeeze(0)
-    max_entries = max_depth + 1
-    # the path's node at each depth: scatter its nodes by depth (the others into a spare last slot)
-    slots = torch.where(tree.ancestor_mask[:nodes, :nodes][leaf].squeeze(0), depths, max_entries)
-    by_depth = torch.zeros(max_entries + 1, dtype=torch.int64, device=device).scatter_(0, slots, index)
-    entry = torch.arange(max_entries, device=device)
-    path = torch.where(entry < num_entries, by_depth[:max_entries], leaf)  # [max_entries], padded with the leaf
-    following = by_depth[(entry + 1).clamp(max=max_entries - 1)]
-    next_tokens = torch.where(entry + 1 < num_entries, tree.tokens[:nodes][following], bonus)
-    features = forward.features_of(first_row + path, layers)
-    return DeviceAccept(features, next_tokens, num_entries, max_entries)
+    """The accepted path as entries (``diffspec_kernels.accepted_path_ref``), with each row's features."""
+    rows, next_tokens, num_entries = _accepted_path_for(tree.tokens.device)(
+        tree.tokens, tree.parents, tree.depths, tree.ancestor_mask, tree.num_nodes, nodes, max_depth + 1, first_row,
+        **rule,
+    )
+    return DeviceAccept(forward.features_of(rows, layers), next_tokens, num_entries, max_depth + 1)
+
+
+def _accepted_path_for(device: torch.device) -> AcceptedPath:
+    if not triton_kernels_on(device):
+        return accepted_path_reference
+    from diffspec_kernels.accepted_path_triton import accepted_path_triton
+
+    return accepted_path_triton

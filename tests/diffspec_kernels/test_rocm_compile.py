@@ -256,6 +256,19 @@ def kernel_cases(target_name: str | None = None) -> list[Case]:
              **scalars("width ranked", "i32"), **scalars("RANKED_AT BLOCK OTHERS", "constexpr")},
             {"RANKED_AT": 3, "BLOCK": 32, "OTHERS": 64},
         ),
+        *[
+            Case(
+                f"accepted_path[{'greedy' if greedy else 'sampled'},b{block}]", "diffspec_kernels.accepted_path_triton",
+                "_accepted_path_kernel",
+                {**pointers("tokens_ptr parents_ptr depths_ptr", "i64"), "mask_ptr": "*i1",
+                 **pointers("num_nodes_ptr choices_ptr", "i64"), "accepted_ptr": "*i64" if greedy else "*i1",
+                 **pointers("bonus_ptr out_ptr", "i64"), **scalars("mask_stride nodes max_entries first_row", "i32"),
+                 **scalars("GREEDY BLOCK ENTRIES", "constexpr")},
+                {"GREEDY": greedy, "BLOCK": block, "ENTRIES": 16}, num_warps=8 if block >= 128 else 4,
+            )
+            for greedy in (True, False)
+            for block in (64, 256)  # a 64-token tree, and the largest bucket
+        ],
         Case(
             "kv_commit", "diffspec_kernels.kv_commit_triton", "_kv_commit_kernel",
             {**pointers("k_pages_ptr v_pages_ptr new_k_ptr new_v_ptr", DTYPE), **pointers("rows_ptr slots_ptr", "i64"),
