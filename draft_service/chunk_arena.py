@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffspec_kernels.layer_ops_ref import apply_rotary
+from diffspec_kernels.layer_ops import layer_ops_for
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ class ChunkArena:
         self.keys = torch.empty(shape, dtype=dtype, device=device)  # [slots, chunk, kv_heads, hd]
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.chunk_size = chunk_size
+        self.rotate = layer_ops_for(device).apply_rotary  # one launch on a GPU, bit for bit the reference's
         self.slot_chunk: list[int] = []  # [num_used] chunk id held by each used slot
         self.copies = 0  # chunks copied in so far (entering chunks and stragglers moved below the end)
 
@@ -132,7 +133,7 @@ class ChunkArena:
         self._check_selection(chunks, num_full)
         full = num_full * size
         keys = source_keys[:full].unflatten(0, (-1, size)).index_select(0, chunks_on_device).flatten(0, 1)
-        self.keys[:used].copy_(apply_rotary(keys, cos, sin).unflatten(0, (used, size)))
+        self.keys[:used].copy_(self.rotate(keys, cos, sin).unflatten(0, (used, size)))
         self.values[:used].copy_(source_values[:full].unflatten(0, (-1, size)).index_select(0, chunks_on_device))
         self.slot_chunk = list(chunks)
         self.copies += used
