@@ -21,10 +21,10 @@ def _accepted_path_kernel(
     tokens_ptr,  # [capacity] int64
     parents_ptr,  # [capacity] int64
     depths_ptr,  # [capacity] int64
-    mask_ptr,  # [capacity, capacity] bool, rows of ``mask_stride``
+    mask_ptr,  # [capacity, capacity] uint8 (a bool mask's bytes), rows of ``mask_stride``
     num_nodes_ptr,  # [] int64
     choices_ptr,  # [nodes] int64 (GREEDY)
-    accepted_ptr,  # [nodes] bool (not GREEDY)
+    accepted_ptr,  # [nodes] uint8 (not GREEDY: a bool tensor's bytes)
     bonus_ptr,  # [nodes] int64 (not GREEDY)
     out_ptr,  # [2 * max_entries + 1] int64: rows, then next tokens, then the entry count
     mask_stride,
@@ -92,9 +92,10 @@ def accepted_path_triton(
     greedy = choices is not None
     unused = tokens  # any pointer for the mode's absent inputs: never read
     block = triton.next_power_of_2(nodes)
+    flags = unused if accepted is None else accepted.view(torch.uint8)  # bools as bytes, as every backend loads them
     _accepted_path_kernel[(1,)](
-        tokens, parents, depths, ancestor_mask, num_nodes,
-        choices if greedy else unused, unused if greedy else accepted, unused if greedy else bonus,
+        tokens, parents, depths, ancestor_mask.view(torch.uint8), num_nodes,
+        choices if greedy else unused, flags, unused if greedy else bonus,
         out, ancestor_mask.stride(0), nodes, max_entries, first_row,
         GREEDY=greedy, BLOCK=block, ENTRIES=triton.next_power_of_2(max_entries), num_warps=8 if block >= 128 else 4,
     )  # fmt: skip

@@ -260,8 +260,8 @@ def kernel_cases(target_name: str | None = None) -> list[Case]:
             Case(
                 f"accepted_path[{'greedy' if greedy else 'sampled'},b{block}]", "diffspec_kernels.accepted_path_triton",
                 "_accepted_path_kernel",
-                {**pointers("tokens_ptr parents_ptr depths_ptr", "i64"), "mask_ptr": "*i1",
-                 **pointers("num_nodes_ptr choices_ptr", "i64"), "accepted_ptr": "*i64" if greedy else "*i1",
+                {**pointers("tokens_ptr parents_ptr depths_ptr", "i64"), "mask_ptr": "*u8",
+                 **pointers("num_nodes_ptr choices_ptr", "i64"), "accepted_ptr": "*i64" if greedy else "*u8",
                  **pointers("bonus_ptr out_ptr", "i64"), **scalars("mask_stride nodes max_entries first_row", "i32"),
                  **scalars("GREEDY BLOCK ENTRIES", "constexpr")},
                 {"GREEDY": greedy, "BLOCK": block, "ENTRIES": 16}, num_warps=8 if block >= 128 else 4,
