@@ -56,7 +56,8 @@ def sampled_device_accept(
     """As ``greedy_device_accept``, from the step's ``outcomes``, which cover the tree's first nodes: the rows the
     forward computed for it."""
     nodes = outcomes.accepted.numel()
-    return _entries(tree, nodes, max_depth, first_row, forward, layers, accepted=outcomes.accepted, bonus=outcomes.bonus)
+    accepted, bonus = outcomes.accepted, outcomes.bonus
+    return _entries(tree, nodes, max_depth, first_row, forward, layers, accepted=accepted, bonus=bonus)
 
 
 def _entries(

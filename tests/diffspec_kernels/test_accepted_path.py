@@ -81,7 +81,8 @@ def _inputs(case: PathCase, device: str) -> tuple[tuple, dict]:
         rule = {"choices": choices}
     else:
         parents = on_device.parents[:nodes].clamp(min=0)
-        accepted = (on_device.tokens[:nodes] == choices[parents]) & (torch.rand(nodes, generator=generator) < 0.9).to(device)
+        kept = (torch.rand(nodes, generator=generator) < 0.9).to(device)  # a sampled parent may take another child
+        accepted = (on_device.tokens[:nodes] == choices[parents]) & kept
         bonus = torch.where(torch.rand(nodes, generator=generator) < 0.1, -1, choices.cpu()).to(device)
         rule = {"accepted": accepted, "bonus": bonus}
     tensors = (on_device.tokens, on_device.parents, on_device.depths, on_device.ancestor_mask, on_device.num_nodes)

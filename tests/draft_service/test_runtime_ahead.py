@@ -8,7 +8,9 @@ import torch
 
 from diffspec.device_accept import DeviceAccept
 from diffspec.tree import DraftTree
+from draft_service import drafter as drafter_module
 from draft_service.backend import DraftAccept, DraftBatch, DraftStart
+from draft_service.drafter import Drafter
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
 from tests.draft_service.test_drafter import load_head
@@ -124,3 +126,39 @@ def test_an_online_session_that_joins_proposes_beside_within_the_batch_s_bound()
     assert b.num_nodes <= 16 and b.max_depth <= 4
     assert bound.fits(runtime.sessions["b"].candidate) and runtime.batch_plan.bound == bound
     assert runtime._timed_proposal is not None and runtime._timed_proposal.beside  # its step measures no cost
+
+
+def test_a_step_taken_ahead_scores_no_chunks_and_the_next_device_write_scores_them(monkeypatch):
+    """The draft call that takes trees queued ahead runs between one verify's results and the next verify's launch:
+    the chunks of the sessions it settles are not scored there but in the next device write, behind that verify,
+    after the write took the selections queued before (whose copy is long done) rather than the ones it queues."""
+    phase, events = ["loop"], []
+
+    def marked(name: str, method):  # noqa: ANN001, ANN202
+        def call(self, *args, **kwargs):  # noqa: ANN001, ANN202
+            phase.append(name)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                phase.pop()
+
+        return call
+
+    def scoring(self: Drafter) -> None:
+        events.append((phase[-1], "score", len(self._to_rescore)))  # how many contexts this call scores
+        rescore(self)
+
+    rescore, take = Drafter.rescore, drafter_module.take_queued_selections
+    monkeypatch.setattr(Drafter, "rescore", scoring)
+    def taking(contexts: list) -> None:
+        events.append((phase[-1], "take"))
+        take(contexts)
+
+    monkeypatch.setattr(drafter_module, "take_queued_selections", taking)
+    monkeypatch.setattr(DraftRuntime, "step", marked("step", DraftRuntime.step))
+    monkeypatch.setattr(DraftRuntime, "accept_on_device", marked("write", DraftRuntime.accept_on_device))
+    _steps(propose_ahead=True)
+    assert not [e for e in events if e[0] == "step" and e[1] == "score" and e[2]]  # the draft calls score nothing
+    writes = [i for i, e in enumerate(events) if e == ("write", "take")]
+    assert len(writes) == 7 and all(events[i + 1][:2] == ("write", "score") for i in writes)
+    assert sum(events[i + 1][2] for i in writes) >= 3  # b's settled chunks were scored there (a's context fits whole)
