@@ -14,6 +14,9 @@ the costliest ops.
 the host runs at its own speed: how long the device idles per iteration, and between which two kernels (the gap
 after a step's last kernel is the host deciding what to launch next).
 ``--decode-only`` leaves the iterations that compute prompt chunks out of every report.
+``--profiler clock`` times each marked phase's host work and the host's waits for the device (through CUDA
+events) with the clock alone: no profiler or sampler beside the loop, so the host works at its own speed, and
+an iteration's host work is what is left of it besides those waits.
 ``--profiler syncs`` (a GPU only) counts the host's waits for the GPU per iteration by source line.
 ``--profiler stacks`` samples the loop thread's Python stack on the wall clock: each function's share
 of an iteration, waits for the GPU included, with no per-call cost added to what it measures.
@@ -37,6 +40,7 @@ import time
 from pathlib import Path
 import warnings
 from typing import Callable, Iterator
+from unittest import mock
 
 import torch
 from torch.autograd import DeviceType
@@ -151,6 +155,66 @@ class TorchProfileReport:
             print(f"{phase:32} {counts[phase] / iterations:10.1f} {total_ms:9.3f}")
             for name, us in kernels[phase].most_common(per_phase):
                 print(f"{'':34}{us / iterations:9.1f}  {name}")
+
+
+class PhaseClockReport:
+    """Each marked phase's host wall time per iteration (waits inside it included) and the host's waits for the
+    device through CUDA events, from the clock: the marks' own few microseconds are in every run anyway."""
+
+    def __init__(self) -> None:
+        self.iterations = 0
+        self.seconds = 0.0
+        self.wait_seconds = 0.0
+        self.phase_seconds: collections.Counter[str] = collections.Counter()
+        self.phase_calls: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
+        def call(step: Callable[[], None]) -> None:
+            self.iterations += 1
+            started = time.perf_counter()
+            step()
+            self.seconds += time.perf_counter() - started
+
+        started: dict[int, float] = {}
+        enter, leave = record_function.__enter__, record_function.__exit__
+
+        def timed_enter(mark: record_function) -> record_function:
+            started[id(mark)] = time.perf_counter()
+            return enter(mark)
+
+        def timed_exit(mark: record_function, *exc: object) -> None:
+            leave(mark, *exc)
+            began = started.pop(id(mark), None)
+            if began is not None and mark.name.startswith(PHASE_PREFIXES):
+                self.phase_seconds[mark.name] += time.perf_counter() - began
+                self.phase_calls[mark.name] += 1
+
+        with contextlib.ExitStack() as patches:
+            patches.enter_context(mock.patch.object(record_function, "__enter__", timed_enter))
+            patches.enter_context(mock.patch.object(record_function, "__exit__", timed_exit))
+            if torch.cuda.is_available():
+                patches.enter_context(mock.patch.object(torch.cuda.Event, "synchronize", self._timed_wait()))
+            yield call
+
+    def _timed_wait(self) -> Callable[[torch.cuda.Event], None]:
+        wait = torch.cuda.Event.synchronize
+
+        def timed(event: torch.cuda.Event) -> None:
+            began = time.perf_counter()
+            wait(event)
+            self.wait_seconds += time.perf_counter() - began
+
+        return timed
+
+    def print(self, rows: int) -> None:
+        n = max(1, self.iterations)
+        iteration_ms, wait_ms = 1000 * self.seconds / n, 1000 * self.wait_seconds / n
+        print(f"{n} iterations: {iteration_ms:.3f} ms each; the host waits for the device {wait_ms:.3f} ms of it "
+              f"(through CUDA events) and works {iteration_ms - wait_ms:.3f} ms")
+        print(f"{'phase':32} {'calls/it':>8} {'host ms/it':>10}  (waits inside a phase included)")
+        for name, seconds in sorted(self.phase_seconds.items(), key=lambda item: -item[1])[:rows]:
+            print(f"{name:32} {self.phase_calls[name] / n:8.2f} {1000 * seconds / n:10.3f}")
 
 
 class SyncReport:
@@ -341,7 +405,7 @@ def _innermost_phase(event) -> str:  # noqa: ANN001 (a torch.autograd.profiler F
 
 
 REPORTS = {"cprofile": CProfileReport, "torch": TorchProfileReport, "timeline": DeviceTimelineReport,
-           "syncs": SyncReport, "stacks": StackSampleReport}
+           "clock": PhaseClockReport, "syncs": SyncReport, "stacks": StackSampleReport}
 
 
 def main() -> int:

@@ -284,9 +284,10 @@ class TargetRuntime:
         inputs = [self._step_input(step) for step in valid]
         feature_layers = self._feature_layers([self.sessions[step.session_id] for step in valid])
         graphs_hold_features = set(feature_layers) <= set(self.feature_layers)  # graphs compute the default layers
-        ran = self.step_graphs.run(inputs) if self.step_graphs is not None and graphs_hold_features else None
-        if ran is None:
-            ran = self._forward_eager(inputs, feature_layers)
+        with record_function("target.verify.forward"):  # the inputs' staging and the forward's launch
+            ran = self.step_graphs.run(inputs) if self.step_graphs is not None and graphs_hold_features else None
+            if ran is None:
+                ran = self._forward_eager(inputs, feature_layers)
         timer.stop()
         sessions = [self.sessions[step.session_id] for step in valid]
         argmax = greedy_argmax(sessions, ran)
@@ -296,7 +297,8 @@ class TargetRuntime:
         sampled_read = SampledReads(sampled)
         accepts: dict[str, DeviceAccept] = {}
         if on_queued is not None:
-            accepts = self._device_accepts(valid, ran, argmax, sampled)
+            with record_function("target.verify.device_accept"):
+                accepts = self._device_accepts(valid, ran, argmax, sampled)
             if accepts:
                 on_queued(accepts)
         valid, ran = self._with_host_trees(valid, ran, failures)
@@ -308,7 +310,8 @@ class TargetRuntime:
                 valid, sessions, ran, argmax_list, sampled_read.get(), device_features
             )
         failures.update(rejected)
-        self._commit(ran.forward, commits)
+        with record_function("target.verify.commit"):
+            self._commit(ran.forward, commits)
         return results, timer.seconds(), ran.logits.shape[0]
 
     def _device_accepts(

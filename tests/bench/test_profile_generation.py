@@ -1,17 +1,19 @@
 """The engine profile's device-busy arithmetic: which intervals count as the device's work, their union
-inside the iterations' windows, the idle gaps and the work either side of each, and the device timeline's
-refusal on a machine without a GPU."""
+inside the iterations' windows, the idle gaps and the work either side of each, the device timeline's
+refusal on a machine without a GPU, and the clock's phase times."""
 
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
+from torch.profiler import record_function
 
-from bench.profile_generation import ITERATION, _annotation, _on_device, busy_us, idle_gaps, main
+from bench.profile_generation import ITERATION, PhaseClockReport, _annotation, _on_device, busy_us, idle_gaps, main
 
 # (iteration windows, device work intervals) -> microseconds the device is busy inside the windows
 CASES = [
@@ -63,3 +65,24 @@ def test_the_device_timeline_is_refused_without_a_gpu(monkeypatch, capsys):
         main()
     assert exit_.value.code == 2
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_the_clock_times_each_marked_phase_inclusively_and_leaves_the_marks_as_they_were():
+    report, enter = PhaseClockReport(), record_function.__enter__
+
+    def step() -> None:
+        with record_function("draft.propose"):
+            time.sleep(0.01)
+            with record_function("target.verify"):
+                time.sleep(0.005)
+        with record_function("elsewhere"):  # not a runtime's phase
+            pass
+
+    with report.active() as call:
+        call(step)
+        call(step)
+    assert report.iterations == 2 and report.seconds >= 0.03
+    assert report.phase_calls == {"draft.propose": 2, "target.verify": 2}
+    assert report.phase_seconds["target.verify"] >= 0.01
+    assert report.phase_seconds["draft.propose"] >= report.phase_seconds["target.verify"] + 0.02  # inclusive
+    assert record_function.__enter__ is enter
