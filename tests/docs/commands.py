@@ -122,6 +122,16 @@ COMMANDS: dict[str, Command] = {
     " cuda:0 --num-pages 8448 --policy online": Command(Kind.GPU, "cuda:0"),
     "bash bench/train_long_head.sh ../shared/models/bench-code ../shared/models/bench-code-eagle3"
     " ../shared/data/longctx_eval.jsonl --out-dir runs/long-head": Command(Kind.GPU, "trains on 64K windows, then a paired run at 64K"),
+    "python ../shared/tools/inflate.py --target ../shared/models/bench-code --head ../shared/models/bench-code-eagle3"
+    " --out /tmp/b8": Command(Kind.GPU, "builds the 8B-shaped pair on the GPU"),
+    **{
+        "python -m bench.profile_generation --base-model /tmp/b8/target --draft-model /tmp/b8/head --data"
+        " ../shared/data/longctx_eval.jsonl --streams 1 --prompt-tokens 65536 --max-new-tokens 128 --decode-only"
+        f" --modes auto salience-32 --profiler {report}": Command(
+            Kind.GPU, "the 8B-shaped pair at 64K; tests/bench/test_profile_generation.py checks the reports' arithmetic"
+        )
+        for report in ("clock", "timeline")
+    },
     "export DIFFSPEC_AUTH_TOKEN=change-me DIFFSPEC_TLS_CERT=server.pem DIFFSPEC_TLS_KEY=server.key DIFFSPEC_TLS_CA=ca.pem":
         Command(Kind.HOSTS, "the hosts' certificates; tests/gateway/test_security.py runs TLS and tokens on loopback"),
     "diffspec serve target  --listen 0.0.0.0:50061 --base-model /models/Llama-3.1-8B-Instruct   # on target.example":
