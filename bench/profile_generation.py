@@ -157,25 +157,32 @@ class TorchProfileReport:
                 print(f"{'':34}{us / iterations:9.1f}  {name}")
 
 
-class PhaseClockReport:
-    """Each marked phase's host wall time per iteration (waits inside it included) and the host's waits for the
-    device through CUDA events, from the clock: the marks' own few microseconds are in every run anyway."""
+class TimedIterations:
+    """The iterations a report ran and their wall seconds: its ``timed`` runs one."""
 
     def __init__(self) -> None:
         self.iterations = 0
         self.seconds = 0.0
+
+    def timed(self, step: Callable[[], None]) -> None:
+        self.iterations += 1
+        started = time.perf_counter()
+        step()
+        self.seconds += time.perf_counter() - started
+
+
+class PhaseClockReport(TimedIterations):
+    """Each marked phase's host wall time per iteration (waits inside it included) and the host's waits for the
+    device through CUDA events, from the clock: the marks' own few microseconds are in every run anyway."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.wait_seconds = 0.0
         self.phase_seconds: collections.Counter[str] = collections.Counter()
         self.phase_calls: collections.Counter[str] = collections.Counter()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
-        def call(step: Callable[[], None]) -> None:
-            self.iterations += 1
-            started = time.perf_counter()
-            step()
-            self.seconds += time.perf_counter() - started
-
         started: dict[int, float] = {}
         enter, leave = record_function.__enter__, record_function.__exit__
 
@@ -195,7 +202,7 @@ class PhaseClockReport:
             patches.enter_context(mock.patch.object(record_function, "__exit__", timed_exit))
             if torch.cuda.is_available():
                 patches.enter_context(mock.patch.object(torch.cuda.Event, "synchronize", self._timed_wait()))
-            yield call
+            yield self.timed
 
     def _timed_wait(self) -> Callable[[torch.cuda.Event], None]:
         wait = torch.cuda.Event.synchronize
@@ -217,25 +224,21 @@ class PhaseClockReport:
             print(f"{name:32} {self.phase_calls[name] / n:8.2f} {1000 * seconds / n:10.3f}")
 
 
-class SyncReport:
+class SyncReport(TimedIterations):
     """Every wait of the host for the GPU inside the loop, by source line (torch's sync debug mode warns
     at each one): a step should wait once for its draft trees and once for its verify results."""
 
     def __init__(self) -> None:
-        self.iterations = 0
+        super().__init__()
         self.sites: collections.Counter[str] = collections.Counter()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
-        def call(step: Callable[[], None]) -> None:
-            self.iterations += 1
-            step()
-
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                yield call
+                yield self.timed
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         self.sites.update(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
@@ -247,7 +250,7 @@ class SyncReport:
             print(f"{count / n:8.2f}  {site}")
 
 
-class StackSampleReport:
+class StackSampleReport(TimedIterations):
     """Wall-clock samples of the loop thread's Python stack, every ``interval`` seconds.
 
     A sampling thread needs the GIL to read another thread's frames, so the interpreter's switch
@@ -256,26 +259,19 @@ class StackSampleReport:
     """
 
     def __init__(self, interval: float = 0.0002) -> None:
+        super().__init__()
         self.interval = interval
-        self.iterations = 0
-        self.seconds = 0.0
         self.stacks: collections.Counter[tuple[str, ...]] = collections.Counter()  # outermost first
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
-        def call(step: Callable[[], None]) -> None:
-            self.iterations += 1
-            started = time.perf_counter()
-            step()
-            self.seconds += time.perf_counter() - started
-
         stop, loop_thread = threading.Event(), threading.get_ident()
         sampler = threading.Thread(target=self._sample, args=(loop_thread, stop), daemon=True)
         switch = sys.getswitchinterval()
         sys.setswitchinterval(self.interval / 4)
         sampler.start()
         try:
-            yield call
+            yield self.timed
         finally:
             stop.set()
             sampler.join()
@@ -307,22 +303,18 @@ class StackSampleReport:
             print()
 
 
-class DeviceTimelineReport:
+class DeviceTimelineReport(TimedIterations):
     """The device's own timeline, kernels and copies only: no host op is recorded, so the idle time it
     shows is the host's, not a profiler's. Each idle gap is named by the kernels on either side of it."""
 
     def __init__(self) -> None:
-        self.iterations = 0
+        super().__init__()
         self.profile = profile(activities=[ProfilerActivity.CUDA])
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
-        def call(step: Callable[[], None]) -> None:
-            self.iterations += 1
-            step()
-
         with self.profile:
-            yield call
+            yield self.timed
             torch.cuda.synchronize()
 
     def print(self, rows: int) -> None:
