@@ -54,6 +54,8 @@ from gateway.assembly import build_engine
 PHASE_PREFIXES = ("draft.", "target.")  # the ranges the runtimes mark
 ITERATION = "engine.iteration"  # the range each profiled iteration is marked with
 PROMPT_PHASE = "target.prefill"  # marked only where a target call computes prompt chunks
+RESULTS_PHASE = "target.verify.accept"  # the target reads a verify's results inside it
+LAUNCH_PHASE = "target.verify.forward"  # the target queues a verify's forward inside it
 REPOSITORY = str(Path(__file__).resolve().parents[1])
 
 
@@ -173,36 +175,76 @@ class TimedIterations:
 
 class PhaseClockReport(TimedIterations):
     """Each marked phase's host wall time per iteration (waits inside it included) and the host's waits for the
-    device through CUDA events, from the clock: the marks' own few microseconds are in every run anyway."""
+    device through CUDA events, from the clock: the marks' own few microseconds are in every run anyway.
+
+    It also times the host's path from one verify's results to the next verify's launch: from the end of the
+    last wait inside ``RESULTS_PHASE`` to the end of the next ``LAUNCH_PHASE``. The device runs only what was
+    queued before the results (the draft's work behind the verify) while the host walks that path, so the
+    part of it longer than that work is the device's idle time, and each phase's share of it says where."""
 
     def __init__(self) -> None:
         super().__init__()
         self.wait_seconds = 0.0
         self.phase_seconds: collections.Counter[str] = collections.Counter()
         self.phase_calls: collections.Counter[str] = collections.Counter()
+        self.paths = 0  # spans from a verify's results to the next launch
+        self.path_seconds = 0.0
+        self.path_phase_seconds: collections.Counter[str] = collections.Counter()  # each phase's time inside them
+        self.path_marked_seconds = 0.0  # the outermost phases' time inside them: the rest is unmarked host work
+        self._open: list[tuple[str, float]] = []  # the marks entered and not left (name, when), outermost first
+        self._path_from: float | None = None  # when the open span began
+        self._path_phases: collections.Counter[str] = collections.Counter()  # the open span's, kept if it ends
+        self._path_marked = 0.0
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Callable[[Callable[[], None]], None]]:
-        started: dict[int, float] = {}
         enter, leave = record_function.__enter__, record_function.__exit__
 
         def timed_enter(mark: record_function) -> record_function:
-            started[id(mark)] = time.perf_counter()
+            self._open.append((mark.name, time.perf_counter()))
             return enter(mark)
 
         def timed_exit(mark: record_function, *exc: object) -> None:
             leave(mark, *exc)
-            began = started.pop(id(mark), None)
-            if began is not None and mark.name.startswith(PHASE_PREFIXES):
-                self.phase_seconds[mark.name] += time.perf_counter() - began
-                self.phase_calls[mark.name] += 1
+            if not self._open:  # entered before the clock started
+                return
+            name, began = self._open.pop()  # marks nest: the last one entered is the one left
+            if name.startswith(PHASE_PREFIXES):
+                self._phase_left(name, began, time.perf_counter())
 
         with contextlib.ExitStack() as patches:
             patches.enter_context(mock.patch.object(record_function, "__enter__", timed_enter))
             patches.enter_context(mock.patch.object(record_function, "__exit__", timed_exit))
-            if torch.cuda.is_available():
-                patches.enter_context(mock.patch.object(torch.cuda.Event, "synchronize", self._timed_wait()))
+            # patched on any machine: where there is no CUDA nothing calls it
+            patches.enter_context(mock.patch.object(torch.cuda.Event, "synchronize", self._timed_wait()))
             yield self.timed
+
+    def _phase_left(self, name: str, began: float, now: float) -> None:
+        self.phase_seconds[name] += now - began
+        self.phase_calls[name] += 1
+        if self._path_from is None:
+            return
+        self._count_on_path(name, began, now, outermost=not self._phases_open())
+        if name == LAUNCH_PHASE:  # the span ends: the phases still open spent their part of it
+            for i, (open_name, open_began) in enumerate(self._open):
+                if open_name.startswith(PHASE_PREFIXES):
+                    self._count_on_path(open_name, open_began, now, outermost=not self._phases_open(i))
+            self.path_seconds += now - self._path_from
+            self.paths += 1
+            self.path_phase_seconds += self._path_phases
+            self.path_marked_seconds += self._path_marked
+            self._path_from = None
+
+    def _count_on_path(self, name: str, began: float, now: float, outermost: bool) -> None:
+        assert self._path_from is not None
+        inside = now - max(began, self._path_from)
+        self._path_phases[name] += inside
+        if outermost:
+            self._path_marked += inside
+
+    def _phases_open(self, below: int | None = None) -> bool:
+        """Whether a runtime's phase is open (among the first ``below`` marks open, if given)."""
+        return any(name.startswith(PHASE_PREFIXES) for name, _ in self._open[:below])
 
     def _timed_wait(self) -> Callable[[torch.cuda.Event], None]:
         wait = torch.cuda.Event.synchronize
@@ -210,7 +252,11 @@ class PhaseClockReport(TimedIterations):
         def timed(event: torch.cuda.Event) -> None:
             began = time.perf_counter()
             wait(event)
-            self.wait_seconds += time.perf_counter() - began
+            ended = time.perf_counter()
+            self.wait_seconds += ended - began
+            if any(name == RESULTS_PHASE for name, _ in self._open):
+                # the last wait there is the one for the results: a span starts (again)
+                self._path_from, self._path_phases, self._path_marked = ended, collections.Counter(), 0.0
 
         return timed
 
@@ -222,6 +268,16 @@ class PhaseClockReport(TimedIterations):
         print(f"{'phase':32} {'calls/it':>8} {'host ms/it':>10}  (waits inside a phase included)")
         for name, seconds in sorted(self.phase_seconds.items(), key=lambda item: -item[1])[:rows]:
             print(f"{name:32} {self.phase_calls[name] / n:8.2f} {1000 * seconds / n:10.3f}")
+        if not self.paths:
+            return
+        paths, path_ms = self.paths, 1000 * self.path_seconds / self.paths
+        print(f"the host's path from a verify's results to the next verify's launch: {path_ms:.3f} ms "
+              f"({paths} of them)")
+        print(f"{'phase on it':32} {'ms/path':>8}")
+        for name, seconds in sorted(self.path_phase_seconds.items(), key=lambda item: -item[1])[:rows]:
+            print(f"{name:32} {1000 * seconds / paths:8.3f}")
+        unmarked_ms = 1000 * (self.path_seconds - self.path_marked_seconds) / paths
+        print(f"{'(no phase: the loop, unmarked)':32} {unmarked_ms:8.3f}")
 
 
 class SyncReport(TimedIterations):

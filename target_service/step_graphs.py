@@ -20,6 +20,7 @@ import array
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from diffspec.cuda_graphs import graph_bucket, record_graph
 from diffspec.devices import DeviceTimer
@@ -185,7 +186,8 @@ class StepGraphs:
         if key not in self._buckets:
             self._buckets[key] = _Bucket(*key, self.max_pages_per_seq, self.cache.page_size, self.model.device)
         bucket = self._buckets[key]
-        bucket.fill(steps)
+        with record_function("target.verify.fill"):
+            bucket.fill(steps)
         if not self.capture:
             forward, logits = self._forward(bucket)
         else:

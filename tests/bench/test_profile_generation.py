@@ -86,3 +86,35 @@ def test_the_clock_times_each_marked_phase_inclusively_and_leaves_the_marks_as_t
     assert report.phase_seconds["target.verify"] >= 0.01
     assert report.phase_seconds["draft.propose"] >= report.phase_seconds["target.verify"] + 0.02  # inclusive
     assert record_function.__enter__ is enter
+
+
+def test_the_clock_times_the_host_s_path_from_a_verify_s_results_to_the_next_launch(monkeypatch):
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: time.sleep(0.002))  # the device's work
+    report = PhaseClockReport()
+
+    def step() -> None:
+        with record_function("draft.propose"):
+            time.sleep(0.004)
+        with record_function("target.verify"):
+            time.sleep(0.001)  # the inputs: the verify's own time on the path
+            with record_function("target.verify.forward"):
+                time.sleep(0.003)
+            with record_function("target.verify.accept"):
+                torch.cuda.Event.synchronize(None)  # the wait for the results: not on the path
+                time.sleep(0.002)
+        time.sleep(0.005)  # the loop's own work, in no phase
+
+    with report.active() as call:
+        for _ in range(3):
+            call(step)
+    assert report.paths == 2  # the first launch had no results before it
+    per_path = {name: seconds / 2 for name, seconds in report.path_phase_seconds.items()}
+    # each path: the accept's 2 ms after its wait, the loop's 5, the proposal's 4, the verify's 1 and its launch's 3
+    assert 0.015 <= report.path_seconds / 2 < 0.015 + 0.006
+    assert 0.004 <= per_path["draft.propose"] < 0.004 + 0.003
+    assert 0.003 <= per_path["target.verify.forward"] < 0.003 + 0.003
+    assert 0.002 <= per_path["target.verify.accept"] < 0.002 + 0.0015  # the wait left out
+    assert per_path["target.verify"] >= 0.002 + 0.001 + 0.003  # inclusive: the accept's rest, the inputs, the launch
+    unmarked = (report.path_seconds - report.path_marked_seconds) / 2
+    assert 0.005 <= unmarked < 0.005 + 0.003
+    assert report.wait_seconds >= 3 * 0.002
