@@ -24,6 +24,7 @@ class DeviceAccept:
     next_tokens: torch.Tensor  # [max_entries] int64: the emitted tokens (accepted drafts, then the bonus)
     num_entries: torch.Tensor  # [] int64: how many rows are real (1 + accepted drafts)
     max_entries: int
+    rows: torch.Tensor | None = None  # [max_entries] int64: the forward's row of each entry, for the target's commit
 
 
 # session -> its device acceptance; an in-process target calls it once the verify is queued

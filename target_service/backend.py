@@ -14,6 +14,7 @@ relayed by a gateway (``diffspec/feature_rows.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -64,6 +65,9 @@ class TargetBatch:
     # in process: handed the greedy sessions' device acceptances before the host waits for the verify, so a
     # draft can commit them while the forward runs; a target over the wire never calls it
     on_verify_queued: VerifyQueued | None = None
+    # in process: called once the verify's device work is queued, before the host waits for its results (the
+    # engine hands clients their chunks then, so the threads that stream them run while this one waits)
+    before_results_wait: Callable[[], None] | None = None
 
     @property
     def padded_rows(self) -> int:

@@ -74,7 +74,7 @@ def _entries(
         tree.tokens, tree.parents, tree.depths, tree.ancestor_mask, tree.num_nodes, nodes, max_depth + 1, first_row,
         **rule,
     )
-    return DeviceAccept(forward.features_of(rows, layers), next_tokens, num_entries, max_depth + 1)
+    return DeviceAccept(forward.features_of(rows, layers), next_tokens, num_entries, max_depth + 1, rows)
 
 
 def _accepted_path_for(device: torch.device) -> AcceptedPath:

@@ -5,7 +5,8 @@ pages reused), reports the finished prompts it is asked to collect, runs every d
 session's tree in one verify forward (from a CUDA graph bucket on a GPU), then every prefilling
 session's next prompt chunk in one forward. The new tokens' KV stays in a scratch buffer until
 acceptance decides which rows to commit, so rejected tree nodes never touch the pages; all
-sessions' accepted rows go in with one KV-commit launch.
+sessions' accepted rows go in with one KV-commit launch, queued behind the forward for the sessions whose
+acceptance the device computed (``device_commit``), after the host's acceptance for the others.
 
 First tokens a step late. Reading a first token back waits for the whole prompt forward. A batch
 with ``first_tokens_next_step`` instead leaves that forward queued and returns: the caller's next
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +56,7 @@ from target_service.backend import (
     VerifyStep,
 )
 from target_service.device_acceptance import greedy_device_accept, sampled_device_accept
+from target_service.device_commit import DeviceCommit, commit_on_device
 from target_service.kv_cache import PagedKVCache
 from target_service.kv_pool import PagedKVPool
 from target_service.llama import LlamaModel, PagedForwardOutput
@@ -60,6 +64,7 @@ from target_service.session import SessionLimits, TargetSession
 from target_service.step_graphs import StepGraphs, StepInput, StepOutputs
 
 Failures = dict[str, DiffSpecError]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,8 +125,9 @@ class TargetRuntime:
                 self._guard(opening.session_id, failures, self._open, opening)
             with record_function("target.verify"):
                 verifies, verify_seconds, verify_rows = self._verify(
-                    [v for v in batch.verifies if v.session_id not in failures], failures, batch.on_verify_queued
-                )
+                    [v for v in batch.verifies if v.session_id not in failures],
+                    failures, batch.on_verify_queued, batch.before_results_wait,
+                )  # fmt: skip
             # after the verify: reading a first token waits for the device, which by now has run the verify
             # (read for its results), where before it would have waited for the pending proposal first and
             # queued the verify only then. A session collected here is not verified in this step.
@@ -262,7 +268,11 @@ class TargetRuntime:
     # -- verify ---------------------------------------------------------------------------------
 
     def _verify(
-        self, steps: list[VerifyStep], failures: Failures, on_queued: VerifyQueued | None = None
+        self,
+        steps: list[VerifyStep],
+        failures: Failures,
+        on_queued: VerifyQueued | None = None,
+        before_wait: Callable[[], None] | None = None,
     ) -> tuple[dict[str, VerifyResult], float | None, int | None]:
         """All trees in one forward; each session's accepted path committed, in one launch for all. Returns the
         results, the forward's device span and the rows it computed (None for both when nothing ran).
@@ -270,18 +280,20 @@ class TargetRuntime:
         A drafter's pending tree on this device goes into the forward from its device copy, so the forward
         is queued behind the proposal without the host waiting for it; its nodes are read (and checked)
         once the forward is queued, for the acceptance. ``on_queued`` gets the sessions' acceptances computed on
-        the device (``device_acceptance``) before the host reads the forward's argmax and sampled outcomes."""
+        the device (``device_acceptance``) before the host reads the forward's argmax and sampled outcomes, and
+        ``before_wait`` is called then too, after them."""
         timer = DeviceTimer(self.device)
         timer.start()  # on a GPU it fires when the device gets here: after a pending proposal, not before
-        steps = [VerifyStep(step.session_id, self._verifiable(step.tree)) for step in steps]
-        valid: list[VerifyStep] = []
-        for step in steps:
-            self._guard(step.session_id, failures, self._check_and_reserve, step)
-            if step.session_id not in failures:
-                valid.append(step)
-        if not valid:
-            return {}, None, None
-        inputs = [self._step_input(step) for step in valid]
+        with record_function("target.verify.inputs"):  # the trees checked, their pages held, their inputs made
+            steps = [VerifyStep(step.session_id, self._verifiable(step.tree)) for step in steps]
+            valid: list[VerifyStep] = []
+            for step in steps:
+                self._guard(step.session_id, failures, self._check_and_reserve, step)
+                if step.session_id not in failures:
+                    valid.append(step)
+            if not valid:
+                return {}, None, None
+            inputs = [self._step_input(step) for step in valid]
         feature_layers = self._feature_layers([self.sessions[step.session_id] for step in valid])
         graphs_hold_features = set(feature_layers) <= set(self.feature_layers)  # graphs compute the default layers
         with record_function("target.verify.forward"):  # the inputs' staging and the forward's launch
@@ -296,11 +308,15 @@ class TargetRuntime:
         argmax_read = HostCopy(argmax) if argmax is not None else None
         sampled_read = SampledReads(sampled)
         accepts: dict[str, DeviceAccept] = {}
+        written = None
         if on_queued is not None:
             with record_function("target.verify.device_accept"):
                 accepts = self._device_accepts(valid, ran, argmax, sampled)
+                written = commit_on_device(self.pool, self.cache, self.commit_staging, accepts, ran.forward)
             if accepts:
                 on_queued(accepts)
+        if before_wait is not None:
+            before_wait()
         valid, ran = self._with_host_trees(valid, ran, failures)
         sessions = [self.sessions[step.session_id] for step in valid]
         with record_function("target.verify.accept"):
@@ -311,7 +327,7 @@ class TargetRuntime:
             )
         failures.update(rejected)
         with record_function("target.verify.commit"):
-            self._commit(ran.forward, commits)
+            self._commit(ran.forward, commits, written)
         return results, timer.seconds(), ran.logits.shape[0]
 
     def _device_accepts(
@@ -413,8 +429,10 @@ class TargetRuntime:
         offsets = list(itertools.accumulate((i.tokens.numel() for i in inputs[:-1]), initial=0))
         return StepOutputs(out, self.model.logits(out.hidden), offsets)
 
-    def _commit(self, out: PagedForwardOutput, commits: list[Commit]) -> None:
-        """Each commit's rows of ``out`` into its session's next slots, its length advanced; one launch for all."""
+    def _commit(self, out: PagedForwardOutput, commits: list[Commit], written: DeviceCommit | None = None) -> None:
+        """Each commit's rows of ``out`` into its session's next slots, its length advanced; one launch for all.
+        A session whose rows the device wrote already (``written``) moves no bytes here when they are these."""
+        on_device = written.rows_of() if written is not None else {}
         rows: list[int] = []
         slots: list[int] = []
         for commit in commits:
@@ -423,6 +441,11 @@ class TargetRuntime:
             session_slots, copies = self.pool.reserve(commit.session_id, len(commit.rows))
             self.cache.apply_copies(copies)  # copy-on-write pages are private before anything is written
             self.pool.commit(commit.session_id, commit.tokens)
+            device_rows = on_device.get(commit.session_id)
+            if device_rows is not None and device_rows[: len(commit.rows)] == commit.rows:
+                continue
+            if device_rows is not None:
+                log.warning("the device's accepted rows of %s differ from the host's: written again", commit.session_id)
             rows += commit.rows
             slots += session_slots
         if rows:

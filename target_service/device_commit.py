@@ -1,0 +1,60 @@
+"""The KV of a verify's device acceptances, written behind the forward before the host reads the results.
+
+Why: the commit after the host's acceptance (a staging upload and the KV-commit launch) sat on the host's path
+from one verify's results to the next verify's launch, while the device had the accepted rows already: the
+device acceptance names them, padded to the tree's depth bound + 1 by repeating the last. Written here, into the
+session's next slots, which the verify's check held for its tree's longest path, the padding lands past the
+committed tokens, where nothing reads it until a later commit writes those slots. The host's commit then counts
+the tokens and checks its rows against these: a session whose rows differ is written again from the host's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from diffspec.device_accept import DeviceAccept
+from diffspec.devices import HostCopy, PinnedStaging
+from target_service.kv_cache import PagedKVCache
+from target_service.kv_pool import PagedKVPool
+from target_service.llama import PagedForwardOutput
+
+
+@dataclass(frozen=True)
+class DeviceCommit:
+    """The rows written per session, in session order; read back once, when the host's commit checks them."""
+
+    session_ids: list[str]
+    sizes: list[int]  # [sessions]: rows written for each (its depth bound + 1)
+    rows: HostCopy  # [sum(sizes)] int64: the forward's rows written, session after session
+
+    def rows_of(self) -> dict[str, list[int]]:
+        values = self.rows.get().tolist()
+        ends = list(itertools.accumulate(self.sizes))
+        return {sid: values[end - n : end] for sid, end, n in zip(self.session_ids, ends, self.sizes)}
+
+
+def commit_on_device(
+    pool: PagedKVPool,
+    cache: PagedKVCache,
+    staging: PinnedStaging,
+    accepts: dict[str, DeviceAccept],
+    forward: PagedForwardOutput,
+) -> DeviceCommit | None:
+    """Write each acceptance's rows of ``forward``'s keys and values into its session's next slots, in one launch
+    for all; None when no acceptance names its rows."""
+    named = {sid: accept for sid, accept in accepts.items() if accept.rows is not None}
+    if not named:
+        return None
+    slots: list[int] = []
+    for sid, accept in named.items():
+        session_slots, copies = pool.reserve(sid, accept.max_entries)  # held by the check: the same slots
+        cache.apply_copies(copies)  # none: the check made its pages private
+        slots += session_slots
+    parts = [accept.rows for accept in named.values()]
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+    cache.write(forward.new_k, forward.new_v, rows, staging.upload(slots))
+    return DeviceCommit(list(named), [accept.max_entries for accept in named.values()], HostCopy(rows))
+
