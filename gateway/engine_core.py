@@ -13,7 +13,8 @@ Each iteration, on the engine's own thread:
      call does its host work. With draft and target in this process, the target hands the drafting
      requests' acceptances, computed on the device, to the draft once the verify is queued, and the
      draft writes their entries while the forward runs (the next draft call settles them);
-  4. hands each request's tokens to its output sink.
+  4. hands each request's tokens to its output sink, held until the next target call has queued its device
+     work and waits for it (``gateway/outbox.py``), so the threads that stream them run while this one waits.
 Front ends (gRPC, HTTP, the CLI) only submit requests and read their sinks. A session failure
 fails that request alone; a draft failure turns the affected requests to Auto, which the target
 alone decides, so their tokens do not change.
@@ -34,6 +35,7 @@ from diffspec.device_accept import DeviceAccept
 from draft_service.backend import AcceptsOnDevice, DraftBackend, DraftBatch, DraftBatchResult, VerifyCost
 from gateway.admission import KVAdmission, KVGeometry
 from gateway.detokenizer import Tokenizer
+from gateway.outbox import Outbox
 from gateway.quota import ClientQuotas, QuotaLimits
 from gateway.request import GenerationRequest
 from gateway.running_request import OutputSink, Phase, RunningRequest
@@ -143,6 +145,8 @@ class EngineCore:
         self._draft_on_device = draft if limits.accept_on_device and isinstance(draft, AcceptsOnDevice) else None
         self._accepted_on_device: list[str] = []  # this iteration's requests whose entries it wrote so
         self._on_device_seconds = 0.0  # the host time that took, inside this iteration's target call
+        self._outbox = Outbox()  # the requests' chunks, held until the host next waits for the device
+        self._handed_at_wait = False  # this step's target call handed them before waiting for its results
         self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False  # closed: the loop fails what is left and ends
@@ -160,7 +164,8 @@ class EngineCore:
         """Queue a request; raises ResourceExhausted when ``max_requests`` are already in the engine or its
         client holds its quota, InvalidRequest when the KV pool could never hold it."""
         self.admission.check_fits(request)
-        running = RunningRequest.create(request_id, request, sink, self.info, self.tokenizer, deadline)
+        held = self._outbox.holding(sink)
+        running = RunningRequest.create(request_id, request, held, self.info, self.tokenizer, deadline)
         with self._admitted_lock:  # queued under the lock: a close either sees it in the inbox or refuses it
             if self._stopping:
                 raise PeerUnavailable("the server is shutting down")
@@ -208,6 +213,7 @@ class EngineCore:
                 log.exception("engine iteration failed")
                 for running in list(self._requests.values()):
                     self._fail(running, failure)
+                self._outbox.flush()
         if self._stopping:
             self._shut_down()
 
@@ -226,6 +232,7 @@ class EngineCore:
                 self.step()  # releases alone: nothing is left to run
             except Exception:  # noqa: BLE001 - a backend that fails now frees its sessions when its peer goes
                 log.exception("sending the last releases failed")
+        self._outbox.flush()
 
     def has_work(self) -> bool:
         return bool(self._requests or self._target_releases or self._draft_releases or not self._inbox.empty())
@@ -246,6 +253,11 @@ class EngineCore:
         self._accepted_on_device, self._on_device_seconds = [], 0.0
         self.timing.iterations += 1
         self.timing.loop_seconds += time.perf_counter() - started
+        # after the timing: a client that reads it once its stream ends sees this step counted
+        if not self._handed_at_wait or not self._requests:
+            # no verify waited in this step (prompts alone, a target over the wire), or no step follows
+            self._outbox.flush()
+        self._handed_at_wait = False
 
     def _take_inbox(self) -> None:
         while not self._inbox.empty():
@@ -351,8 +363,8 @@ class EngineCore:
                 budget -= tokens
         on_queued = self._accept_on_device if self._draft_on_device is not None else None
         return TargetBatch(
-            releases, opens, prefills, verifies,
-            first_tokens_next_step=True, collects=collects, on_verify_queued=on_queued,
+            releases, opens, prefills, verifies, first_tokens_next_step=True, collects=collects,
+            on_verify_queued=on_queued, before_results_wait=self._hand_out_at_wait,
         )  # fmt: skip
 
     def _accept_on_device(self, accepts: dict[str, DeviceAccept]) -> None:
@@ -373,6 +385,13 @@ class EngineCore:
             except Exception:  # noqa: BLE001 - the accepts extend as usual; the target's step goes on
                 log.exception("the draft failed to write accepted entries on the device")
         self._on_device_seconds = time.perf_counter() - started
+
+    def _hand_out_at_wait(self) -> None:
+        """The target queued the verify and waits for its results now: the chunks held since the last step's
+        results go to their streams, whose threads run meanwhile; this step's results' chunks wait for the
+        next step's verify."""
+        self._outbox.flush()
+        self._handed_at_wait = True
 
     def _admitted_now(self) -> set[str]:
         """The queued requests whose worst-case KV pages fit now (gateway/admission.py)."""
