@@ -57,4 +57,3 @@ def commit_on_device(
     rows = parts[0] if len(parts) == 1 else torch.cat(parts)
     cache.write(forward.new_k, forward.new_v, rows, staging.upload(slots))
     return DeviceCommit(list(named), [accept.max_entries for accept in named.values()], HostCopy(rows))
-

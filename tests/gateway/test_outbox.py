@@ -50,6 +50,26 @@ def test_held_chunks_and_failures_reach_their_sinks_in_order_once():
     assert len(events) == 3
 
 
+def test_a_sink_that_fails_leaves_the_others_their_chunks():
+    events: list[str] = []
+    outbox = Outbox()
+
+    class ClosedLoop:
+        def put(self, chunk: GenerationChunk) -> None:
+            raise RuntimeError("Event loop is closed")
+
+        def fail(self, error: BaseException) -> None:
+            raise RuntimeError("Event loop is closed")
+
+    gone, alive = outbox.holding(ClosedLoop()), outbox.holding(RecordingSink(events, "a"))
+    gone.put(GenerationChunk([1], "x"))
+    alive.put(GenerationChunk([2], "y"))
+    gone.fail(RuntimeError("deadline"))
+    alive.put(GenerationChunk([3], "z"))
+    outbox.flush()
+    assert events == ["a chunk", "a chunk"]
+
+
 class WaitRecordingTarget:
     """The runtime, with each step's start and end and its wait for the verify's results in ``events``."""
 
