@@ -6,7 +6,7 @@ results, that delay fell on the host's path from those results to the next verif
 iteration. Held until the target has queued the next step's device work and is about to wait for its results,
 the streaming threads run while the engine thread sleeps. What a step still holds at its end (a step with no
 verify, a target over the wire that never calls back) is handed then. The price: a chunk reaches its stream
-up to one step later (the next verify's launch and host work), never a step's work later than that.
+up to one step later, at the next verify's wait.
 """
 
 from __future__ import annotations
