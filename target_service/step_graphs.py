@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 from dataclasses import dataclass
 
+import numpy
 import torch
 from torch.profiler import record_function
 
@@ -74,48 +75,56 @@ class StepOutputs:
 
 
 class _Bucket:
-    """Static inputs of one (batch, tree size) shape and, once captured, its graph and outputs."""
+    """Static inputs of one (batch, tree size) shape and, once captured, its graph and outputs.
+
+    A step's tokens, positions, committed lengths and masks are typed views of one device buffer, written from
+    one pinned host mirror in one copy; the mirror is filled through numpy, whose writes cost a fraction of a
+    torch op's dispatch (a step's fill is on the host's path from one verify's results to the next verify's
+    launch). The block tables, as wide as the runtime's longest context, go up in a second copy of the columns
+    the step uses."""
 
     def __init__(self, batch: int, tree: int, max_pages_per_seq: int, page_size: int, device: torch.device) -> None:
         rows = batch * tree
         self.batch, self.tree = batch, tree
-        self.host_identity = torch.eye(tree, dtype=torch.bool).repeat(batch, 1, 1)  # every row sees only itself
-        # host mirrors the inputs are written into, pinned once on a GPU so a step's copies up never allocate
+        # pinned once on a GPU so a step's copies up never allocate (nor wait, as pageable memory would)
         pinned = device.type == "cuda"
-        self.host_ids = torch.zeros(batch, tree, dtype=torch.int64, pin_memory=pinned)
-        self.host_positions = torch.zeros(batch, tree, dtype=torch.int64, pin_memory=pinned)
-        self.host_mask = torch.zeros(batch, tree, tree, dtype=torch.bool, pin_memory=pinned)
-        self.host_context = torch.zeros(batch, dtype=torch.int32, pin_memory=pinned)
+        self._host_inputs = torch.zeros(_inputs_bytes(batch, tree), dtype=torch.uint8, pin_memory=pinned)
+        self._device_inputs = torch.zeros_like(self._host_inputs, device=device)
+        ids, positions, context, mask = (t.numpy() for t in _typed_views(self._host_inputs, batch, tree))
+        self._ids, self._positions = ids.reshape(batch, tree), positions.reshape(batch, tree)
+        self._context, self._mask = context, mask.reshape(batch, tree, tree)
+        self._identity = numpy.eye(tree, dtype=bool)  # every row sees only itself
         # [batch * max_pages_per_seq]: a step's [batch, width] block tables, contiguous at its front
-        self.host_tables = torch.zeros(batch * max_pages_per_seq, dtype=torch.int32, pin_memory=pinned)
+        self._host_tables = torch.zeros(batch * max_pages_per_seq, dtype=torch.int32, pin_memory=pinned)
         self._read: torch.cuda.Event | None = None  # the last fill's copies up, once the device has done them
-        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, context_lens, new_token_mask = _typed_views(self._device_inputs, batch, tree)
         self.meta = AttentionMetadata(
             q_lens=[tree] * batch,
             cu_q_lens=torch.arange(0, rows + 1, tree, dtype=torch.int32, device=device),
-            context_lens_t=torch.zeros(batch, dtype=torch.int32, device=device),
+            context_lens_t=context_lens,
             block_tables=torch.zeros(batch, max_pages_per_seq, dtype=torch.int32, device=device),
-            new_token_mask=self.host_identity.flatten(0, 1).to(device),
+            new_token_mask=new_token_mask,
             page_size=page_size,
         )
+        self._mask[:] = self._identity
+        self._device_inputs.copy_(self._host_inputs)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[PagedForwardOutput, torch.Tensor] | None = None
 
     def fill(self, steps: list[StepInput]) -> None:
-        """Copy the steps into the static buffers: through the host mirrors, one copy per buffer, none waiting
-        on the GPU, then one device copy for everything the drafter left on the device (a pending tree's
-        tokens, positions and mask), which the host never reads."""
+        """Copy the steps into the static buffers: through the host mirrors, two copies up, none waiting on the
+        GPU, then one device copy for everything the drafter left on the device (a pending tree's tokens,
+        positions and mask), which the host never reads."""
         if self._read is not None:
             self._read.synchronize()  # the mirrors are rewritten: the last step's copies up are long done
-        ids, positions, mask, context = self.host_ids, self.host_positions, self.host_mask, self.host_context
         width = max(1, max(len(s.block_table) for s in steps))
         # a contiguous [batch, width] view of the mirror: a strided host source would be copied through
         # unpinned memory, which waits for the GPU (columns past width are never read)
-        tables = self.host_tables[: self.batch * width].view(self.batch, width)
-        for mirror in (ids, positions, context, tables):
-            mirror.zero_()
-        mask.copy_(self.host_identity)
+        tables = self._host_tables[: self.batch * width].view(self.batch, width)
+        host_tables = tables.numpy()
+        for mirror in (self._ids, self._positions, self._context, host_tables):
+            mirror.fill(0)
+        self._mask[:] = self._identity
         targets, sources = [], []  # device copies
         depths, context_lens, position_rows = [], [], []  # pending trees' positions, made on the device
         for b, step in enumerate(steps):
@@ -129,17 +138,13 @@ class _Bucket:
                 context_lens.append(step.context_len)
                 position_rows.append(self.positions[rows])
             else:
-                ids[b, :n], positions[b, :n], mask[b, :n, :n] = step.tokens, step.positions, step.mask
-            context[b] = step.context_len
+                self._ids[b, :n], self._positions[b, :n] = step.tokens.numpy(), step.positions.numpy()
+                self._mask[b, :n, :n] = step.mask.numpy()
+            self._context[b] = step.context_len
             if step.block_table:
-                # through a C array: a 64K context's 4,096 pages take a third of torch.tensor's time, on the
-                # host's path from one verify's results to the next verify's launch
-                pages = torch.frombuffer(array.array("i", step.block_table), dtype=torch.int32)
-                tables[b, : len(step.block_table)] = pages
-        self.input_ids.copy_(ids.flatten(), non_blocking=True)
-        self.positions.copy_(positions.flatten(), non_blocking=True)
-        self.meta.new_token_mask.copy_(mask.flatten(0, 1), non_blocking=True)
-        self.meta.context_lens_t.copy_(context, non_blocking=True)
+                pages = numpy.frombuffer(array.array("i", step.block_table), numpy.int32)  # faster than from a list
+                host_tables[b, : len(step.block_table)] = pages
+        self._device_inputs.copy_(self._host_inputs, non_blocking=True)
         self.meta.block_tables[:, :width].copy_(tables, non_blocking=True)
         if self.input_ids.device.type == "cuda":
             self._read = torch.cuda.Event()
@@ -154,6 +159,22 @@ class _Bucket:
     def new_token_mask(self) -> torch.Tensor:
         """[batch, tree, tree] bool: the metadata's mask seen per sequence."""
         return self.meta.new_token_mask.view(self.batch, self.tree, self.tree)
+
+
+def _inputs_bytes(batch: int, tree: int) -> int:
+    rows = batch * tree
+    return 8 * rows + 8 * rows + 4 * batch + rows * tree
+
+
+def _typed_views(
+    buffer: torch.Tensor, batch: int, tree: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bucket's inputs over one byte buffer: token ids [rows] int64, positions [rows] int64, committed lengths
+    [batch] int32, the new tokens' mask [rows, tree] bool (the 8-byte fields first, each one aligned)."""
+    rows = batch * tree
+    ids, positions, context, mask = buffer.split([8 * rows, 8 * rows, 4 * batch, rows * tree])
+    typed = ids.view(torch.int64), positions.view(torch.int64), context.view(torch.int32)
+    return *typed, mask.view(torch.bool).view(rows, tree)
 
 
 class StepGraphs:

@@ -163,6 +163,28 @@ def test_a_bucket_takes_a_pending_tree_from_its_device_copy():
     assert ids[1, :3].tolist() == [5, 6, 7] and positions[1, :3].tolist() == [9, 10, 10]
 
 
+def test_a_bucket_s_inputs_go_up_from_one_buffer_and_a_refill_leaves_nothing_of_the_last_step():
+    """Ids, positions, committed lengths and masks are views of one buffer (one copy up a step), none over
+    another's bytes; a second fill with a smaller step resets every row and table column the first one set."""
+    bucket = _Bucket(batch=3, tree=4, max_pages_per_seq=4, page_size=16, device=torch.device("cpu"))
+    views = (bucket.input_ids, bucket.positions, bucket.meta.context_lens_t, bucket.meta.new_token_mask)
+    assert len({view.untyped_storage().data_ptr() for view in views}) == 1
+    spans = sorted((v.storage_offset() * v.element_size(), (v.storage_offset() + v.numel()) * v.element_size())
+                   for v in views)  # fmt: skip
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    chain = DraftTree.chain([5, 6, 7, 8])
+    bucket.fill([StepInput(chain, 20, [3, 4, 5]), StepInput(chain, 40, [6, 7, 8]), StepInput(chain, 60, [9])])
+    assert bucket.meta.context_lens_t.tolist() == [20, 40, 60]
+    assert bucket.positions.view(3, 4)[2].tolist() == [60, 61, 62, 63]
+    assert bucket.meta.block_tables[:, :3].tolist() == [[3, 4, 5], [6, 7, 8], [9, 0, 0]]
+    bucket.fill([StepInput(DraftTree.chain([9]), 7, [2])])
+    assert bucket.meta.context_lens_t.tolist() == [7, 0, 0]
+    assert bucket.input_ids.view(3, 4).tolist() == [[9, 0, 0, 0], [0] * 4, [0] * 4]
+    assert bucket.positions.view(3, 4).tolist() == [[7, 0, 0, 0], [0] * 4, [0] * 4]
+    assert torch.equal(bucket.new_token_mask, torch.eye(4, dtype=torch.bool).expand(3, 4, 4))
+    assert bucket.meta.block_tables[:, :1].tolist() == [[2], [0], [0]]
+
+
 def test_a_pending_tree_with_a_wrong_root_fails_its_session_alone(tiny_target_dir):
     """Its nodes are checked after the forward: that session fails and frees its pages, the other keeps its
     result, equal to the same step without the bad tree."""
