@@ -33,6 +33,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from diffspec.device_accept import DeviceAccept
 from diffspec.devices import HostCopy, PinnedStaging, upload
@@ -172,8 +173,10 @@ class Drafter:
         sessions = [e.session for e in extensions]
         if any(s.unsettled is not None for s in sessions):
             raise ValueError("a session's last entries written on the device are not settled yet")
-        take_queued_selections([s.context for s in sessions])
-        self.rescore()
+        with record_function("draft.accept_on_device.select"):
+            take_queued_selections([s.context for s in sessions])
+        with record_function("draft.accept_on_device.score"):
+            self.rescore()
         counts = [e.accept.max_entries for e in extensions]
         ends = list(itertools.accumulate(counts))
         rows = self.staging.upload([*_positions(sessions, counts), *(end - n for end, n in zip(ends, counts))])
@@ -186,7 +189,8 @@ class Drafter:
         # acceptance, not for them
         check = HostCopy(torch.cat([t for e in extensions for t in (e.accept.next_tokens, e.accept.num_entries[None])]))
         features = [e.accept.features for e in extensions]
-        queries, hiddens = self._write_entries(sessions, counts, features, tokens, positions, last_rows)
+        with record_function("draft.accept_on_device.write"):
+            queries, hiddens = self._write_entries(sessions, counts, features, tokens, positions, last_rows)
         for i, (session, end, n, query, hidden) in enumerate(zip(sessions, ends, counts, queries, hiddens)):
             first = end - n + i  # each session's rows, then its count
             session.unsettled = UnsettledEntries(

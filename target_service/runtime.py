@@ -312,6 +312,7 @@ class TargetRuntime:
         if on_queued is not None:
             with record_function("target.verify.device_accept"):
                 accepts = self._device_accepts(valid, ran, argmax, sampled)
+            with record_function("target.verify.device_commit"):
                 written = commit_on_device(self.pool, self.cache, self.commit_staging, accepts, ran.forward)
             if accepts:
                 on_queued(accepts)
