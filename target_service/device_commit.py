@@ -18,7 +18,6 @@ import torch
 from diffspec.device_accept import DeviceAccept
 from diffspec.devices import HostCopy, PinnedStaging
 from target_service.kv_cache import PagedKVCache
-from target_service.kv_pool import PagedKVPool
 from target_service.llama import PagedForwardOutput
 
 
@@ -37,22 +36,19 @@ class DeviceCommit:
 
 
 def commit_on_device(
-    pool: PagedKVPool,
     cache: PagedKVCache,
     staging: PinnedStaging,
     accepts: dict[str, DeviceAccept],
+    reserved: dict[str, list[int]],
     forward: PagedForwardOutput,
 ) -> DeviceCommit | None:
-    """Write each acceptance's rows of ``forward``'s keys and values into its session's next slots, in one launch
-    for all; None when no acceptance names its rows."""
+    """Write each acceptance's rows of ``forward``'s keys and values into its session's next slots (``reserved``:
+    the slots the verify's check held, private pages past the committed tokens), in one launch for all; None
+    when no acceptance names its rows."""
     named = {sid: accept for sid, accept in accepts.items() if accept.rows is not None}
     if not named:
         return None
-    slots: list[int] = []
-    for sid, accept in named.items():
-        session_slots, copies = pool.reserve(sid, accept.max_entries)  # held by the check: the same slots
-        cache.apply_copies(copies)  # none: the check made its pages private
-        slots += session_slots
+    slots = [slot for sid, accept in named.items() for slot in reserved[sid][: accept.max_entries]]
     parts = [accept.rows for accept in named.values()]
     rows = parts[0] if len(parts) == 1 else torch.cat(parts)
     cache.write(forward.new_k, forward.new_v, rows, staging.upload(slots))

@@ -287,8 +287,9 @@ class TargetRuntime:
         with record_function("target.verify.inputs"):  # the trees checked, their pages held, their inputs made
             steps = [VerifyStep(step.session_id, self._verifiable(step.tree)) for step in steps]
             valid: list[VerifyStep] = []
+            reserved: dict[str, list[int]] = {}  # session -> the slots held for its tree's longest path
             for step in steps:
-                self._guard(step.session_id, failures, self._check_and_reserve, step)
+                self._guard(step.session_id, failures, self._check_and_reserve, step, reserved)
                 if step.session_id not in failures:
                     valid.append(step)
             if not valid:
@@ -313,7 +314,7 @@ class TargetRuntime:
             with record_function("target.verify.device_accept"):
                 accepts = self._device_accepts(valid, ran, argmax, sampled)
             with record_function("target.verify.device_commit"):
-                written = commit_on_device(self.pool, self.cache, self.commit_staging, accepts, ran.forward)
+                written = commit_on_device(self.cache, self.commit_staging, accepts, reserved, ran.forward)
             if accepts:
                 on_queued(accepts)
         if before_wait is not None:
@@ -364,10 +365,10 @@ class TargetRuntime:
             return tree
         return DraftTree.of(tree)
 
-    def _check_and_reserve(self, step: VerifyStep) -> None:
+    def _check_and_reserve(self, step: VerifyStep, reserved: dict[str, list[int]]) -> None:
         """Validate the tree (a pending one: its sizes), then hold pages for its longest path before any
-        compute; a page it shares with a fork is copied now, since the forward reads the block table the
-        reservation leaves."""
+        compute, its slots into ``reserved``; a page it shares with a fork is copied now, since the forward reads
+        the block table the reservation leaves."""
         session = self.sessions.get(step.session_id)
         if session is None:
             raise InvalidRequest(f"unknown session {step.session_id!r}")
@@ -377,7 +378,7 @@ class TargetRuntime:
             self.limits.check_tree_size(session, committed, tree.num_nodes, tree.max_depth)
         else:
             self.limits.check_tree(session, committed, DraftTree.of(tree))
-        _, copies = self.pool.reserve(step.session_id, tree.max_depth + 1)
+        reserved[step.session_id], copies = self.pool.reserve(step.session_id, tree.max_depth + 1)
         self.cache.apply_copies(copies)
 
     def _with_host_trees(

@@ -79,10 +79,10 @@ def test_device_rows_that_differ_from_the_host_s_are_written_again(tiny_target_d
     want = _verify_twice(_runtime(tiny_target_dir), device_tree=False, events=[])
     commit = device_commit.commit_on_device
 
-    def wrong_rows(pool, cache, staging, accepts, forward):  # noqa: ANN001, ANN202
+    def wrong_rows(cache, staging, accepts, reserved, forward):  # noqa: ANN001, ANN202
         shifted = {sid: DeviceAccept(a.features, a.next_tokens, a.num_entries, a.max_entries, a.rows.flip(0))
                    for sid, a in accepts.items()}  # fmt: skip
-        return commit(pool, cache, staging, shifted, forward)
+        return commit(cache, staging, shifted, reserved, forward)
 
     monkeypatch.setattr(runtime_module, "commit_on_device", wrong_rows)
     events: list[str] = []
