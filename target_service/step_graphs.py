@@ -88,7 +88,7 @@ class _Bucket:
         self.batch, self.tree = batch, tree
         # pinned once on a GPU so a step's copies up never allocate (nor wait, as pageable memory would)
         pinned = device.type == "cuda"
-        self._host_inputs = torch.zeros(_inputs_bytes(batch, tree), dtype=torch.uint8, pin_memory=pinned)
+        self._host_inputs = torch.zeros(sum(_input_bytes(batch, tree)), dtype=torch.uint8, pin_memory=pinned)
         self._device_inputs = torch.zeros_like(self._host_inputs, device=device)
         ids, positions, context, mask = (t.numpy() for t in _typed_views(self._host_inputs, batch, tree))
         self._ids, self._positions = ids.reshape(batch, tree), positions.reshape(batch, tree)
@@ -161,18 +161,19 @@ class _Bucket:
         return self.meta.new_token_mask.view(self.batch, self.tree, self.tree)
 
 
-def _inputs_bytes(batch: int, tree: int) -> int:
+def _input_bytes(batch: int, tree: int) -> list[int]:
+    """The bytes of a bucket's inputs in buffer order: token ids [rows] int64, positions [rows] int64, committed
+    lengths [batch] int32, the new tokens' mask [rows, tree] bool (the 8-byte fields first, each one aligned)."""
     rows = batch * tree
-    return 8 * rows + 8 * rows + 4 * batch + rows * tree
+    return [8 * rows, 8 * rows, 4 * batch, rows * tree]
 
 
 def _typed_views(
     buffer: torch.Tensor, batch: int, tree: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A bucket's inputs over one byte buffer: token ids [rows] int64, positions [rows] int64, committed lengths
-    [batch] int32, the new tokens' mask [rows, tree] bool (the 8-byte fields first, each one aligned)."""
+    """A bucket's inputs over one byte buffer of ``_input_bytes``, each in its own type and shape."""
     rows = batch * tree
-    ids, positions, context, mask = buffer.split([8 * rows, 8 * rows, 4 * batch, rows * tree])
+    ids, positions, context, mask = buffer.split(_input_bytes(batch, tree))
     typed = ids.view(torch.int64), positions.view(torch.int64), context.view(torch.int32)
     return *typed, mask.view(torch.bool).view(rows, tree)
 
