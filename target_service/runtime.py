@@ -6,7 +6,8 @@ session's tree in one verify forward (from a CUDA graph bucket on a GPU), then e
 session's next prompt chunk in one forward. The new tokens' KV stays in a scratch buffer until
 acceptance decides which rows to commit, so rejected tree nodes never touch the pages; all
 sessions' accepted rows go in with one KV-commit launch, queued behind the forward for the sessions whose
-acceptance the device computed (``device_commit``), after the host's acceptance for the others.
+acceptance the device computed and for one-node trees (Auto), whose root commits whatever the results
+(``device_commit``), after the host's acceptance for the others.
 
 First tokens a step late. Reading a first token back waits for the whole prompt forward. A batch
 with ``first_tokens_next_step`` instead leaves that forward queued and returns: the caller's next
@@ -309,14 +310,19 @@ class TargetRuntime:
         argmax_read = HostCopy(argmax) if argmax is not None else None
         sampled_read = SampledReads(sampled)
         accepts: dict[str, DeviceAccept] = {}
-        written = None
         if on_queued is not None:
             with record_function("target.verify.device_accept"):
                 accepts = self._device_accepts(valid, ran, argmax, sampled)
-            with record_function("target.verify.device_commit"):
-                written = commit_on_device(self.cache, self.commit_staging, accepts, reserved, ran.forward)
-            if accepts:
-                on_queued(accepts)
+        with record_function("target.verify.device_commit"):
+            # a one-node tree commits its root whatever the results: its row goes in behind the forward too
+            roots = {
+                step.session_id: [row]
+                for step, row in zip(valid, ran.row_offsets)
+                if step.tree.num_nodes == 1 and step.session_id not in accepts
+            }
+            written = commit_on_device(self.cache, self.commit_staging, accepts, roots, reserved, ran.forward)
+        if accepts:
+            on_queued(accepts)
         if before_wait is not None:
             before_wait()
         valid, ran = self._with_host_trees(valid, ran, failures)

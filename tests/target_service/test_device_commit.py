@@ -1,5 +1,5 @@
-"""The KV of a device acceptance goes in behind the forward: the host's commit then writes no bytes for it,
-unless its rows differ from the host's acceptance, which are written then."""
+"""The KV of a device acceptance, and of a one-node tree's root, goes in behind the forward: the host's commit then
+writes no bytes for it, unless its rows differ from the host's acceptance, which are written then."""
 
 from __future__ import annotations
 
@@ -79,10 +79,10 @@ def test_device_rows_that_differ_from_the_host_s_are_written_again(tiny_target_d
     want = _verify_twice(_runtime(tiny_target_dir), device_tree=False, events=[])
     commit = device_commit.commit_on_device
 
-    def wrong_rows(cache, staging, accepts, reserved, forward):  # noqa: ANN001, ANN202
+    def wrong_rows(cache, staging, accepts, known, reserved, forward):  # noqa: ANN001, ANN202
         shifted = {sid: DeviceAccept(a.features, a.next_tokens, a.num_entries, a.max_entries, a.rows.flip(0))
                    for sid, a in accepts.items()}  # fmt: skip
-        return commit(cache, staging, shifted, reserved, forward)
+        return commit(cache, staging, shifted, known, reserved, forward)
 
     monkeypatch.setattr(runtime_module, "commit_on_device", wrong_rows)
     events: list[str] = []
@@ -92,3 +92,79 @@ def test_device_rows_that_differ_from_the_host_s_are_written_again(tiny_target_d
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     assert events == ["write 7", "queued ['s']", "write 4"] * 2  # the host's rows over the device's
     assert sum("differ from the host's" in r.getMessage() for r in caplog.records) == 2
+
+
+def _no_known_rows(monkeypatch) -> None:  # noqa: ANN001
+    """The device commit without the rows the host knows before the results: a one-node tree's root waits for
+    the host's commit, as a host tree's rows do."""
+    commit = device_commit.commit_on_device
+
+    def device_acceptances_only(cache, staging, accepts, known, reserved, forward):  # noqa: ANN001, ANN202
+        return commit(cache, staging, accepts, {}, reserved, forward)
+
+    monkeypatch.setattr(runtime_module, "commit_on_device", device_acceptances_only)
+
+
+def _decode_four(runtime: TargetRuntime, events: list[str]) -> tuple[list[int], torch.Tensor]:
+    """Four Auto steps after a prefill: their tokens, and the committed keys of every layer. ``events``: the
+    steps' KV writes and the host's wait for the results, in order."""
+    runtime.prefill("s", PROMPT, SamplingParams(), want_features=False)
+    _record_writes(runtime, events)
+    waits = lambda: events.append("wait")  # noqa: E731
+    tokens = []
+    for _ in range(4):
+        tree = DraftTree.root_only(runtime.pending_token("s"))
+        batch = TargetBatch(verifies=[VerifyStep("s", tree)], before_results_wait=waits)
+        tokens.append(runtime.step(batch).verifies["s"].bonus_token)
+    page_size = runtime.pool.page_size
+    slots = [p * page_size + o for p in runtime.pool.block_table("s") for o in range(page_size)]
+    return tokens, runtime.cache.k_pages.flatten(1, 2)[:, slots[: runtime.pool.num_committed("s")]].clone()
+
+
+def test_an_auto_step_s_root_is_committed_before_the_results_are_read(tiny_target_dir, monkeypatch):
+    events: list[str] = []
+    got = _decode_four(_runtime(tiny_target_dir), events)
+    assert events == ["write 1", "wait"] * 4  # behind the forward, and nothing by the host's commit
+
+    _no_known_rows(monkeypatch)
+    want_events: list[str] = []
+    want = _decode_four(_runtime(tiny_target_dir), want_events)
+    assert want_events == ["wait", "write 1"] * 4
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+def _verify_beside_auto(runtime: TargetRuntime, device_tree: bool, events: list[str]) -> tuple[list, torch.Tensor]:
+    """One verify of session a's chain (3 of 4 accepted) beside session b's Auto step, in one batch: what each
+    emitted, and both sessions' committed keys of every layer."""
+    first = runtime.prefill("a", PROMPT, SamplingParams(), want_features=True).first_token
+    truth = [runtime.decode("a").bonus_token for _ in range(3)]
+    runtime.release("a")
+    runtime.prefill("a", PROMPT, SamplingParams(), want_features=True)
+    runtime.prefill("b", PROMPT[::-1], SamplingParams(), want_features=False)
+    _record_writes(runtime, events)
+    tree = DraftTree.chain([first, *truth, 1])
+    if device_tree:
+        tree = pending_tree(tree, NODE_CAPACITY, depth_bound=DEPTH_BOUND, device=runtime.device)
+    steps = [VerifyStep("a", tree), VerifyStep("b", DraftTree.root_only(runtime.pending_token("b")))]
+    queued = lambda accepts: events.append(f"queued {sorted(accepts)}")  # noqa: E731
+    results = runtime.step(TargetBatch(verifies=steps, on_verify_queued=queued)).verifies
+    page_size = runtime.pool.page_size
+    keys = []
+    for sid in ("a", "b"):
+        slots = [p * page_size + o for p in runtime.pool.block_table(sid) for o in range(page_size)]
+        keys.append(runtime.cache.k_pages.flatten(1, 2)[:, slots[: runtime.pool.num_committed(sid)]])
+    return [results[sid].emitted_tokens for sid in ("a", "b")], torch.cat(keys, dim=1)
+
+
+def test_a_device_acceptance_and_an_auto_root_go_in_one_launch_into_their_own_slots(tiny_target_dir, monkeypatch):
+    events: list[str] = []
+    got = _verify_beside_auto(_runtime(tiny_target_dir), device_tree=True, events=events)
+    assert events == ["write 8", "queued ['a']"]  # a's 7 rows (its depth bound + 1) and b's root
+
+    _no_known_rows(monkeypatch)
+    want_events: list[str] = []
+    want = _verify_beside_auto(_runtime(tiny_target_dir), device_tree=False, events=want_events)
+    assert want_events == ["write 5"]  # the host's commit alone: a's root and 3 accepted, b's root
+    assert got[0] == want[0] and [len(tokens) for tokens in got[0]] == [4, 1]
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
