@@ -46,10 +46,14 @@ def _verify_twice(
         result = runtime.step(TargetBatch(verifies=[VerifyStep("s", tree)], on_verify_queued=queued)).verifies["s"]
         emitted.append(result.emitted_tokens)
         root = result.bonus_token
-    committed = runtime.pool.num_committed("s")
+    return emitted, _committed_keys(runtime, "s")
+
+
+def _committed_keys(runtime: TargetRuntime, session_id: str) -> torch.Tensor:
+    """[layers, committed tokens, ...]: the keys of every layer in the session's committed slots, in order."""
     page_size = runtime.pool.page_size
-    slots = [p * page_size + o for p in runtime.pool.block_table("s") for o in range(page_size)]
-    return emitted, runtime.cache.k_pages.flatten(1, 2)[:, slots[:committed]].clone()
+    slots = [p * page_size + o for p in runtime.pool.block_table(session_id) for o in range(page_size)]
+    return runtime.cache.k_pages.flatten(1, 2)[:, slots[: runtime.pool.num_committed(session_id)]].clone()
 
 
 def _record_writes(runtime: TargetRuntime, events: list[str]) -> None:
@@ -116,9 +120,7 @@ def _decode_four(runtime: TargetRuntime, events: list[str]) -> tuple[list[int], 
         tree = DraftTree.root_only(runtime.pending_token("s"))
         batch = TargetBatch(verifies=[VerifyStep("s", tree)], before_results_wait=waits)
         tokens.append(runtime.step(batch).verifies["s"].bonus_token)
-    page_size = runtime.pool.page_size
-    slots = [p * page_size + o for p in runtime.pool.block_table("s") for o in range(page_size)]
-    return tokens, runtime.cache.k_pages.flatten(1, 2)[:, slots[: runtime.pool.num_committed("s")]].clone()
+    return tokens, _committed_keys(runtime, "s")
 
 
 def test_an_auto_step_s_root_is_committed_before_the_results_are_read(tiny_target_dir, monkeypatch):
@@ -134,7 +136,9 @@ def test_an_auto_step_s_root_is_committed_before_the_results_are_read(tiny_targe
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
 
-def _verify_beside_auto(runtime: TargetRuntime, device_tree: bool, events: list[str]) -> tuple[list, torch.Tensor]:
+def _verify_beside_auto(
+    runtime: TargetRuntime, device_tree: bool, events: list[str]
+) -> tuple[list[list[int]], torch.Tensor]:
     """One verify of session a's chain (3 of 4 accepted) beside session b's Auto step, in one batch: what each
     emitted, and both sessions' committed keys of every layer."""
     first = runtime.prefill("a", PROMPT, SamplingParams(), want_features=True).first_token
@@ -149,12 +153,8 @@ def _verify_beside_auto(runtime: TargetRuntime, device_tree: bool, events: list[
     steps = [VerifyStep("a", tree), VerifyStep("b", DraftTree.root_only(runtime.pending_token("b")))]
     queued = lambda accepts: events.append(f"queued {sorted(accepts)}")  # noqa: E731
     results = runtime.step(TargetBatch(verifies=steps, on_verify_queued=queued)).verifies
-    page_size = runtime.pool.page_size
-    keys = []
-    for sid in ("a", "b"):
-        slots = [p * page_size + o for p in runtime.pool.block_table(sid) for o in range(page_size)]
-        keys.append(runtime.cache.k_pages.flatten(1, 2)[:, slots[: runtime.pool.num_committed(sid)]])
-    return [results[sid].emitted_tokens for sid in ("a", "b")], torch.cat(keys, dim=1)
+    keys = torch.cat([_committed_keys(runtime, sid) for sid in ("a", "b")], dim=1)
+    return [results[sid].emitted_tokens for sid in ("a", "b")], keys
 
 
 def test_a_device_acceptance_and_an_auto_root_go_in_one_launch_into_their_own_slots(tiny_target_dir, monkeypatch):
