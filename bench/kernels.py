@@ -2,7 +2,7 @@
 
 Run from the repo root on a GPU: ``PYTHONPATH=. python3 bench/kernels.py [--out PATH] [--sweep]``.
 
-For each attention shape, context length L and tree size T (batch 1, page 16, bf16): the median
+For each attention shape, context length L and tree size T (batch 1, page 16 unless ``--page-size``, bf16): the median
 time of one layer's tree attention, the KV bytes it must read over that time as a fraction of the
 device-to-device copy bandwidth measured in the same run (bytes read + written / time), its speedup
 over ``tree_attention_reference`` and over SDPA on a contiguous copy of the same keys/values with a
@@ -18,6 +18,9 @@ The draft head's attention (``diffspec_kernels/draft_attention_triton.py``) at t
 n = 10 frontier rows over a full context of L keys plus m = 64 tree entries: its time (as served, the
 same cold-L2 graph replays), the reference's, and the bandwidth floor: the context's bytes over the copy
 bandwidth measured in this run. ``--draft-only`` skips the tree attention.
+
+``--page-size`` times the tree attention over KV pages of another size (the serving pool's ``page_size``): a
+64-key tile then reads one page's consecutive keys rather than gathering four pages' through the block table.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from diffspec_kernels.draft_attention_triton import default_plan as draft_defaul
 from diffspec_kernels.tree_attention_ref import gather_context, tree_attention_reference
 from diffspec_kernels.tree_attention_triton import TreeAttentionPlan, default_plan, run_tree_attention
 
-PAGE_SIZE = 16
+PAGE_SIZE = 16  # the serving pool's default
 CONTEXT_LENS = (4096, 16384, 65536, 131072)
 TREE_SIZES = (1, 16, 32, 64)
 DRAFT_BATCHES, DRAFT_CONTEXT_LENS, DRAFT_QUERIES, DRAFT_NEW_ENTRIES = (1, 16), (2048, 16384, 65536), 10, 64
@@ -69,8 +72,8 @@ class Problem:
     q: torch.Tensor  # [T, num_heads, head_dim]
     k_new: torch.Tensor  # [T, num_kv_heads, head_dim]
     v_new: torch.Tensor  # [T, num_kv_heads, head_dim]
-    k_pages: torch.Tensor  # [num_pages, PAGE_SIZE, num_kv_heads, head_dim]
-    v_pages: torch.Tensor  # [num_pages, PAGE_SIZE, num_kv_heads, head_dim]
+    k_pages: torch.Tensor  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: torch.Tensor  # [num_pages, page_size, num_kv_heads, head_dim]
     meta: AttentionMetadata
     mask: torch.Tensor  # [T, T] bool tree mask
     scale: float
@@ -85,13 +88,13 @@ class Problem:
         return 2 * ctx * self.k_pages.shape[2] * self.k_pages.shape[3] * self.k_pages.element_size()
 
 
-def make_problem(shape: Shape, context_len: int, tree_size: int, seed: int = 0) -> Problem:
+def make_problem(shape: Shape, context_len: int, tree_size: int, page_size: int = PAGE_SIZE, seed: int = 0) -> Problem:
     cpu = torch.Generator().manual_seed(seed)
-    num_pages = context_len // PAGE_SIZE
+    num_pages = context_len // page_size
     table = torch.randperm(num_pages, generator=cpu).tolist()
     mask = DraftTree.random(tree_size, cpu).ancestor_mask()
     device = torch.device("cuda")
-    meta = AttentionMetadata.build([tree_size], [context_len], [table], [mask], PAGE_SIZE, device)
+    meta = AttentionMetadata.build([tree_size], [context_len], [table], [mask], page_size, device)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*dims: int) -> torch.Tensor:
@@ -102,8 +105,8 @@ def make_problem(shape: Shape, context_len: int, tree_size: int, seed: int = 0) 
         q=randn(tree_size, shape.num_heads, shape.head_dim),
         k_new=randn(tree_size, *kv),
         v_new=randn(tree_size, *kv),
-        k_pages=randn(num_pages, PAGE_SIZE, *kv),
-        v_pages=randn(num_pages, PAGE_SIZE, *kv),
+        k_pages=randn(num_pages, page_size, *kv),
+        v_pages=randn(num_pages, page_size, *kv),
         meta=meta,
         mask=mask.to(device),
         scale=shape.head_dim**-0.5,
@@ -181,10 +184,12 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_case(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s: float, matmul_flops: float) -> dict:
+def bench_case(
+    shape: Shape, context_len: int, tree_size: int, page_size: int, copy_bytes_per_s: float, matmul_flops: float
+) -> dict:
     """One row; its roofline is the longer of reading the KV at copy bandwidth and its FLOPs at the matmul peak,
     both measured in this run."""
-    problem = make_problem(shape, context_len, tree_size)
+    problem = make_problem(shape, context_len, tree_size, page_size)
     plan = default_plan(problem.q, problem.k_new, problem.meta)
     triton_ms = time_triton(problem, plan)
     flushed_ms = time_triton_l2_flushed(problem, plan)
@@ -205,6 +210,7 @@ def bench_case(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s:
         "head_dim": shape.head_dim,
         "context_len": context_len,
         "tree_size": tree_size,
+        "page_size": page_size,
         "plan": dataclasses.asdict(plan),
         "kv_bytes": problem.kv_bytes,
         "triton_us": triton_ms * 1e3,
@@ -292,9 +298,9 @@ def plan_variants(base: TreeAttentionPlan, rows: int) -> list[TreeAttentionPlan]
     return list(dict.fromkeys(plans))
 
 
-def sweep_plans(shape: Shape, context_len: int, tree_size: int, copy_bytes_per_s: float) -> list[dict]:
+def sweep_plans(shape: Shape, context_len: int, tree_size: int, page_size: int, copy_bytes_per_s: float) -> list[dict]:
     """Time ``plan_variants`` of the default plan at ``context_len`` keys."""
-    problem = make_problem(shape, context_len, tree_size)
+    problem = make_problem(shape, context_len, tree_size, page_size)
     base = default_plan(problem.q, problem.k_new, problem.meta)
     plans = plan_variants(base, tree_size * shape.num_heads // shape.num_kv_heads)
     results = []
@@ -348,6 +354,8 @@ def main() -> None:
     parser.add_argument("--draft-only", action="store_true", help="time only the draft head's attention")
     parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], default=[s.name for s in SHAPES],
                         help="attention shapes of the table and the sweep")
+    parser.add_argument("--page-size", type=int, default=PAGE_SIZE,
+                        help="tokens per KV page of the tree attention's table and sweep (a power of two)")
     args = parser.parse_args()
     shapes = [s for s in SHAPES if s.name in args.shapes]
 
@@ -356,7 +364,7 @@ def main() -> None:
     for shape in () if args.draft_only else shapes:
         for context_len in args.context_lens:
             for tree_size in args.tree_sizes:
-                rows.append(bench_case(shape, context_len, tree_size, copy_bytes_per_s, matmul_flops))
+                rows.append(bench_case(shape, context_len, tree_size, args.page_size, copy_bytes_per_s, matmul_flops))
                 base = next(r for r in rows if r["shape"] == shape.name and r["context_len"] == context_len)
                 rows[-1]["time_vs_tree_size_1"] = rows[-1]["triton_us"] / base["triton_us"]
                 torch.cuda.empty_cache()
@@ -368,7 +376,7 @@ def main() -> None:
     sweep = []
     if args.sweep:
         for shape, context_len, tree_size in itertools.product(shapes, args.context_lens, args.tree_sizes):
-            swept = sweep_plans(shape, context_len, tree_size, copy_bytes_per_s)
+            swept = sweep_plans(shape, context_len, tree_size, args.page_size, copy_bytes_per_s)
             sweep += swept
             timed = [s for s in swept if "triton_us" in s]
             best = min(timed, key=lambda s: s["triton_us"])
@@ -391,7 +399,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "page_size": PAGE_SIZE,
+        "page_size": args.page_size,
         "dtype": "bfloat16",
         "copy_bandwidth_tb_per_s": copy_bytes_per_s / 1e12,
         "matmul_tflop_per_s": matmul_flops / 1e12,
