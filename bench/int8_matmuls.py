@@ -37,14 +37,16 @@ def named_linears(weights: ServingWeights) -> dict[str, ServingLinear]:
 
 def plan_variants(rows: int) -> list:
     """Tilings for ``rows``: up to 16 rows (a batch-1 depth) one M tile with every strip of N, step of K, warp
-    count and stage count; more rows (a batch's frontiers) M tiles of 16 to 64 rows with the shorter K steps
+    count, stage count and K split; more rows (a batch's frontiers) M tiles of 16 to 64 rows with the shorter K steps
     that keep their operand tiles in registers."""
     from diffspec_kernels.int8_linear_triton import Int8LinearPlan
 
     if rows <= 16:
         return [
-            Int8LinearPlan(16, n, k, warps, stages)
-            for n, k, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4))
+            Int8LinearPlan(16, n, k, warps, stages, split_k)
+            for n, k, warps, stages, split_k in itertools.product(
+                (16, 32, 64), (128, 256, 512), (4, 8), (3, 4), (1, 2, 4)
+            )
         ]
     return [
         Int8LinearPlan(m, n, k, warps, 3)
@@ -59,6 +61,7 @@ def measure(name: str, dense: ServingLinear, int8: ServingLinear, rows: int, ban
     x = torch.randn(rows, in_features, device=dense.weight.device, dtype=dense.weight.dtype)
     want = F.linear(x.float(), int8.weight.float()) * int8.scale
     got = int8_linear_triton(x, int8.weight, int8.scale)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count  # the default plan's K split reads it
     error = float((got.float() - want).abs().max() / want.abs().max())
     dense_ms = median_ms(lambda: F.linear(x, dense.weight))
     int8_ms = median_ms(lambda: int8_linear_triton(x, int8.weight, int8.scale))
@@ -69,7 +72,7 @@ def measure(name: str, dense: ServingLinear, int8: ServingLinear, rows: int, ban
         "dense_pct_copy_bandwidth": round(100 * dense.nbytes / (dense_ms * 1e-3) / bandwidth, 1),
         "int8_pct_copy_bandwidth": round(100 * int8.nbytes / (int8_ms * 1e-3) / bandwidth, 1),
         "int8_relative_error": round(error, 6),
-        "plan": vars(int8_linear_plan(rows)),
+        "plan": vars(int8_linear_plan(rows, out_features, in_features, sms)),
     }  # fmt: skip
     if sweep and rows <= SWEPT_ROWS:
         timed = [(median_ms(lambda p=p: int8_linear_triton(x, int8.weight, int8.scale, p), rep_ms=20), p)

@@ -35,6 +35,47 @@ def test_kernel_matches_the_reference(kernel_device, dtype, rows, n, k):
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * want.abs().max().item())
 
 
+# (dtype, split_k, block_k) over K = 300: an even cut, a short last split, and more splits asked than K has steps
+SPLITS = kernel_cases(
+    gpu=[(torch.bfloat16, 2, 64), (torch.bfloat16, 3, 64), (torch.bfloat16, 8, 32)],
+    interpreted=[(torch.float32, 2, 64), (torch.float16, 3, 64), (torch.float32, 8, 32)],
+)
+
+
+@pytest.mark.parametrize("dtype, split_k, block_k", SPLITS)
+def test_a_split_k_range_adds_up_to_the_reference(kernel_device, dtype, split_k, block_k):
+    """K cut among programs (their fp32 partial sums added in split order by a second launch, then scaled)."""
+    gen = torch.Generator().manual_seed(split_k)
+    q, scale = quantize_int8(torch.randn(40, 300, generator=gen) * 0.02)
+    x = torch.randn(3, 300, generator=gen).to(dtype)
+    q, scale, x = q.to(kernel_device), scale.to(kernel_device), x.to(kernel_device)
+    plan = int8_linear_triton.Int8LinearPlan(16, 16, block_k, num_warps=4, num_stages=2, split_k=split_k)
+    got = int8_linear_triton.int8_linear_triton(x, q, scale, plan)
+    want = int8_linear_reference(x, q, scale)
+    tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * want.abs().max().item())
+    unsplit = int8_linear_triton.Int8LinearPlan(16, 16, block_k, num_warps=4, num_stages=2)
+    torch.testing.assert_close(got, int8_linear_triton.int8_linear_triton(x, q, scale, unsplit), rtol=tolerance, atol=0)
+
+
+@pytest.mark.parametrize(
+    "rows, out_features, in_features, num_sms, split_k",
+    [
+        (1, 4096, 4096, 132, 3),  # the 8B head's o and vocabulary head: 128 strips, about two programs an SM
+        (10, 6144, 8192, 132, 2),  # q|k|v: 192 strips
+        (10, 28672, 4096, 132, 1),  # gate|up: 896 strips fill the GPU already
+        (16, 4096, 14336, 132, 3),  # down
+        (1, 4096, 4096, 0, 1),  # no GPU: nothing to fill
+        (1, 4096, 300, 132, 1),  # K of one step: nothing to split
+        (1, 32, 8192, 132, 8),  # one strip: split as far as MAX_SPLIT_K
+    ],
+)
+def test_the_default_plan_splits_k_where_the_strips_leave_sms_idle(rows, out_features, in_features, num_sms, split_k):
+    plan = int8_linear_triton.int8_linear_plan(rows, out_features, in_features, num_sms)
+    assert (plan.block_m, plan.block_n, plan.block_k, plan.split_k) == (16, 32, 256, split_k)
+    assert int8_linear_triton.int8_linear_plan(1024, out_features, in_features, num_sms).split_k == 1  # an ingest
+
+
 def test_a_strided_view_is_read_as_its_rows(kernel_device):
     """x as a column slice of a wider buffer (row stride past K), the way a split projection hands it on."""
     gen = torch.Generator().manual_seed(5)

@@ -214,19 +214,30 @@ def tree_rerank_cases() -> list[Case]:
 
 
 def int8_linear_cases() -> list[Case]:
-    """The draft head's int8 matmul at both plans: a depth's few rows and a prompt's ingest."""
-    from diffspec_kernels.int8_linear_triton import int8_linear_plan
+    """The draft head's int8 matmul at its plans: a depth's few rows over a narrow output (its K split, and the
+    partial sums' addition) and a prompt's ingest (one program per tile, the sums written scaled)."""
+    from diffspec_kernels.int8_linear_triton import SUM_BLOCK, int8_linear_plan
 
     cases = []
     for rows in (10, 1024):
-        plan = int8_linear_plan(rows)
+        plan = int8_linear_plan(rows, out_features=4096, in_features=4096, num_sms=TARGETS["gfx942"][4])
+        split = plan.split_k > 1
         cases.append(Case(
             f"int8_linear[rows={rows}]", "diffspec_kernels.int8_linear_triton", "_int8_linear_kernel",
-            {**pointers("x_ptr out_ptr", DTYPE), "q_ptr": "*i8", "scale_ptr": "*fp32",
-             **scalars("M N K x_stride", "i32"), **scalars("BLOCK_M BLOCK_N BLOCK_K IEEE", "constexpr")},
-            {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k, "IEEE": False},
+            {"x_ptr": f"*{DTYPE}", "out_ptr": "*fp32" if split else f"*{DTYPE}", "q_ptr": "*i8", "scale_ptr": "*fp32",
+             **scalars("M N K x_stride k_per_split", "i32"),
+             **scalars("BLOCK_M BLOCK_N BLOCK_K IEEE SPLIT", "constexpr")},
+            {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k, "IEEE": False,
+             "SPLIT": split},
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         ))  # fmt: skip
+    assert cases[0].constexprs["SPLIT"] and not cases[1].constexprs["SPLIT"]  # both paths compiled
+    cases.append(Case(
+        "int8_linear_sum_splits", "diffspec_kernels.int8_linear_triton", "_sum_splits_kernel",
+        {"partial_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": f"*{DTYPE}", **scalars("total N", "i32"),
+         **scalars("SPLITS BLOCK", "constexpr")},
+        {"SPLITS": 4, "BLOCK": SUM_BLOCK},
+    ))  # fmt: skip
     return cases
 
 
