@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from bench.draft_times import head_parser, parse_with_gpu_head, write_rows
 from bench.kernels import copy_bandwidth, median_ms
-from draft_service.serving_weights import ServingLinear, ServingWeights
+from draft_service.serving_weights import AUTO_INT8_MIN_ELEMENTS, INT8_MAX_ROWS, ServingLinear, ServingWeights
 
 ROWS = (1, 10, 64, 160, 1024)
 SWEPT_ROWS = 160  # the sweep's largest row count: 16 sessions' frontiers (an ingest's 1,024 rows are cuBLAS's)
@@ -82,6 +82,26 @@ def measure(name: str, dense: ServingLinear, int8: ServingLinear, rows: int, ban
     return row
 
 
+def depth_totals(rows: list[dict]) -> list[dict]:
+    """Per row count, a depth's five matmuls summed (us): cuBLAS on the head's dtype, int8 everywhere, ``auto``'s
+    mix (int8 for the matrices of ``AUTO_INT8_MIN_ELEMENTS`` weights or more, up to ``INT8_MAX_ROWS`` rows) and,
+    after a sweep, int8 at each matmul's best tiling."""
+    totals = []
+    for count in sorted({r["rows"] for r in rows}):
+        mine = [r for r in rows if r["rows"] == count]
+        in_int8 = [r["out"] * r["in"] >= AUTO_INT8_MIN_ELEMENTS and count <= INT8_MAX_ROWS for r in mine]
+        total = {
+            "rows": count,
+            "dense_us": round(sum(r["dense_us"] for r in mine), 1),
+            "int8_us": round(sum(r["int8_us"] for r in mine), 1),
+            "auto_us": round(sum(r["int8_us"] if int8 else r["dense_us"] for r, int8 in zip(mine, in_int8)), 1),
+        }
+        if all("sweep_best_us" in r for r in mine):
+            total["int8_sweep_best_us"] = round(sum(r["sweep_best_us"] for r in mine), 1)
+        totals.append(total)
+    return totals
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Per row count: % of the copy bandwidth each matmul reaches, cuBLAS against int8."""
     import matplotlib
@@ -119,6 +139,8 @@ def main() -> int:
             row = measure(name, dense[name], int8[name], count, bandwidth, args.sweep)
             print(json.dumps(row), flush=True)
             rows.append(row)
+    for total in depth_totals(rows):
+        print(f"a depth's five matmuls: {json.dumps(total)}")
     write_rows(rows, bandwidth, args.out, plot)
     return 0
 
