@@ -6,8 +6,11 @@ With a final round (``tune_finalists``), the first pass only shortlists: its few
 per candidate rank close candidates by noise. The finalists run again on the same prompts with the
 evaluation's tokens, and the fastest there wins, unless others come within ``FINAL_TIE`` of it: a final round
 of two prompts cannot order those (on the 8B-shaped pair at 16K, two finalists 1.5% apart in the final round
-decoded the evaluation prompts 13% apart, in the other order). Among those tied, the cheapest draft step wins:
-at the same speed it leaves the most of the GPU and the host to other streams."""
+decoded the evaluation prompts 13% apart, in the other order). Among those tied, the one that verifies the fewest
+tree tokens per emitted token wins: at the same speed it leaves the most of the GPU to other streams. (The draft's
+milliseconds a step do not say so: with the proposal queued behind the verify they are the host's wait in
+whichever call first needs the GPU, and one configuration's two arms drafted 2.02 and 2.45 ms a step at equal
+steps in one run.)"""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class CandidateScore:
     decode_tokens_per_s: float  # first pass: tokens after the first over decode seconds, summed over prompts
     final_tau: float | None = None  # final round (finalists only)
     final_decode_tokens_per_s: float | None = None  # final round (finalists only): it chooses among them
-    final_draft_ms_per_step: float | None = None  # final round (finalists only): breaks a tie (``FINAL_TIE``)
+    final_tree_tokens_per_token: float | None = None  # final round (finalists only): breaks a tie (``FINAL_TIE``)
     chosen: bool = False  # evaluated as the tuned arm
 
 
@@ -77,19 +80,27 @@ def finalists(candidates: list[Arm], scores: list[CandidateScore], k: int) -> li
 
 def score_finalists(scores: list[CandidateScore], runs: list[RunRecord]) -> list[CandidateScore]:
     """``scores`` with each finalist's figures over its final-round ``runs`` (every finalist on the same
-    prompts), and a finalist chosen: of those within ``FINAL_TIE`` of the fastest, the one with the cheapest
-    draft step (the first listed wins a tie of that too)."""
+    prompts), and a finalist chosen: of those within ``FINAL_TIE`` of the fastest, the one that verifies the
+    fewest tree tokens per emitted token (the first listed wins a tie of that too)."""
     final = []
     for score in scores:
         mine = [r for r in runs if r.label == score.label]
         final.append(replace(
             score, final_tau=round(tau(mine), 4), final_decode_tokens_per_s=round(decode_tokens_per_second(mine), 3),
-            final_draft_ms_per_step=round(draft_ms_per_step(mine), 3),
+            final_tree_tokens_per_token=round(tree_tokens_per_token(mine), 3),
         ) if mine else score)  # fmt: skip
     fastest = max(s.final_decode_tokens_per_s or 0.0 for s in final)
     tied = [s.final_decode_tokens_per_s is not None and s.final_decode_tokens_per_s >= (1 - FINAL_TIE) * fastest
             for s in final]  # fmt: skip
-    return _choose(final, [-s.final_draft_ms_per_step if tie else -math.inf for s, tie in zip(final, tied)])
+    return _choose(final, [-s.final_tree_tokens_per_token if tie else -math.inf for s, tie in zip(final, tied)])
+
+
+def tree_tokens_per_token(runs: list[RunRecord]) -> float:
+    """Tree tokens the target verified (every proposed node, the root included) per token it emitted (the
+    accepted drafts and the bonus), over the runs' recorded steps."""
+    steps = [step for r in runs for step in r.draft_steps]
+    emitted = sum(step.accepted + 1 for step in steps)
+    return sum(step.tree_tokens for step in steps) / emitted if emitted else 0.0
 
 
 def draft_ms_per_step(runs: list[RunRecord]) -> float:

@@ -81,8 +81,8 @@ def test_the_final_round_runs_the_top_candidates_with_eval_tokens_and_chooses(tm
     assert [c for c, s in scores.items() if s.chosen] == ["64:0.0:8"]  # the first pass's third
     assert tuned.chosen[("d", 64)].label == "diffspec[online 64:0.0:8]"  # the evaluated arm
     table = markdown([], tuned.scores, "# r")
-    assert "| candidate | prompts | tau | decode tok/s | final tau | final decode tok/s | final draft ms per step " \
-           "| chosen |" in table
+    assert ("| candidate | prompts | tau | decode tok/s | final tau | final decode tok/s "
+            "| final tree tokens per token | chosen |") in table
     assert "| d | 64 | diffspec[online 16:0.0:4] | 2 | 2.00 | 70.0 | - | - | - |  |" in table
     assert "| d | 64 | diffspec[online 32:0.0:6] | 2 | 2.00 | 100.0 | 4.00 | 50.0 | 0.00 |  |" in table
     assert "| d | 64 | diffspec[online 64:0.0:8] | 2 | 2.00 | 80.0 | 4.00 | 75.0 | 0.00 | **yes** |" in table
@@ -144,11 +144,11 @@ def test_the_tiny_pair_runs_the_final_round_and_evaluates_its_choice(finals_run)
     fastest = max(s["final_decode_tokens_per_s"] for s in shortlist)
     tied = [s for s in shortlist if s["final_decode_tokens_per_s"] >= (1 - FINAL_TIE) * fastest]
     assert len(chosen) == 1 and chosen[0] in tied
-    assert chosen[0]["final_draft_ms_per_step"] == min(s["final_draft_ms_per_step"] for s in tied)
+    assert chosen[0]["final_tree_tokens_per_token"] == min(s["final_tree_tokens_per_token"] for s in tied)
     assert next(s for s in result["summaries"] if s["arm"] == "diffspec")["label"] == chosen[0]["label"]
     table = (out_dir / "results.md").read_text()
     assert (f"| {chosen[0]['final_tau']:.2f} | {chosen[0]['final_decode_tokens_per_s']:.1f} "
-            f"| {chosen[0]['final_draft_ms_per_step']:.2f} | **yes** |") in table
+            f"| {chosen[0]['final_tree_tokens_per_token']:.2f} | **yes** |") in table
     rows = branch_policy_analysis.policy_rows(result)
     assert [r.cells[1024].chosen for r in rows] == [s["chosen"] for s in scores]
 

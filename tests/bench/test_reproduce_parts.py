@@ -125,13 +125,11 @@ def test_contexts_take_the_texts_of_the_longest_with_same_prompts(same, indices)
 
 
 def _run(
-    label: str, new_tokens: int, decode_seconds: float, steps: int, accepted: int, draft_seconds: float = 0.0
-) -> RunRecord:
-    stats = GenerationStats(
-        new_tokens=new_tokens, decode_seconds=decode_seconds, steps=steps, accepted_drafts=accepted,
-        draft_seconds=draft_seconds,
-    )  # fmt: skip
-    return RunRecord("tune", "d", 64, 0, "diffspec", label, [], stats, 1.0, 0.1, None)
+    label: str, new_tokens: int, decode_seconds: float, steps: int, accepted: int,
+    draft_steps: list[DraftStep] | None = None,
+) -> RunRecord:  # fmt: skip
+    stats = GenerationStats(new_tokens=new_tokens, decode_seconds=decode_seconds, steps=steps, accepted_drafts=accepted)
+    return RunRecord("tune", "d", 64, 0, "diffspec", label, [], stats, 1.0, 0.1, None, draft_steps=draft_steps or [])
 
 
 def test_tuning_chooses_the_fastest_decode_not_the_highest_tau():
@@ -161,21 +159,25 @@ def test_the_final_round_scores_only_finalists_and_chooses_among_them():
 
 
 @pytest.mark.parametrize(
-    ("decode_seconds", "draft_seconds", "chosen"),
+    ("decode_seconds", "tree_tokens", "chosen"),
     [
-        ((2.0, 2.05), (0.10, 0.05), [False, True]),  # 64 and 62.4 tok/s: tied, the cheaper draft step wins
-        ((2.0, 2.10), (0.10, 0.05), [True, False]),  # 64 and 61.0 tok/s: 4.8% apart, the faster wins
-        ((2.05, 2.0), (0.10, 0.05), [False, True]),  # the faster is also the cheaper
-        ((2.0, 2.0), (0.05, 0.05), [True, False]),  # tied in both: the first listed
+        ((2.0, 2.05), (64, 32), [False, True]),  # 64 and 62.4 tok/s: tied, the fewer tree tokens a token wins
+        ((2.0, 2.10), (64, 32), [True, False]),  # 64 and 61.0 tok/s: 4.8% apart, the faster wins
+        ((2.05, 2.0), (64, 32), [False, True]),  # the faster also verifies fewer
+        ((2.0, 2.0), (32, 32), [True, False]),  # tied in both: the first listed
     ],
 )
-def test_finalists_within_the_tie_margin_go_to_the_cheapest_draft_step(decode_seconds, draft_seconds, chosen):
+def test_finalists_within_the_tie_margin_go_to_the_fewest_tree_tokens_a_token(decode_seconds, tree_tokens, chosen):
     grid = tuning_grid(["full"], ["32:0.0:6", "64:0.0:8"])
     first = score_candidates(grid, [_run(arm.label, 33, 1.0, 4, 8) for arm in grid])
-    finals = [_run(arm.label, 129, seconds, 20, 60, draft) for arm, seconds, draft in zip(grid, decode_seconds, draft_seconds)]
+    # 20 steps of 3 accepted drafts each, every tree of ``tokens`` nodes: 4 tokens emitted a step
+    finals = [
+        _run(arm.label, 129, seconds, 20, 60, [DraftStep(3, 6, tokens, [0, 0, 0], 1)] * 20)
+        for arm, seconds, tokens in zip(grid, decode_seconds, tree_tokens)
+    ]
     final = score_finalists(first, finals)
     assert [s.chosen for s in final] == chosen
-    assert [s.final_draft_ms_per_step for s in final] == [1000 * d / 20 for d in draft_seconds]
+    assert [s.final_tree_tokens_per_token for s in final] == [tokens / 4 for tokens in tree_tokens]
     assert FINAL_TIE == 0.03
 
 
