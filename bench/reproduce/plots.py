@@ -14,6 +14,12 @@ PANELS = (
 )
 
 
+def context_points(summaries: list[ArmSummary], key: str) -> list[tuple[int, float]]:
+    """(context, the summary's ``key``) of each summary that has it, by context: a run's contexts come in the
+    order asked for, and the line joins its points in the order given."""
+    return sorted((s.context, getattr(s, key)) for s in summaries if getattr(s, key) is not None)
+
+
 def plot_summaries(summaries: list[ArmSummary], out_dir: Path, prefix: str = "") -> list[Path]:
     """One PNG per dataset, ``<prefix><dataset>.png``; returns their paths."""
     import matplotlib
@@ -27,7 +33,7 @@ def plot_summaries(summaries: list[ArmSummary], out_dir: Path, prefix: str = "")
         for arm in dict.fromkeys(s.arm for s in summaries):
             mine = [s for s in summaries if s.dataset == dataset and s.arm == arm]
             for ax, (key, _) in zip(axes, PANELS):
-                points = [(s.context, getattr(s, key)) for s in mine if getattr(s, key) is not None]
+                points = context_points(mine, key)
                 ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=arm)
         for ax, (_, title) in zip(axes, PANELS):
             ax.set_xscale("log", base=2)

@@ -1,4 +1,5 @@
-"""The report's tau against the shortest context: only arms that ran the same prompts at every context."""
+"""The report's tau against the shortest context: only arms that ran the same prompts at every context; the
+plots' points in context order."""
 
 from dataclasses import replace
 
@@ -43,3 +44,11 @@ def test_the_report_shows_the_ratios_under_the_dataset_s_table():
     table = markdown([_at(4096, "eagle3", 5.0), _at(16384, "eagle3", 4.5)], [], "# r")
     assert "### d: tau against the shortest context, on the same prompts" in table
     assert "| eagle3 | 5.00 | 4.50 | 0.90 |" in table
+
+
+def test_a_plot_s_points_go_by_context_whatever_order_the_run_asked_for():
+    from bench.reproduce.plots import context_points
+
+    summaries = [_at(16384, "diffspec", 5.0), _at(4096, "diffspec", 5.1), _at(65536, "diffspec", 4.2)]
+    assert context_points(summaries, "tau") == [(4096, 5.1), (16384, 5.0), (65536, 4.2)]
+    assert context_points([replace(BASE, peak_memory_gib=None)], "peak_memory_gib") == []  # no value, no point
