@@ -56,12 +56,12 @@ def plan_variants(rows: int) -> list:
 
 def measure(name: str, dense: ServingLinear, int8: ServingLinear, rows: int, bandwidth: float, sweep: bool) -> dict:
     from diffspec_kernels.int8_linear_triton import int8_linear_plan, int8_linear_triton
+    from diffspec_kernels.split_plan import sm_count
 
     out_features, in_features = dense.weight.shape
     x = torch.randn(rows, in_features, device=dense.weight.device, dtype=dense.weight.dtype)
     want = F.linear(x.float(), int8.weight.float()) * int8.scale
     got = int8_linear_triton(x, int8.weight, int8.scale)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count  # the default plan's K split reads it
     error = float((got.float() - want).abs().max() / want.abs().max())
     dense_ms = median_ms(lambda: F.linear(x, dense.weight))
     int8_ms = median_ms(lambda: int8_linear_triton(x, int8.weight, int8.scale))
@@ -72,7 +72,7 @@ def measure(name: str, dense: ServingLinear, int8: ServingLinear, rows: int, ban
         "dense_pct_copy_bandwidth": round(100 * dense.nbytes / (dense_ms * 1e-3) / bandwidth, 1),
         "int8_pct_copy_bandwidth": round(100 * int8.nbytes / (int8_ms * 1e-3) / bandwidth, 1),
         "int8_relative_error": round(error, 6),
-        "plan": vars(int8_linear_plan(rows, out_features, in_features, sms)),
+        "plan": vars(int8_linear_plan(rows, out_features, in_features, sm_count(x.device))),
     }  # fmt: skip
     if sweep and rows <= SWEPT_ROWS:
         timed = [(median_ms(lambda p=p: int8_linear_triton(x, int8.weight, int8.scale, p), rep_ms=20), p)

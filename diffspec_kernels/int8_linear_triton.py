@@ -15,12 +15,13 @@ them in split order (the same sums on every run) and applies the scale.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+from diffspec_kernels.split_plan import sm_count
 
 MAX_SPLIT_K = 8  # partial sums a strip's K range is cut into at most
 SUM_BLOCK = 1024  # outputs per program of the partial sums' addition
@@ -40,7 +41,7 @@ def int8_linear_plan(rows: int, out_features: int, in_features: int, num_sms: in
     """Few rows (a draft depth: 1-64): narrow strips of N, so even a 4,096-wide output makes 128 programs, and
     long K steps, the K range split where the strips alone would not put two programs on each of ``num_sms``
     SMs (each split at least two K steps); many rows (a prompt's ingest): square-ish tiles that reuse each
-    loaded strip more. ``num_sms`` 0 (no GPU) splits nothing."""
+    loaded strip more. ``num_sms`` 0 splits nothing."""
     if rows > 64:
         return Int8LinearPlan(64, 64, 64, num_warps=4, num_stages=3)
     tile = Int8LinearPlan(max(16, triton.next_power_of_2(rows)), 32, 256, num_warps=4, num_stages=4)
@@ -122,7 +123,7 @@ def int8_linear_triton(
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        plan = plan or int8_linear_plan(m, n, k, _num_sms(x.device))
+        plan = plan or int8_linear_plan(m, n, k, sm_count(x.device))
         k_per_split = triton.cdiv(triton.cdiv(k, plan.split_k), plan.block_k) * plan.block_k
         splits = triton.cdiv(k, k_per_split)
         sums = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
@@ -137,9 +138,3 @@ def int8_linear_triton(
                 sums, scale, out, m * n, n, SPLITS=splits, BLOCK=SUM_BLOCK
             )  # fmt: skip
     return out.view(*x.shape[:-1], n)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; 0 off a GPU (the interpreter gains nothing from a split)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0

@@ -51,4 +51,4 @@ def test_a_plot_s_points_go_by_context_whatever_order_the_run_asked_for():
 
     summaries = [_at(16384, "diffspec", 5.0), _at(4096, "diffspec", 5.1), _at(65536, "diffspec", 4.2)]
     assert context_points(summaries, "tau") == [(4096, 5.1), (16384, 5.0), (65536, 4.2)]
-    assert context_points([replace(BASE, peak_memory_gib=None)], "peak_memory_gib") == []  # no value, no point
+    assert context_points([BASE], "peak_memory_gib") == []  # no value (BASE has none), no point

@@ -65,7 +65,7 @@ def test_a_split_k_range_adds_up_to_the_reference(kernel_device, dtype, split_k,
         (10, 6144, 8192, 132, 2),  # q|k|v: 192 strips
         (10, 28672, 4096, 132, 1),  # gate|up: 896 strips fill the GPU already
         (16, 4096, 14336, 132, 3),  # down
-        (1, 4096, 4096, 0, 1),  # no GPU: nothing to fill
+        (1, 4096, 4096, 0, 1),  # no SMs to fill: nothing split
         (1, 4096, 300, 132, 1),  # K of one step: nothing to split
         (1, 32, 8192, 132, 8),  # one strip: split as far as MAX_SPLIT_K
     ],
