@@ -112,11 +112,13 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--configs", nargs="+", default=["auto", "eagle3", "eagle3+salience", "diffspec"], choices=list(ARMS))
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash-attn"])
-    parser.add_argument("--working-set-tokens", type=int, default=2048)
+    # the settings' flags default to None: a DIFFSPEC_* variable then sets them, as it sets every other setting
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flash-attn"],
+                        help="(DIFFSPEC_ATTENTION_BACKEND)")
+    parser.add_argument("--working-set-tokens", type=int, help="(DIFFSPEC_WORKING_SET_TOKENS)")
     parser.add_argument("--tree-config", default=BASELINE_TREE_CONFIG, type=tree_config_arg,
                         help="the tree budget total_tokens:threshold:depth every speculative configuration drafts within")
-    parser.add_argument("--draft-quantization", default="none", choices=get_args(DraftQuantization),
+    parser.add_argument("--draft-quantization", choices=get_args(DraftQuantization),
                         help="the draft head's per-depth matmuls (DIFFSPEC_DRAFT_QUANTIZATION)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample above 0 (seeded per prompt; outputs not compared), greedy at 0")
@@ -127,13 +129,13 @@ def main() -> int:
     if args.temperature < 0:
         parser.error("--temperature must be at least 0")
 
+    flags = {"attention_backend": args.attention_backend, "working_set_tokens": args.working_set_tokens,
+             "draft_quantization": args.draft_quantization}  # fmt: skip
     settings = DiffSpecSettings(
         base_model=args.base_model,
         draft_model=args.draft_model,
         num_pages=(max(args.lengths) + 4 * args.max_new_tokens) // 16 * 2 + 64,
-        attention_backend=args.attention_backend,
-        working_set_tokens=args.working_set_tokens,
-        draft_quantization=args.draft_quantization,
+        **{name: value for name, value in flags.items() if value is not None},
     )
     tokenizer = load_tokenizer(settings)
     dataset = load_datasets([args.data], lambda text: tokenizer(text)["input_ids"])[0]

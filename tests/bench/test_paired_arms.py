@@ -81,6 +81,7 @@ def test_the_results_hold_every_setting_the_environment_gave(monkeypatch, tmp_pa
     """A setting from a DIFFSPEC_* variable shapes the run but not its command line: the results record it."""
     out = tmp_path / "paired.json"
     monkeypatch.setenv("DIFFSPEC_SALIENCE_COMPACT_POSITIONS", "1")
+    monkeypatch.setenv("DIFFSPEC_DRAFT_QUANTIZATION", "auto")  # a setting that has a flag too, not given
     monkeypatch.setattr("sys.argv", [
         "bench.paired", "--base-model", str(BUNDLED_TARGET), "--draft-model", str(BUNDLED_DRAFT), "--data",
         str(code_prompts), "--lengths", "512", "--prompts", "1", "--max-new-tokens", "4",
@@ -88,5 +89,6 @@ def test_the_results_hold_every_setting_the_environment_gave(monkeypatch, tmp_pa
     assert main() == 0
     result = json.loads(out.read_text())
     assert result["settings"]["salience_compact_positions"] is True
+    assert result["settings"]["draft_quantization"] == "auto"
     assert result["settings"]["working_set_tokens"] == 512  # and the flags' own
     assert [s["arm"] for s in result["summaries"]] == ["auto", "eagle3+salience"]
