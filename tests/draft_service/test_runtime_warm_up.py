@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from draft_service.runtime import DraftRuntime
-from draft_service.tree_plan import SharedMeasurements, TreePlanner
+from draft_service.tree_budget import TreeBudget
+from draft_service.tree_plan import Candidate, SharedMeasurements, TreePlanner
 from draft_service.tree_proposal import full_widths
 from tests.draft_service.test_drafter import load_head
 
@@ -14,8 +15,10 @@ def test_warm_up_proposes_each_starting_tree_once_and_keeps_no_session():
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
     planner = TreePlanner.start(runtime.candidate_grid[0], SharedMeasurements(), runtime.candidate_grid)
     starting = [*planner.dynamic, *planner.probes, planner.shaped]
-    assert set(planner.probes) == set(planner.dynamic)  # with the default grid, the probes are its trees
-    assert runtime.warm_up() == 2 * len(set(starting)) == 12  # over the whole context and with the working set
+    # a probe is as deep as every smaller candidate: past 32:0.0:10 the grid's trees are probed 10 deep
+    deepened = {Candidate.dynamic(TreeBudget.parse(config)) for config in ("48:0.0:10", "64:0.0:10")}
+    assert set(planner.probes) - set(planner.dynamic) == deepened
+    assert runtime.warm_up() == 2 * len(set(starting)) == 18  # over the whole context and with the working set
     assert runtime.sessions == {}
     met = runtime.drafter.proposer.shapes_met  # what a GPU compiled kernels (and recorded graphs) for
     assert len(met) <= 2 * len(set(starting))  # trees of one depth and node bucket share a shape
