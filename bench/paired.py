@@ -5,9 +5,11 @@ divergences to tell near-ties from bugs): for every context length every prompt 
 length (keeping its end) and generated with each configuration in turn on one engine, Auto first.
 Reported per configuration and length: tau, decode-only and end-to-end tokens/s and their ratios to
 Auto's, the draft / verify / host split of a step, the working set, and whether greedy outputs equal
-Auto's (a divergence here is only counted; ``bench.reproduce`` judges it). With ``--temperature`` above 0
-every configuration samples, each prompt with its own seed, and is compared with Auto's sampled output too:
-the token at each index takes that index's uniform whatever the trees (``diffspec/acceptance.py``).
+Auto's (a divergence here is only counted; ``bench.reproduce`` judges it); the JSON also keeps each
+run's trees (tokens, depth, where the accepted path stopped), which say what ``online`` chose. With
+``--temperature`` above 0 every configuration samples, each prompt with its own seed, and is compared with
+Auto's sampled output too: the token at each index takes that index's uniform whatever the trees
+(``diffspec/acceptance.py``).
 
     python -m bench.paired --base-model ../shared/models/bench-code --draft-model HEAD \
         --data ../shared/data/longctx_eval.jsonl --lengths 4096 16384 32768 65536 --out bench/results/x.json
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import get_args
 
 from bench.reproduce.arms import BASELINE_TREE_CONFIG, DIFFSPEC, Arm, baseline_arms, diffspec_arm
+from bench.reproduce.draft_steps import build_recording_engine, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult, first_divergence
 from bench.reproduce.output import device_name
 from bench.reproduce.plots import plot_summaries
@@ -35,7 +38,7 @@ from diffspec.errors import InvalidRequest
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings, DraftQuantization
 from draft_service.tree_budget import TreeBudget
-from gateway.assembly import build_engine, load_tokenizer
+from gateway.assembly import load_tokenizer
 
 
 def arms_at(tree_config: str) -> dict[str, Arm]:
@@ -88,6 +91,7 @@ async def run_all(
         # than the evaluated ones where there is one, so Auto's timed prefill finds no cached pages)
         warm = prompts_at(dataset, length, chosen[-1][0] + 1, 1, long_enough_for) or chosen
         await warm_up_generations(engine, warm[0][1], [a.draft for a in arms], 32)
+        take_draft_steps(engine)  # the warm-up's trees belong to no run
         for index, ids in chosen:
             for arm in arms:
                 run = await generate_run(engine, ids, arm, n, sampling_for(temperature, index))
@@ -139,7 +143,7 @@ def main() -> int:
     )
     tokenizer = load_tokenizer(settings)
     dataset = load_datasets([args.data], lambda text: tokenizer(text)["input_ids"])[0]
-    engine = build_engine(settings)
+    engine = build_recording_engine(settings)  # each run keeps its trees (sizes, depths, stops) in the results
     print(f"recorded {warm_up_target(engine)} step graphs", flush=True)
     named = arms_at(args.tree_config)
     arms = [named["auto"]] + [named[c] for c in args.configs if c != "auto"]  # Auto first: cold prefill

@@ -84,7 +84,7 @@ def test_the_results_hold_every_setting_the_environment_gave(monkeypatch, tmp_pa
     monkeypatch.setenv("DIFFSPEC_DRAFT_QUANTIZATION", "auto")  # a setting that has a flag too, not given
     monkeypatch.setattr("sys.argv", [
         "bench.paired", "--base-model", str(BUNDLED_TARGET), "--draft-model", str(BUNDLED_DRAFT), "--data",
-        str(code_prompts), "--lengths", "512", "--prompts", "1", "--max-new-tokens", "4",
+        str(code_prompts), "--lengths", "512", "--prompts", "1", "--max-new-tokens", "16",
         "--configs", "auto", "eagle3+salience", "--working-set-tokens", "512", "--out", str(out)])  # fmt: skip
     assert main() == 0
     result = json.loads(out.read_text())
@@ -92,3 +92,8 @@ def test_the_results_hold_every_setting_the_environment_gave(monkeypatch, tmp_pa
     assert result["settings"]["draft_quantization"] == "auto"
     assert result["settings"]["working_set_tokens"] == 512  # and the flags' own
     assert [s["arm"] for s in result["summaries"]] == ["auto", "eagle3+salience"]
+    auto, speculative = result["runs"]
+    # each speculative step's tree is recorded, the warm-up's none: [accepted, depth, tokens, ranks, stop width]
+    # (all but the last: a request's last step reaches the draft as its release, with no accept to pair it with)
+    assert auto["draft_steps"] == [] and len(speculative["draft_steps"]) == speculative["stats"]["steps"] - 1
+    assert {tokens for _, _, tokens, _, _ in speculative["draft_steps"]} <= set(range(2, 65))
