@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from bench.draft_times import head_parser, parse_with_gpu_head, write_rows
 from bench.kernels import copy_bandwidth, median_ms
-from draft_service.serving_weights import AUTO_INT8_MIN_ELEMENTS, INT8_MAX_ROWS, ServingLinear, ServingWeights
+from draft_service.serving_weights import ServingLinear, ServingWeights, auto_multiplies_in_int8
 
 ROWS = (1, 10, 64, 160, 1024)
 SWEPT_ROWS = 160  # the sweep's largest row count: 16 sessions' frontiers (an ingest's 1,024 rows are cuBLAS's)
@@ -84,12 +84,12 @@ def measure(name: str, dense: ServingLinear, int8: ServingLinear, rows: int, ban
 
 def depth_totals(rows: list[dict]) -> list[dict]:
     """Per row count, a depth's five matmuls summed (us): cuBLAS on the head's dtype, int8 everywhere, ``auto``'s
-    mix (int8 for the matrices of ``AUTO_INT8_MIN_ELEMENTS`` weights or more, up to ``INT8_MAX_ROWS`` rows) and,
+    mix (``auto_multiplies_in_int8``: int8 for the large matrices at few rows) and,
     after a sweep, int8 at each matmul's best tiling."""
     totals = []
     for count in sorted({r["rows"] for r in rows}):
         mine = [r for r in rows if r["rows"] == count]
-        in_int8 = [r["out"] * r["in"] >= AUTO_INT8_MIN_ELEMENTS and count <= INT8_MAX_ROWS for r in mine]
+        in_int8 = [auto_multiplies_in_int8(r["out"] * r["in"], count) for r in mine]
         total = {
             "rows": count,
             "dense_us": round(sum(r["dense_us"] for r in mine), 1),

@@ -36,6 +36,12 @@ AUTO_INT8_MIN_ELEMENTS = 32 * 1024 * 1024  # under it (the 4,096 x 4,096 matrice
 INT8_MAX_ROWS = 16  # past it, cuBLAS on the dtype was faster for every matrix
 
 
+def auto_multiplies_in_int8(weight_elements: int, rows: int) -> bool:
+    """``auto``'s rule for one multiplication: int8 for a matrix of ``AUTO_INT8_MIN_ELEMENTS`` weights or more, up
+    to ``INT8_MAX_ROWS`` rows; the head's dtype otherwise."""
+    return weight_elements >= AUTO_INT8_MIN_ELEMENTS and rows <= INT8_MAX_ROWS
+
+
 @dataclass(frozen=True)
 class ServingLinear:
     """One matmul's weight: in the head's dtype (``scale`` None), or int8 with a per-output-channel scale, and then
@@ -57,7 +63,7 @@ class ServingLinear:
         """x [..., in] -> [..., out] in x's dtype."""
         if self.scale is None:
             return F.linear(x, self.weight)
-        if self.dense is not None and x.numel() > INT8_MAX_ROWS * x.shape[-1]:
+        if self.dense is not None and not auto_multiplies_in_int8(self.weight.numel(), x.numel() // x.shape[-1]):
             return F.linear(x, self.dense)
         if triton_kernels_on(x.device):
             from diffspec_kernels.int8_linear_triton import int8_linear_triton
