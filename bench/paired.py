@@ -33,7 +33,7 @@ from bench.reproduce.plots import plot_summaries
 from bench.reproduce.prompts import Dataset, load_datasets, prompts_at
 from bench.reproduce.report import markdown, summarise, to_dicts
 from bench.reproduce.runs import Engine, RunRecord, generate_run
-from bench.warmup import warm_up_generations, warm_up_target
+from bench.warmup import warm_up_draft, warm_up_generations, warm_up_target
 from diffspec.errors import InvalidRequest
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings, DraftQuantization
@@ -144,7 +144,9 @@ def main() -> int:
     tokenizer = load_tokenizer(settings)
     dataset = load_datasets([args.data], lambda text: tokenizer(text)["input_ids"])[0]
     engine = build_recording_engine(settings)  # each run keeps its trees (sizes, depths, stops) in the results
-    print(f"recorded {warm_up_target(engine)} step graphs", flush=True)
+    # as a server warms before traffic: step graphs, the trees an online session starts from, the verify costs
+    # seeded into the draft's cost model; else the first online request compiles and measures in a timed run
+    print(f"recorded {warm_up_target(engine)} step graphs, proposed {warm_up_draft(engine)} warm-up trees", flush=True)
     named = arms_at(args.tree_config)
     arms = [named["auto"]] + [named[c] for c in args.configs if c != "auto"]  # Auto first: cold prefill
     runs = asyncio.run(

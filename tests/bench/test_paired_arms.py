@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -77,8 +78,9 @@ def test_a_negative_temperature_is_refused_before_anything_loads(monkeypatch, ca
     assert exited.value.code == 2 and "--temperature must be at least 0" in capsys.readouterr().err
 
 
-def test_the_results_hold_every_setting_the_environment_gave(monkeypatch, tmp_path, code_prompts) -> None:
-    """A setting from a DIFFSPEC_* variable shapes the run but not its command line: the results record it."""
+def test_the_results_hold_every_setting_the_environment_gave(monkeypatch, tmp_path, code_prompts, capsys) -> None:
+    """A setting from a DIFFSPEC_* variable shapes the run but not its command line: the results record it. The
+    draft is warmed as a server warms it (the trees an online session starts from) before any timed run."""
     out = tmp_path / "paired.json"
     monkeypatch.setenv("DIFFSPEC_SALIENCE_COMPACT_POSITIONS", "1")
     monkeypatch.setenv("DIFFSPEC_DRAFT_QUANTIZATION", "auto")  # a setting that has a flag too, not given
@@ -87,6 +89,8 @@ def test_the_results_hold_every_setting_the_environment_gave(monkeypatch, tmp_pa
         str(code_prompts), "--lengths", "512", "--prompts", "1", "--max-new-tokens", "16",
         "--configs", "auto", "eagle3+salience", "--working-set-tokens", "512", "--out", str(out)])  # fmt: skip
     assert main() == 0
+    warmed = re.search(r"proposed (\d+) warm-up trees", capsys.readouterr().out)
+    assert warmed is not None and int(warmed.group(1)) > 0
     result = json.loads(out.read_text())
     assert result["settings"]["salience_compact_positions"] is True
     assert result["settings"]["draft_quantization"] == "auto"
