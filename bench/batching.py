@@ -32,11 +32,10 @@ from pathlib import Path
 
 import torch
 
+from bench.bound_audits import audit_lines, audits_since, engine_bound_audit
 from bench.warmup import triton_kernels_compiled, warm_up_draft, warm_up_target
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
-from draft_service.batch_plan import StepSeconds
-from draft_service.bound_audit import BoundAudit, BoundReport
 from draft_service.options import DraftOptions
 from draft_service.runtime import DraftRuntime
 from draft_service.tree_plan import CANDIDATE_GRID
@@ -97,7 +96,7 @@ def measure(
     engine: SpeculativeEngine, mode: str, streams: list[list[list[int]]], max_new_tokens: int,
     sampling: SamplingParams = SamplingParams(),
 ) -> dict:  # fmt: skip
-    timing, audit = engine.core.timing, _bound_audit(engine)
+    timing, audit = engine.core.timing, engine_bound_audit(engine)
     _settle(engine)  # the last run's releases: an iteration in flight would add to the reset timing
     timing.reset()
     recorded_before, audit_before, compiled_before = _draft_graphs(engine), audit.snapshot(), triton_kernels_compiled()
@@ -106,14 +105,14 @@ def measure(
     steps = sum(stats.steps for stats in requests)
     decode_seconds = sum(stats.decode_seconds for stats in requests)
     _settle(engine)  # this run's last verify: the audit measures it
-    bounds = {f"{b.tokens}:{b.depth}": report for b, report in audit.reports(since=audit_before).items()}
+    bounds = audits_since(audit, audit_before)
     return {
         "draft_graphs_recorded_in_run": _draft_graphs(engine) - recorded_before,
         "triton_compiles_in_run": triton_kernels_compiled() - compiled_before,
         # the online batch bounds proposed within, "tokens:depth" -> proposals, commonest first
-        "online_bounds": {key: report.proposals for key, report in bounds.items()},
+        "online_bounds": {key: report["proposals"] for key, report in bounds.items()},
         # per bound: what the batch planner predicted against what its steps delivered
-        "online_bound_audit": {key: _audit_json(report) for key, report in bounds.items()},
+        "online_bound_audit": bounds,
         # what the planners price a proposal of each depth at for this many sessions, and the points it is fitted to
         "draft_cost_ms": _draft_cost_ms(engine, len(streams)),
         "mode": mode,
@@ -146,11 +145,6 @@ def _settle(engine: SpeculativeEngine) -> None:
         time.sleep(0.001)
 
 
-def _bound_audit(engine: SpeculativeEngine) -> BoundAudit:
-    """The in-process draft's audit of its online batch bounds (an empty one without an in-process draft)."""
-    return engine.draft.bound_audit if isinstance(engine.draft, DraftRuntime) else BoundAudit()
-
-
 def _draft_cost_ms(engine: SpeculativeEngine, batch: int) -> dict[str, dict[int, float]]:
     """The in-process draft's proposal cost model at ``batch`` sessions: its prices by depth, and the running
     averages by depth measured at each batch bucket (bucket = the batch's bit length); empty without one."""
@@ -163,44 +157,6 @@ def _draft_cost_ms(engine: SpeculativeEngine, batch: int) -> dict[str, dict[int,
         for bucket, points in sorted(cost.draft_seconds_by_batch.items())
     }
     return {"priced": priced, **measured}
-
-
-def _audit_json(report: BoundReport) -> dict:
-    """One bound's audit for the JSON: tokens per step per session, tokens/s of the batch, seconds in ms."""
-
-    def ms(seconds: StepSeconds) -> dict[str, float]:
-        parts = {"step": seconds.total, "overhead": seconds.overhead, "draft": seconds.draft, "verify": seconds.verify}
-        return {part: round(1000 * value, 3) for part, value in parts.items()}
-
-    realised, runner_up = report.realised_tokens_per_step, report.runner_up_tokens_per_second
-    return {
-        "proposals": report.proposals,
-        "choices": report.choices,
-        "batch": round(report.batch, 2),
-        "context_tokens": round(report.context_tokens),
-        "predicted_tokens_per_step": round(report.predicted_tokens_per_step, 3),
-        "realised_tokens_per_step": round(realised, 3) if realised is not None else None,
-        "predicted_tokens_per_s": round(report.predicted_tokens_per_second, 1),
-        "runner_up_tokens_per_s": round(runner_up, 1) if runner_up is not None else None,
-        "predicted_ms": ms(report.predicted_seconds),
-        "measured_ms": ms(report.measured_seconds) if report.measured_seconds is not None else None,
-        "measured_steps": report.measured_steps,
-    }
-
-
-def _audit_lines(row: dict) -> list[str]:
-    """A line per bound of a row's ``online_bound_audit``: each prediction beside what was realised or measured."""
-    lines = []
-    for key, audit in row["online_bound_audit"].items():
-        predicted, measured = audit["predicted_ms"], audit["measured_ms"] or {"step": None, "verify": None}
-        lines.append(
-            f"  {row['mode']} x{row['streams']} bound {key}: {audit['proposals']} proposals, {audit['choices']}"
-            f" choices; predicted / realised tokens per step {audit['predicted_tokens_per_step']} / "
-            f"{audit['realised_tokens_per_step']}, step ms {predicted['step']} / {measured['step']}, verify ms "
-            f"{predicted['verify']} / {measured['verify']}; predicted tokens/s {audit['predicted_tokens_per_s']}, "
-            f"runner-up {audit['runner_up_tokens_per_s']}"
-        )
-    return lines
 
 
 def _draft_graphs(engine: SpeculativeEngine) -> int:
@@ -277,7 +233,8 @@ def main() -> int:
             # untimed first: every draft graph shape this run meets is recorded, and the planner has its costs
             measure(engine, mode, prompts(streams), args.max_new_tokens, sampling)
             rows.append(measure(engine, mode, prompts(streams), args.max_new_tokens, sampling))
-            print(json.dumps(rows[-1]), *_audit_lines(rows[-1]), sep="\n", flush=True)
+            label = f"{rows[-1]['mode']} x{rows[-1]['streams']}"
+            print(json.dumps(rows[-1]), *audit_lines(label, rows[-1]["online_bound_audit"]), sep="\n", flush=True)
     for row in rows:
         single = next(r for r in rows if r["mode"] == row["mode"] and r["streams"] == min(args.streams))
         auto = next((r for r in rows if r["mode"] == "auto" and r["streams"] == row["streams"]), None)

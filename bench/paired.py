@@ -6,7 +6,8 @@ length (keeping its end) and generated with each configuration in turn on one en
 Reported per configuration and length: tau, decode-only and end-to-end tokens/s and their ratios to
 Auto's, the draft / verify / host split of a step, the working set, and whether greedy outputs equal
 Auto's (a divergence here is only counted; ``bench.reproduce`` judges it); the JSON also keeps each
-run's trees (tokens, depth, where the accepted path stopped), which say what ``online`` chose. With
+run's trees (tokens, depth, where the accepted path stopped), which say what ``online`` chose, and per
+``online`` bound what the batch planner predicted against what the run's steps delivered (printed too). With
 ``--temperature`` above 0 every configuration samples, each prompt with its own seed, and is compared with
 Auto's sampled output too: the token at each index takes that index's uniform whatever the trees
 (``diffspec/acceptance.py``).
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 from typing import get_args
 
+from bench.bound_audits import audit_lines
 from bench.reproduce.arms import BASELINE_TREE_CONFIG, DIFFSPEC, Arm, baseline_arms, diffspec_arm
 from bench.reproduce.draft_steps import build_recording_engine, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult, first_divergence
@@ -99,7 +101,7 @@ async def run_all(
                 runs.append(run)
                 print(f"[{len(runs)}/{total}] ctx={length} prompt={index} {arm.label}: "
                       f"tau={run.stats.mean_accepted_length:.2f} decode={run.stats.decode_tokens_per_second:.1f} tok/s",
-                      flush=True)
+                      *audit_lines(arm.label, run.online_bound_audit), sep="\n", flush=True)
     auto = {(r.context, r.prompt): r for r in runs if r.arm == "auto"}
     for run in runs:
         if run.arm != "auto" and (run.context, run.prompt) in auto:

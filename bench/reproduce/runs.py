@@ -8,6 +8,7 @@ from typing import AsyncIterator, Protocol
 
 import torch
 
+from bench.bound_audits import audits_since, engine_bound_audit
 from bench.reproduce.arms import Arm
 from bench.reproduce.draft_steps import DraftStep, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult
@@ -44,6 +45,9 @@ class RunRecord:
     draft_steps: list[DraftStep] = field(default_factory=list)  # [steps] per verification, with a recording engine
     kernels_compiled: int = 0  # Triton kernels compiled during the run: each costs its timing hundreds of ms
     compiled_kernels: list[str] = field(default_factory=list)  # their ``@triton.jit`` functions, one name per compile
+    # "tokens:depth" -> what the batch planner predicted for each online bound and what the run's steps within it
+    # delivered (``bench.bound_audits``); empty for fixed policies, Auto, or a draft in another process
+    online_bound_audit: dict[str, dict] = field(default_factory=dict)
 
     @property
     def end_to_end_tokens_per_second(self) -> float:
@@ -60,6 +64,7 @@ class RunRecord:
             "draft_steps": [step.to_list() for step in self.draft_steps],
             "kernels_compiled": self.kernels_compiled,
             "compiled_kernels": self.compiled_kernels,
+            "online_bound_audit": self.online_bound_audit,
         }
 
 
@@ -70,7 +75,8 @@ async def generate_run(
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    compiled_before = triton_compiles()
+    compiled_before, audit = triton_compiles(), engine_bound_audit(engine)
+    audit_before = audit.snapshot()
     tokens: list[int] = []
     stats: GenerationStats | None = None
     started = time.perf_counter()
@@ -92,4 +98,5 @@ async def generate_run(
         draft_steps=take_draft_steps(engine),
         kernels_compiled=len(compiled),
         compiled_kernels=compiled,
+        online_bound_audit=audits_since(audit, audit_before),
     )

@@ -7,7 +7,8 @@ from typing import Iterator
 
 import pytest
 
-from bench.batching import _audit_lines, measure
+from bench.batching import measure
+from bench.bound_audits import audit_lines
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from gateway.assembly import build_engine
@@ -43,7 +44,7 @@ def test_an_online_row_audits_each_bound_it_proposed_within(engine):
         for ms in filter(None, [bound["predicted_ms"], bound["measured_ms"]]):  # each part rounded to 1 us
             assert ms["step"] == pytest.approx(ms["overhead"] + ms["draft"] + ms["verify"], abs=2e-3)
     assert any(bound["realised_tokens_per_step"] for bound in audit.values())
-    lines = _audit_lines(row)
+    lines = audit_lines("diffspec x2", audit)
     assert len(lines) == len(audit)
     assert all(line.startswith(f"  diffspec x2 bound {key}: ") for line, key in zip(lines, audit))
     assert row["tokens"] == 2 * NEW_TOKENS and 1.0 <= row["tau"] <= 9.0  # a speculative step emits 1 to depth + 1
@@ -59,7 +60,7 @@ def test_an_auto_row_has_no_bounds(engine):
     assert row["online_bounds"] == row["online_bound_audit"] == {}
     assert row["tau"] == 1.0  # one token a target step
     assert row["tokens"] == NEW_TOKENS and row["decode_tokens_per_s_per_stream"] > 0
-    assert _audit_lines(row) == []
+    assert audit_lines("auto x1", row["online_bound_audit"]) == []
 
 
 def test_a_sampled_row_runs_every_stream_through_the_sampled_step(engine):

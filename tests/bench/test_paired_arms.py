@@ -56,6 +56,32 @@ def test_runs_above_temperature_zero_sample_auto_s_tokens() -> None:
     assert any(r.token_ids != g.token_ids for r, g in zip(sampled, greedy))  # they did sample
 
 
+def test_each_online_run_audits_the_bounds_it_proposed_within(capsys) -> None:
+    """An ``online`` run records, per batch bound, the planner's prediction beside what the run's own steps
+    delivered, and prints it; a fixed policy proposes within no online bound."""
+    settings = DiffSpecSettings(num_pages=256)
+    tokenizer, engine = load_tokenizer(settings), build_engine(settings)
+    text = "def parse(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument('--name')\n" * 8
+    arms = [arms_at("32:0.0:6")[name] for name in ("eagle3", "diffspec")]
+    try:
+        runs = asyncio.run(run_all(engine, Dataset("code", [tokenizer(text)["input_ids"]]), [96], 1, arms, 24))
+    finally:
+        engine.close()
+    full, online = runs
+    assert full.online_bound_audit == {}
+    audit = online.online_bound_audit
+    proposals = sum(bound["proposals"] for bound in audit.values())
+    assert proposals >= online.stats.steps - 1  # every proposal of the run (its first may come from the warm-up's)
+    assert sum(bound["realised_tokens_per_step"] is not None for bound in audit.values()) >= 1
+    for key, bound in audit.items():
+        tokens, depth = map(int, key.split(":"))
+        realised = bound["realised_tokens_per_step"]
+        assert tokens <= 96 and depth <= 10  # the candidate grid's largest
+        assert realised is None or 1 <= realised <= depth + 1
+    printed = capsys.readouterr().out
+    assert all(f"  {online.label} bound {key}: " in printed for key in audit)
+
+
 @pytest.mark.parametrize(("same", "indices"), [(False, [(32, 0), (96, 1)]), (True, [(32, 1), (96, 1)])])
 def test_same_prompts_cut_the_texts_of_the_longest_length_to_every_length(same, indices) -> None:
     settings = DiffSpecSettings(num_pages=64)

@@ -1,0 +1,63 @@
+"""A benchmark run's audit of the ``online`` batch bounds (``draft_service.bound_audit``), as JSON.
+
+Why here: ``bench.batching`` and every protocol or paired run (``bench.reproduce.runs``) report, per bound
+an online run proposed within, what the batch planner predicted against what its steps delivered; the
+report's JSON form and how to find the in-process draft behind an engine are the same for both.
+"""
+
+from __future__ import annotations
+
+from draft_service.batch_plan import StepSeconds
+from draft_service.bound_audit import AuditSnapshot, BoundAudit, BoundReport
+from draft_service.runtime import DraftRuntime
+
+
+def engine_bound_audit(engine: object) -> BoundAudit:
+    """The in-process draft's audit (through a step recorder around it, ``bench.reproduce.draft_steps``); an
+    empty one without an in-process draft."""
+    draft = getattr(engine, "draft", None)
+    draft = getattr(draft, "draft", draft)
+    return draft.bound_audit if isinstance(draft, DraftRuntime) else BoundAudit()
+
+
+def audits_since(audit: BoundAudit, earlier: AuditSnapshot) -> dict[str, dict]:
+    """Per bound proposed within since ``earlier`` ("tokens:depth", the most proposed first), ``audit_json``'s."""
+    return {f"{b.tokens}:{b.depth}": audit_json(report) for b, report in audit.reports(since=earlier).items()}
+
+
+def audit_json(report: BoundReport) -> dict:
+    """One bound's audit: tokens per step per session, tokens/s of the batch, seconds in ms."""
+
+    def ms(seconds: StepSeconds) -> dict[str, float]:
+        parts = {"step": seconds.total, "overhead": seconds.overhead, "draft": seconds.draft, "verify": seconds.verify}
+        return {part: round(1000 * value, 3) for part, value in parts.items()}
+
+    realised, runner_up = report.realised_tokens_per_step, report.runner_up_tokens_per_second
+    return {
+        "proposals": report.proposals,
+        "choices": report.choices,
+        "batch": round(report.batch, 2),
+        "context_tokens": round(report.context_tokens),
+        "predicted_tokens_per_step": round(report.predicted_tokens_per_step, 3),
+        "realised_tokens_per_step": round(realised, 3) if realised is not None else None,
+        "predicted_tokens_per_s": round(report.predicted_tokens_per_second, 1),
+        "runner_up_tokens_per_s": round(runner_up, 1) if runner_up is not None else None,
+        "predicted_ms": ms(report.predicted_seconds),
+        "measured_ms": ms(report.measured_seconds) if report.measured_seconds is not None else None,
+        "measured_steps": report.measured_steps,
+    }
+
+
+def audit_lines(label: str, audits: dict[str, dict]) -> list[str]:
+    """A line per bound of ``audits_since``'s: each prediction beside what was realised or measured."""
+    lines = []
+    for key, audit in audits.items():
+        predicted, measured = audit["predicted_ms"], audit["measured_ms"] or {"step": None, "verify": None}
+        lines.append(
+            f"  {label} bound {key}: {audit['proposals']} proposals, {audit['choices']} choices; predicted /"
+            f" realised tokens per step {audit['predicted_tokens_per_step']} / {audit['realised_tokens_per_step']},"
+            f" step ms {predicted['step']} / {measured['step']}, verify ms {predicted['verify']} /"
+            f" {measured['verify']}; predicted tokens/s {audit['predicted_tokens_per_s']}, runner-up"
+            f" {audit['runner_up_tokens_per_s']}"
+        )
+    return lines
