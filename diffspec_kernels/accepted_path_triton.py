@@ -16,7 +16,11 @@ import triton.language as tl
 from diffspec_kernels.accepted_path_ref import check_accepted_path_inputs
 
 
-@triton.jit(do_not_specialize=["nodes", "max_entries", "first_row"])  # one compile per tree bucket
+# one compile per (block, rule): the integers and the argmax slice's offset (a step's row) take no part in it
+@triton.jit(
+    do_not_specialize=["mask_stride", "nodes", "max_entries", "first_row"],
+    do_not_specialize_on_alignment=["choices_ptr", "accepted_ptr", "bonus_ptr"],
+)
 def _accepted_path_kernel(
     tokens_ptr,  # [capacity] int64
     parents_ptr,  # [capacity] int64
@@ -33,7 +37,7 @@ def _accepted_path_kernel(
     first_row,
     GREEDY: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= nodes
-    ENTRIES: tl.constexpr,  # next power of two >= max_entries
+    ENTRIES: tl.constexpr,  # a power of two >= max_entries (``entries_block``)
 ):
     node = tl.arange(0, BLOCK)
     verified = node < nodes
@@ -71,6 +75,16 @@ def _accepted_path_kernel(
     tl.store(out_ptr + 2 * max_entries, num_entries)
 
 
+ENTRY_ROWS = 64  # entry rows every launch computes at least: a tree budget's deepest bound (32) and its root, and more
+
+
+def entries_block(block: int, max_entries: int) -> int:
+    """The kernel's entry rows: ``ENTRY_ROWS``, or the node block where it is larger, unless the depth bound asks
+    for more still (never, within a draft's budgets). One compile per node block then serves every depth bound,
+    and the [entries, block] tile is no larger than the kernel's [block, block] ancestor tile past 64 nodes."""
+    return max(block, ENTRY_ROWS, triton.next_power_of_2(max_entries))
+
+
 def accepted_path_triton(
     tokens: torch.Tensor,
     parents: torch.Tensor,
@@ -97,6 +111,6 @@ def accepted_path_triton(
         tokens, parents, depths, ancestor_mask.view(torch.uint8), num_nodes,
         choices if greedy else unused, flags, unused if greedy else bonus,
         out, ancestor_mask.stride(0), nodes, max_entries, first_row,
-        GREEDY=greedy, BLOCK=block, ENTRIES=triton.next_power_of_2(max_entries), num_warps=8 if block >= 128 else 4,
+        GREEDY=greedy, BLOCK=block, ENTRIES=entries_block(block, max_entries), num_warps=8 if block >= 128 else 4,
     )  # fmt: skip
     return out[:max_entries], out[max_entries : 2 * max_entries], out[2 * max_entries]

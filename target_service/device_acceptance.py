@@ -83,3 +83,24 @@ def _accepted_path_for(device: torch.device) -> AcceptedPath:
     from diffspec_kernels.accepted_path_triton import accepted_path_triton
 
     return accepted_path_triton
+
+
+def compile_accepted_paths(device: torch.device, max_nodes: int) -> int:
+    """Run the accepted path once per kernel it compiles on ``device``: each power-of-two node block up to
+    ``max_nodes``'s, greedy and sampled, over a chain of that many nodes. A server does this before traffic, so
+    the first tree of a new size (an ``online`` session's probe, a larger bound) compiles nothing inside a
+    request. Returns the launches: 0 where the PyTorch reference serves the device (nothing to compile)."""
+    if not triton_kernels_on(device):
+        return 0
+    path = _accepted_path_for(device)
+    launches = 0
+    for block in (1 << k for k in range(max(max_nodes - 1, 0).bit_length() + 1)):
+        parents = torch.arange(-1, block - 1, device=device)
+        tokens, depths = torch.zeros(block, dtype=torch.int64, device=device), parents + 1
+        mask = torch.ones(block, block, dtype=torch.bool, device=device).tril()
+        num_nodes = torch.tensor(block, device=device)
+        chain = (tokens, parents, depths, mask, num_nodes, block, block, 0)
+        path(*chain, choices=tokens)
+        path(*chain, accepted=tokens != 0, bonus=tokens)
+        launches += 2
+    return launches

@@ -56,12 +56,12 @@ from target_service.backend import (
     VerifyResult,
     VerifyStep,
 )
-from target_service.device_acceptance import greedy_device_accept, sampled_device_accept
+from target_service.device_acceptance import compile_accepted_paths, greedy_device_accept, sampled_device_accept
 from target_service.device_commit import DeviceCommit, commit_on_device
 from target_service.kv_cache import PagedKVCache
 from target_service.kv_pool import PagedKVPool
 from target_service.llama import LlamaModel, PagedForwardOutput
-from target_service.session import SessionLimits, TargetSession
+from target_service.session import MAX_TREE_NODES, SessionLimits, TargetSession
 from target_service.step_graphs import StepGraphs, StepInput, StepOutputs
 
 Failures = dict[str, DiffSpecError]
@@ -518,10 +518,12 @@ class TargetRuntime:
     # -- state ----------------------------------------------------------------------------------
 
     def warm_up(self) -> int:
-        """Record every step graph now rather than at each bucket's first step; returns how many exist."""
-        if self.step_graphs is None:
-            return 0
+        """Record every step graph now rather than at each bucket's first step, and compile the accepted path for
+        every tree size a verify can hold; returns how many step graphs exist."""
         with self._lock:
+            compile_accepted_paths(self.device, MAX_TREE_NODES)
+            if self.step_graphs is None:
+                return 0
             self.step_graphs.warm_up()
         return self.step_graphs.num_recorded
 

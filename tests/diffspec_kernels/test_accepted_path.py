@@ -113,3 +113,48 @@ def test_the_reference_refuses_inputs_that_do_not_fit() -> None:
         accepted_path_reference(tokens, parents, depths, mask, num_nodes, nodes + 1, max_entries, first_row, **rule)
     with pytest.raises(ValueError, match="ancestor mask"):
         accepted_path_reference(tokens, parents, depths, mask[:4], num_nodes, nodes, max_entries, first_row, **rule)
+
+
+@pytest.mark.parametrize(
+    ("block", "max_entries", "entries"), [(1, 1, 64), (1, 33, 64), (32, 11, 64), (128, 33, 128), (256, 2, 256), (8, 65, 128)]
+)
+def test_one_entry_block_serves_every_depth_bound_a_draft_budget_allows(block, max_entries, entries) -> None:
+    from draft_service.tree_budget import MAX_DEPTH
+
+    triton_path = pytest.importorskip("diffspec_kernels.accepted_path_triton")
+    assert triton_path.entries_block(block, max_entries) == entries
+    assert triton_path.ENTRY_ROWS >= MAX_DEPTH + 1  # a budget's deepest tree: its entries and the root's
+
+
+def test_the_warm_up_runs_the_kernel_once_per_node_block_and_rule(monkeypatch) -> None:
+    """On CPU under the Triton interpreter: the warm-up's chains are valid inputs for every block it names."""
+    pytest.importorskip("diffspec_kernels.accepted_path_triton")
+    from target_service import device_acceptance
+
+    monkeypatch.setattr(device_acceptance, "triton_kernels_on", lambda device: True)
+    assert device_acceptance.compile_accepted_paths(torch.device("cpu"), 9) == 2 * 5  # blocks 1, 2, 4, 8, 16
+    monkeypatch.undo()
+    assert device_acceptance.compile_accepted_paths(torch.device("cpu"), 9) == 0  # the reference: nothing compiles
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel compiles on a GPU only")
+def test_after_the_warm_up_no_tree_compiles_the_kernel() -> None:
+    """Trees of every size up to the verify's limit, any depth bound, row and rule, with the argmax slice at an odd
+    offset as a batched step hands it: no compile past the warm-up's."""
+    from bench.warmup import triton_compiles
+    from diffspec_kernels.accepted_path_triton import accepted_path_triton
+    from target_service.device_acceptance import compile_accepted_paths
+    from target_service.session import MAX_TREE_NODES
+
+    compile_accepted_paths(torch.device("cuda"), MAX_TREE_NODES)
+    before = triton_compiles()["_accepted_path_kernel"]
+    for num_nodes, padding in [(1, 0), (5, 3), (17, 15), (33, 0), (48, 16), (100, 28), (200, 56)]:
+        for greedy, first_row in [(True, 0), (True, 7), (False, 33)]:
+            args, rule = _inputs(PathCase(num_nodes, padding, 0.7, greedy, first_row), "cuda")
+            if greedy:  # a slice of a step's argmax: 8 bytes past a 16-byte boundary
+                rule = {"choices": torch.cat([rule["choices"][:1], rule["choices"]])[1:]}
+            want = accepted_path_reference(*args, **rule)
+            got = accepted_path_triton(*args, **rule)
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert triton_compiles()["_accepted_path_kernel"] == before

@@ -275,7 +275,8 @@ def kernel_cases(target_name: str | None = None) -> list[Case]:
                  **pointers("num_nodes_ptr choices_ptr", "i64"), "accepted_ptr": "*i64" if greedy else "*u8",
                  **pointers("bonus_ptr out_ptr", "i64"), **scalars("mask_stride nodes max_entries first_row", "i32"),
                  **scalars("GREEDY BLOCK ENTRIES", "constexpr")},
-                {"GREEDY": greedy, "BLOCK": block, "ENTRIES": 16}, num_warps=8 if block >= 128 else 4,
+                {"GREEDY": greedy, "BLOCK": block, "ENTRIES": max(block, 64)},  # ``entries_block``'s, any depth bound
+                num_warps=8 if block >= 128 else 4,
             )
             for greedy in (True, False)
             for block in (64, 256)  # a 64-token tree, and the largest bucket
