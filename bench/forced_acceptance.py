@@ -9,7 +9,10 @@ follows is accepted, the bonus is the continuation's next token, and the accepte
 accept writes them. At temperature 0 this is the engine's own generation, step for step, except where the
 verify's features differ from the decode's in rounding (a tree token at a near-tie can then go either way).
 
-Configurations: tree budgets (``full``, EAGLE-2's dynamic tree) crossed with what the draft attends to:
+Configurations: trees crossed with what the draft attends to. Trees: budgets of ``full`` (EAGLE-2's dynamic
+tree, ``--tree-configs``) and static trees of given widths per depth (``--shaped-trees``, the ``online`` policy's
+hazard-shaped candidates: depth d expands the best w_{d-1} nodes into w_d children each), so a shape's acceptance
+per tree token compares with a dynamic tree's of the same size and depth. What the draft attends to:
 ``whole`` (every committed entry, the EAGLE-3 baseline) or a working set ``BUDGET:RECENT`` in tokens
 (``working_set_tokens``, ``salience_recent_tokens``; the other working-set settings as ``DIFFSPEC_*`` sets them).
 ``--cache`` keeps each prompt's target pass, so further configurations cost only drafting.
@@ -40,8 +43,9 @@ from diffspec.settings import DiffSpecSettings
 from diffspec.tree import DraftTree
 from draft_service.drafter import Drafter, Extension, ProposalRequest
 from draft_service.inprocess import working_set_config
-from draft_service.tree_budget import TreeBudget, TreePolicy
-from draft_service.tree_plan import fixed_candidate
+from draft_service.hazard import MAX_WIDTH
+from draft_service.tree_budget import TreeBudget
+from draft_service.tree_plan import SHAPED, Candidate
 from draft_service.working_set import WorkingSetConfig
 from gateway.assembly import build_draft, build_target, load_tokenizer
 from target_service.runtime import TargetRuntime
@@ -100,20 +104,36 @@ def accepted_path(tree: DraftTree, following: list[int]) -> list[int]:
     return [tokens[node] for node in accept_greedy(tree, argmax).accepted_nodes]
 
 
+def tree_label(tree: Candidate) -> str:
+    """``full T:t:D`` for a dynamic tree, ``shaped w1,w2,...`` for a static one."""
+    return f"shaped {','.join(map(str, tree.widths))}" if tree.kind == SHAPED else f"full {tree.budget.config}"
+
+
+def shaped_tree_arg(text: str) -> Candidate:
+    """``--shaped-trees``: children per depth, comma-separated (``3,2,1,1``), or argparse's error naming it."""
+    try:
+        widths = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: widths are comma-separated integers") from None
+    if not widths or not all(1 <= w <= MAX_WIDTH for w in widths):
+        raise argparse.ArgumentTypeError(f"{text!r}: each width in [1, {MAX_WIDTH}]")
+    return Candidate.shaped(widths, 0.0)
+
+
 def drafted_steps(
-    drafter: Drafter, text: TargetText, new_tokens: int, budget: TreeBudget, salience: WorkingSetConfig | None
+    drafter: Drafter, text: TargetText, new_tokens: int, tree: Candidate, salience: WorkingSetConfig | None
 ) -> list[int]:
     """Accepted drafts per verification step as the draft follows ``text``'s continuation from its first token
-    until ``new_tokens`` are out; as in the engine's count, the last step's whole accepted path counts."""
-    if budget.depth >= LOOKAHEAD:
-        raise ValueError(f"a tree {budget.depth} deep may accept past the {LOOKAHEAD} tokens decoded beyond the last")
+    until ``new_tokens`` are out, proposing ``tree`` (its plan within its budget) at every step; as in the
+    engine's count, the last step's whole accepted path counts."""
+    if tree.depth >= LOOKAHEAD:
+        raise ValueError(f"a tree {tree.depth} deep may accept past the {LOOKAHEAD} tokens decoded beyond the last")
     length, cont = len(text.prompt_ids), text.continuation
     session = drafter.start(text.prompt_ids, text.features[:length], cont[0], salience)
-    plan = list(fixed_candidate(TreePolicy.parse("full"), budget).plan)
     accepted_counts, root = [], 0  # root: the continuation index of the current tree's root
     while root < new_tokens - 1:
-        tree = drafter.propose_many([ProposalRequest(session, plan, budget)])[0]
-        accepted = accepted_path(tree, cont[root + 1 :])
+        proposed = drafter.propose_many([ProposalRequest(session, list(tree.plan), tree.budget)])[0]
+        accepted = accepted_path(proposed, cont[root + 1 :])
         accepted_counts.append(len(accepted))
         emitted = len(accepted) + 1
         rows = text.features[length + root : length + root + emitted]  # the root's and the accepted entries'
@@ -149,16 +169,18 @@ def salience_of(spec: str, settings: DiffSpecSettings) -> WorkingSetConfig | Non
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """tau per (context, working set, tree) over its prompts: accepted drafts + 1 per step, over steps."""
+    """tau per (context, working set, tree) over its prompts: accepted drafts + 1 per step, over steps. A row
+    without a ``tree`` label (results written before shaped trees) is its ``full`` budget's."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["context"], row["working_set"], row["tree_config"]), []).append(row)
+        label = row.get("tree", f"full {row['tree_config']}")
+        groups.setdefault((row["context"], row["working_set"], label), []).append(row)
     summaries = []
-    for (context, spec, tree), mine in sorted(groups.items()):
+    for (context, spec, label), mine in sorted(groups.items()):
         steps = sum(r["steps"] for r in mine)
         tau = (sum(r["accepted"] for r in mine) + steps) / steps
-        summaries.append({"context": context, "working_set": spec, "tree_config": tree, "prompts": len(mine),
-                          "steps": steps, "tau": round(tau, 3)})  # fmt: skip
+        summaries.append({"context": context, "working_set": spec, "tree": label, "tree_config": mine[0]["tree_config"],
+                          "prompts": len(mine), "steps": steps, "tau": round(tau, 3)})  # fmt: skip
     return summaries
 
 
@@ -170,9 +192,9 @@ def plot(summaries: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key in sorted({(s["working_set"], s["tree_config"]) for s in summaries}):
-        mine = sorted((s for s in summaries if (s["working_set"], s["tree_config"]) == key), key=lambda s: s["context"])
-        ax.plot([s["context"] for s in mine], [s["tau"] for s in mine], marker="o", label=f"{key[0]}, full {key[1]}")
+    for key in sorted({(s["working_set"], s["tree"]) for s in summaries}):
+        mine = sorted((s for s in summaries if (s["working_set"], s["tree"]) == key), key=lambda s: s["context"])
+        ax.plot([s["context"] for s in mine], [s["tau"] for s in mine], marker="o", label=f"{key[0]}, {key[1]}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context tokens")
     ax.set_ylabel("tau (accepted drafts + 1 per step)")
@@ -204,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-prompt", type=int, default=0, help="the dataset index the prompts are taken from on")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="the first token included, as the engine counts")
-    parser.add_argument("--tree-configs", nargs="+", default=["32:0.0:6"])
+    parser.add_argument("--tree-configs", nargs="+", default=["32:0.0:6"], help="budgets of full (dynamic) trees")
+    parser.add_argument("--shaped-trees", nargs="+", type=shaped_tree_arg, default=[],
+                        help="static trees, children per depth comma-separated (3,2,1,1): online's shaped candidates")
     parser.add_argument("--working-sets", nargs="+", type=working_set_arg, default=[WHOLE, "2048:0"],
                         help="'whole' or BUDGET:RECENT tokens, each a configuration")
     parser.add_argument("--same-prompts", action="store_true",
@@ -217,12 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model,
                                 num_pages=(max(args.lengths) + args.max_new_tokens) // 16 + 64)  # fmt: skip
     try:
-        budgets = [TreeBudget.parse(config) for config in args.tree_configs]
+        trees = [Candidate.dynamic(TreeBudget.parse(config)) for config in args.tree_configs] + args.shaped_trees
         saliences = {spec: salience_of(spec, settings) for spec in args.working_sets}
     except InvalidRequest as bad:
         parser.error(str(bad))
-    if any(budget.depth >= LOOKAHEAD for budget in budgets):
-        parser.error(f"--tree-configs: depths under {LOOKAHEAD}, the tokens decoded past the last one counted")
+    if any(tree.depth >= LOOKAHEAD for tree in trees):
+        parser.error(f"--tree-configs, --shaped-trees: depths under {LOOKAHEAD}, the tokens decoded past the last "
+                     "one counted")
     tokenizer = load_tokenizer(settings)
     dataset = load_datasets([args.data], lambda text: tokenizer(text)["input_ids"])[0]
     target = build_target(settings)
@@ -238,15 +263,16 @@ def main(argv: list[str] | None = None) -> int:
             text = cached_text(target, ids, args.max_new_tokens, args.cache, key)
             print(f"ctx={length} prompt={index}: target pass {time.perf_counter() - started:.0f} s", flush=True)
             for spec, salience in saliences.items():
-                for budget in budgets:
-                    counts = drafted_steps(draft.drafter, text, args.max_new_tokens, budget, salience)
-                    rows.append({"context": length, "prompt": index, "working_set": spec, "tree_config": budget.config,
-                                 "steps": len(counts), "accepted": sum(counts)})  # fmt: skip
+                for tree in trees:
+                    counts = drafted_steps(draft.drafter, text, args.max_new_tokens, tree, salience)
+                    rows.append({"context": length, "prompt": index, "working_set": spec, "tree": tree_label(tree),
+                                 "tree_config": tree.budget.config, "tree_tokens": tree.tokens, "steps": len(counts),
+                                 "accepted": sum(counts)})  # fmt: skip
                     tau = (sum(counts) + len(counts)) / len(counts)
-                    print(f"  {spec} full {budget.config}: tau {tau:.2f}", flush=True)
+                    print(f"  {spec} {tree_label(tree)}: tau {tau:.2f}", flush=True)
             write_results(args.out, settings, rows)  # after every prompt: a long run's results so far are kept
     for s in summarise(rows):
-        print(f"{s['context']:>6} {s['working_set']:>10} full {s['tree_config']}: "
+        print(f"{s['context']:>6} {s['working_set']:>10} {s['tree']}: "
               f"tau {s['tau']:.3f} ({s['prompts']} prompts)")
     return 0
 

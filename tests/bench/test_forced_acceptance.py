@@ -16,6 +16,7 @@ from bench.forced_acceptance import (
     drafted_steps,
     main,
     salience_of,
+    shaped_tree_arg,
     target_text,
     working_set_arg,
 )
@@ -25,6 +26,7 @@ from diffspec.errors import InvalidRequest
 from diffspec.settings import DiffSpecSettings
 from diffspec.tree import DraftTree
 from draft_service.tree_budget import TreeBudget
+from draft_service.tree_plan import Candidate
 from gateway.assembly import build_draft, build_engine, build_target, load_tokenizer
 from tests.conftest import CODE_PROMPTS
 
@@ -82,7 +84,8 @@ def test_drafting_along_the_target_s_text_takes_the_engine_s_steps():
     text = target_text(target, ids, new_tokens)
     assert text.continuation[:new_tokens] == runs["eagle3"].token_ids
     for name, spec in (("eagle3", "whole"), ("eagle3+salience", "128:32")):
-        counts = drafted_steps(drafter, text, new_tokens, TreeBudget.parse(tree), salience_of(spec, settings))
+        dynamic = Candidate.dynamic(TreeBudget.parse(tree))
+        counts = drafted_steps(drafter, text, new_tokens, dynamic, salience_of(spec, settings))
         assert (len(counts), sum(counts)) == (runs[name].stats.steps, runs[name].stats.accepted_drafts), name
     assert sum(counts) > 0
 
@@ -120,3 +123,25 @@ def test_a_cached_pass_is_read_back_only_for_its_own_target_prompt_and_length(tm
         monkeypatch.setattr(target, "model_path", model)
         cached_text(target, prompt, n, tmp_path, "k")
     assert len(passes) == 3
+
+
+@pytest.mark.parametrize("text", ["3,x,1", "", "0,1", "3,,1"])
+def test_a_shaped_tree_flag_names_what_is_wrong(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="width"):
+        shaped_tree_arg(text)
+
+
+def test_shaped_and_full_trees_draft_side_by_side(code_prompts, tmp_path):
+    """A static tree of given widths drafts as the ``online`` policy's shaped candidate does: its own row and
+    summary, labelled by its widths, with the tokens its plan holds (3 + 3 x 2 + 2 x 1 + 1 x 1 past the root)."""
+    out = tmp_path / "shaped.json"
+    argv = ["--base-model", "models/tiny-code", "--draft-model", "models/tiny-code-eagle3", "--data", str(code_prompts),
+            "--lengths", "512", "--prompts", "1", "--max-new-tokens", "12", "--tree-configs", "13:0.0:4",
+            "--shaped-trees", "3,2,1,1", "--working-sets", "whole", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    full, shaped = result["runs"]
+    assert (full["tree"], shaped["tree"]) == ("full 13:0.0:4", "shaped 3,2,1,1")
+    assert shaped["tree_config"] == "13:0.0:4" and shaped["tree_tokens"] == 13 == full["tree_tokens"]
+    assert [s["tree"] for s in result["summaries"]] == ["full 13:0.0:4", "shaped 3,2,1,1"]
+    assert all(1 <= s["tau"] <= 5 and s["steps"] > 0 for s in result["summaries"])
