@@ -116,7 +116,8 @@ def test_the_reference_refuses_inputs_that_do_not_fit() -> None:
 
 
 @pytest.mark.parametrize(
-    ("block", "max_entries", "entries"), [(1, 1, 64), (1, 33, 64), (32, 11, 64), (128, 33, 128), (256, 2, 256), (8, 65, 128)]
+    ("block", "max_entries", "entries"),
+    [(1, 1, 64), (1, 33, 64), (32, 11, 64), (128, 33, 128), (256, 2, 256), (8, 65, 128)],
 )
 def test_one_entry_block_serves_every_depth_bound_a_draft_budget_allows(block, max_entries, entries) -> None:
     from draft_service.tree_budget import MAX_DEPTH
