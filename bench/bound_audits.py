@@ -7,17 +7,15 @@ report's JSON form and how to find the in-process draft behind an engine are the
 
 from __future__ import annotations
 
+from bench.warmup import in_process_draft
 from draft_service.batch_plan import StepSeconds
 from draft_service.bound_audit import AuditSnapshot, BoundAudit, BoundReport
-from draft_service.runtime import DraftRuntime
 
 
 def engine_bound_audit(engine: object) -> BoundAudit:
-    """The in-process draft's audit (through a step recorder around it, ``bench.reproduce.draft_steps``); an
-    empty one without an in-process draft."""
-    draft = getattr(engine, "draft", None)
-    draft = getattr(draft, "draft", draft)
-    return draft.bound_audit if isinstance(draft, DraftRuntime) else BoundAudit()
+    """The in-process draft's audit (``bench.warmup.in_process_draft``); an empty one without one."""
+    draft = in_process_draft(engine)
+    return draft.bound_audit if draft is not None else BoundAudit()
 
 
 def audits_since(audit: BoundAudit, earlier: AuditSnapshot) -> dict[str, dict]:

@@ -24,14 +24,20 @@ def warm_up_target(engine: object) -> int:
     return target.warm_up() if isinstance(target, TargetRuntime) else 0
 
 
+def in_process_draft(engine: object) -> DraftRuntime | None:
+    """The engine's draft runtime when it runs in this process, through a step recorder around it
+    (``bench.reproduce.draft_steps``); None for a draft over gRPC."""
+    draft = getattr(engine, "draft", None)
+    draft = getattr(draft, "draft", draft)
+    return draft if isinstance(draft, DraftRuntime) else None
+
+
 def warm_up_draft(engine: object) -> int:
     """Propose once each tree an ``online`` session starts from (``DraftRuntime.warm_up``), so their kernels
     compile before timing, and hand the draft the verify costs the target timed at its warm-up; returns the
-    proposals (0 without an in-process draft). A recorder around the draft (``bench.reproduce.draft_steps``)
-    is looked through."""
-    draft = getattr(engine, "draft", None)
-    draft = getattr(draft, "draft", draft)
-    if not isinstance(draft, DraftRuntime):
+    proposals (0 without an in-process draft)."""
+    draft = in_process_draft(engine)
+    if draft is None:
         return 0
     seed_verify_costs(getattr(engine, "target", None), draft)
     return draft.warm_up()
