@@ -33,11 +33,10 @@ from pathlib import Path
 import torch
 
 from bench.bound_audits import audit_lines, audits_since, engine_bound_audit
-from bench.warmup import triton_kernels_compiled, warm_up_draft, warm_up_target
+from bench.warmup import in_process_draft, triton_kernels_compiled, warm_up_draft, warm_up_target
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
-from draft_service.runtime import DraftRuntime
 from draft_service.tree_plan import CANDIDATE_GRID
 from gateway.assembly import build_engine
 from gateway.engine import SpeculativeEngine
@@ -148,9 +147,10 @@ def _settle(engine: SpeculativeEngine) -> None:
 def _draft_cost_ms(engine: SpeculativeEngine, batch: int) -> dict[str, dict[int, float]]:
     """The in-process draft's proposal cost model at ``batch`` sessions: its prices by depth, and the running
     averages by depth measured at each batch bucket (bucket = the batch's bit length); empty without one."""
-    if not isinstance(engine.draft, DraftRuntime):
+    draft = in_process_draft(engine)
+    if draft is None:
         return {}
-    cost, deepest = engine.draft.step_cost, max(budget.depth for budget in CANDIDATE_GRID)
+    cost, deepest = draft.step_cost, max(budget.depth for budget in CANDIDATE_GRID)
     priced = {depth: round(1000 * cost.draft_seconds(depth, batch), 3) for depth in range(1, deepest + 1)}
     measured = {
         f"bucket {bucket}": {depth: round(1000 * seconds, 3) for depth, seconds in sorted(points.items())}
@@ -162,7 +162,8 @@ def _draft_cost_ms(engine: SpeculativeEngine, batch: int) -> dict[str, dict[int,
 def _draft_graphs(engine: SpeculativeEngine) -> int:
     """Proposal graphs the in-process draft has recorded (0 without one): a capture inside a timed run costs
     tens of milliseconds, so a run that records many is not steady state."""
-    return engine.draft.drafter.proposer.num_recorded if isinstance(engine.draft, DraftRuntime) else 0
+    draft = in_process_draft(engine)
+    return draft.drafter.proposer.num_recorded if draft is not None else 0
 
 
 def plot(rows: list[dict], path: Path) -> None:
