@@ -411,8 +411,9 @@ class DraftRuntime:
 
         Between choices, online sessions re-plan within the bound in turn, each every ``REPLAN_EVERY``
         proposals (sessions started together are staggered, so a step re-plans about a quarter of the
-        batch), and a session whose tree lies outside the bound re-plans at once. Now and then one
-        online session proposes its probe instead, when the batch can afford it (``batch_plan.ProbeSchedule``).
+        batch), and a session whose tree lies outside the bound re-plans at once. A session on shaped trees
+        rechecks its dynamic tree now and then (``TreePlanner.proposal``), and one online session proposes its
+        probe instead, when the batch can afford it (``batch_plan.ProbeSchedule``).
         """
         online_indices = [i for i, s in enumerate(sessions) if s.planner is not None]
         online = [sessions[i] for i in online_indices]
@@ -428,7 +429,9 @@ class DraftRuntime:
             self._bound_online(sessions, online, cost)
         for session in sessions:
             session.steps_to_replan -= 1
-        chosen = [s.candidate for s in sessions]
+        bound = self.batch_plan.bound
+        chosen = [s.planner.proposal(bound) if s.planner is not None and bound is not None else s.candidate
+                  for s in sessions]  # fmt: skip
         probing = self.batch_plan.prober(len(online_indices))
         self.proposals += 1
         if probing is not None:
@@ -478,11 +481,11 @@ class DraftRuntime:
 
     def _observed(self, sessions: list[_SessionState], chosen: list[Candidate]) -> list[int]:
         """The online sessions whose trees their planners will learn from: ``OBSERVED_PER_STEP`` of them in
-        turn (a large batch's host time stays bounded), and a probe always."""
+        turn (a large batch's host time stays bounded), and a probe or a recheck always."""
         online = [i for i, s in enumerate(sessions) if s.planner is not None]
         stride = max(1, -(-len(online) // OBSERVED_PER_STEP))
         turn = set(online[self.proposals % stride :: stride])
-        return [i for i in online if i in turn or chosen[i] is not sessions[i].candidate]  # the latter: a probe
+        return [i for i in online if i in turn or chosen[i] is not sessions[i].candidate]  # not its own: probe, recheck
 
     def _observe_unobserved(self) -> None:
         """The verified steps a step that took its trees ahead left (``step``): at the next verify's write, or

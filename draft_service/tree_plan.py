@@ -26,9 +26,14 @@ Prediction. A candidate's tokens per step E (accepted drafts + the bonus):
   while probes leave its bound as it was) and which probe: the largest whose padded verify costs
   little more (``batch_plan``). The probes are nested, one per candidate size, so where the largest
   costs too much (a compute-bound verify at long context) the next size up is still measured, and
-  the bound can grow one size at a time on text that accepts long paths. Each estimate
-  is smoothed toward the global one (all requests' sessions), and where nothing is measured toward
-  the rank model's E of the uniform static tree of the same size and depth.
+  the bound can grow one size at a time on text that accepts long paths. A session on shaped trees
+  measures no dynamic tree, so one step in ``RECHECK_EVERY`` it proposes the largest dynamic candidate
+  within the bound instead (a *recheck*: the same verify bucket and depths, so the same cost): a dynamic
+  tree its estimates once undersold is measured again. Each estimate is smoothed toward the global one
+  (all requests' sessions), and where nothing is measured toward the calibrated rank model's E (below)
+  of the best static tree the planner knows of the same size and depth (the uniform one, or the current
+  shaped tree where it fits): EAGLE-2's tree keeps the most probable nodes, so it is expected to accept
+  no less than a static tree does.
 - shaped: the rank model's E(w) (``hazard.expected_tokens``) times the ratio shaped trees realised
   of it (the model takes the path's node to be expanded at every depth, which a static tree's
   best-w rule does not guarantee).
@@ -40,7 +45,7 @@ session proposes what it expects to emit most from: its best dynamic candidate t
 hazard-shaped tree, grown by ``hazard.climb`` within the bound (wider where paths stop). A re-plan
 scores each dynamic candidate once and climbs the shaped tree a few moves from where it was, so it
 costs a bounded number of evaluations, never a search. Between re-plans a session proposes its
-current candidate unchanged (or the probe). Learning from a verified tree costs one pass over its
+current candidate unchanged (or the probe, or the recheck). Learning from a verified tree costs one pass over its
 nodes and one sort of them; the runtime hands a step's trees to a few sessions' planners in turn
 (``runtime.OBSERVED_PER_STEP``), so a large batch's host time stays bounded.
 """
@@ -72,6 +77,7 @@ CANDIDATE_GRID = tuple(
 SESSION_ACCEPT_DECAY = 0.97  # a request's acceptance means follow its text over ~30 steps
 GLOBAL_ACCEPT_DECAY = 0.995  # the global means, every request's prior, move slowly
 CALIBRATION_PRIOR_TOKENS = 10.0  # predicted tokens a calibration prior (the global one, or 1) is worth
+RECHECK_EVERY = 4  # a session on shaped trees proposes its largest dynamic tree within the bound one step in this many
 DYNAMIC, SHAPED, FIXED = "dynamic", "shaped", "fixed"
 
 
@@ -313,6 +319,7 @@ class TreePlanner:
     probes: tuple[Candidate, ...] = field(init=False)  # nested dynamic trees, ascending (``nested_probes``)
     current_model_tokens: float = field(init=False, default=0.0)  # the rank model's E of ``current`` when chosen
     observed_steps: int = field(init=False, default=0)
+    shaped_proposals: int = field(init=False, default=0)  # shaped trees proposed since the last dynamic one
 
     def __post_init__(self) -> None:
         self.current = self.dynamic[0]  # a request starts from its own budget (a tuned profile's, say)
@@ -352,9 +359,13 @@ class TreePlanner:
     def expected(self, candidate: Candidate, passes: list[list[float]]) -> float:
         """E(c): tokens per step, measured for dynamic trees, the calibrated rank model for shaped ones."""
         if candidate.kind == DYNAMIC:
+            shaped, ratio = self.shaped, self.calibration.ratio
 
-            def guess(budget: TreeBudget) -> float:  # drafts of the uniform static tree of its size and depth
-                return expected_tokens(passes, uniform_widths(budget)) - 1.0
+            def guess(budget: TreeBudget) -> float:  # drafts of the best static tree known of its size and depth
+                known = [uniform_widths(budget)]
+                if shaped.budget.total_tokens <= budget.total_tokens and shaped.depth <= budget.depth:
+                    known.append(tuple(shaped.widths))
+                return ratio * max(expected_tokens(passes, widths) for widths in known) - 1.0
 
             return 1.0 + self.accepted.mean(candidate.budget, guess)
         return self.calibration.ratio * expected_tokens(passes, candidate.widths)
@@ -391,3 +402,16 @@ class TreePlanner:
         self.current = best[0]
         self.current_model_tokens = expected_tokens(passes, self.current.widths)
         return best
+
+    def proposal(self, bound: Bound) -> Candidate:
+        """The tree to propose this step: ``current``, or, one step in ``RECHECK_EVERY`` of a run of shaped
+        trees, the largest dynamic candidate within ``bound`` (the recheck of the module)."""
+        fitting = [c for c in self.dynamic if bound.fits(c)]
+        if self.current.kind != SHAPED or not fitting:
+            self.shaped_proposals = 0
+            return self.current
+        self.shaped_proposals += 1
+        if self.shaped_proposals < RECHECK_EVERY:
+            return self.current
+        self.shaped_proposals = 0
+        return max(fitting, key=lambda c: (c.tokens, c.depth))

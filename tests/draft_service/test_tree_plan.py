@@ -10,10 +10,12 @@ import torch
 
 from diffspec.tree import DraftTree
 from draft_service.batch_plan import BatchCost, BatchPlanner, SessionOutlook
-from draft_service.hazard import HazardProfile, StepCostModel, tree_size
+from draft_service.hazard import HazardProfile, StepCostModel, expected_tokens, tree_size
+from draft_service import tree_plan
 from draft_service.tree_budget import TreeBudget
 from draft_service.tree_plan import (
     DYNAMIC,
+    RECHECK_EVERY,
     SHAPED,
     Bound,
     Calibration,
@@ -101,6 +103,36 @@ def test_a_tight_bound_leaves_the_shaped_tree_and_a_loose_one_the_largest_dynami
     assert (loose.kind, loose.budget) == (DYNAMIC, B("96:0.0:10"))
 
 
+def test_a_session_on_shaped_trees_rechecks_its_largest_dynamic_tree_within_the_bound():
+    hazard = HazardProfile(16, 0.9)
+    shaped = planner_with("64:0.0:8", MEANS, shaped_ratio=3.0)  # its shaped trees realised 3x the model's E
+    chosen, _ = shaped.choose(hazard, Bound(64, 8))
+    proposals = [shaped.proposal(Bound(64, 8)) for _ in range(2 * RECHECK_EVERY)]
+    recheck = Candidate.dynamic(B("64:0.0:8"))  # the largest of the grid's dynamic trees within (64, 8)
+    assert chosen.kind == SHAPED
+    assert proposals == ([chosen] * (RECHECK_EVERY - 1) + [recheck]) * 2
+    assert {shaped.proposal(Bound(12, 3)) for _ in range(2 * RECHECK_EVERY)} == {chosen}  # no dynamic tree fits
+    dynamic = planner_with("64:0.0:8", MEANS, shaped_ratio=0.3)
+    chosen, _ = dynamic.choose(hazard, Bound(64, 8))
+    assert chosen.kind == DYNAMIC and {dynamic.proposal(Bound(64, 8)) for _ in range(2 * RECHECK_EVERY)} == {chosen}
+
+
+def test_a_dynamic_budget_nobody_measured_is_expected_to_accept_as_the_best_static_tree_within_it():
+    planner = TreePlanner.start(B("32:0.0:10"), SharedMeasurements())
+    hazard = HazardProfile(16, 0.9)
+    for ranks in ([0, 0, 1, 0, 2, 0], [0, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0, 1]):  # paths that pass at rank 1 and 2
+        hazard.observe(ranks, stop_width=1)
+    planner.choose(hazard, Bound(32, 10))
+    passes, expectations = hazard.pass_table(planner.max_depth), planner.expectations(hazard)
+    shaped = planner.shaped
+    assert shaped.widths != [1] * len(shaped.widths)  # the climb left the chain, the uniform tree of 32:0.0:10
+    for candidate, expected in expectations.items():
+        if candidate.kind == DYNAMIC and candidate.tokens >= shaped.tokens and candidate.depth >= shaped.depth:
+            assert expected >= expectations[shaped] - 1e-9
+    deep = Candidate.dynamic(B("32:0.0:10"))
+    assert expectations[deep] > expected_tokens(passes, [1] * 10)  # more than the chain's E
+
+
 def test_the_probes_are_nested_and_the_last_contains_every_candidate():
     planner = TreePlanner.start(B("24:0.05:11"), SharedMeasurements())
     expected = ["16:0.0:4", "24:0.0:11", "32:0.0:11", "48:0.0:11", "64:0.0:11", "96:0.0:11"]
@@ -112,8 +144,8 @@ def test_the_probes_are_nested_and_the_last_contains_every_candidate():
 
 def simulate(cost: StepCostModel, start: str, sessions: int, steps: int, seed: int) -> list[Candidate]:
     """Sessions one after another on one runtime's shared measurements, each a batch of one: the batch chooses
-    its bound and the session its tree within it every 4 steps, and the batch says when the session probes; the
-    candidate each ends with."""
+    its bound and the session its tree within it every 4 steps, and the batch says when the session probes (the
+    session itself when it rechecks); the candidate each ends with."""
     shared, global_hazard, rng = SharedMeasurements(), HazardProfile(32, 0.995), random.Random(seed)
     batch_plan, batch, ends = BatchPlanner(), BatchCost(cost, batch=1, context_tokens=0), []
     for _ in range(sessions):
@@ -124,7 +156,7 @@ def simulate(cost: StepCostModel, start: str, sessions: int, steps: int, seed: i
                 planner.choose(hazard, batch_plan.choose(planner.bounds(), [outlook], batch))
             world = World(random.Random(rng.random()))
             probe = batch_plan.affordable_probe(planner.probes, batch) if batch_plan.prober(1) is not None else None
-            proposed = probe or planner.current
+            proposed = probe or planner.proposal(batch_plan.bound)
             tree, paths = grow(world, list(proposed.plan), proposed.budget)
             ranks, stop_width = verify(world, tree, paths)
             hazard.observe(ranks, stop_width)
@@ -149,3 +181,27 @@ def test_online_converges_to_the_best_full_tree(cost, start, best):
     assert all(c.kind == DYNAMIC for c in ends), [c.budget for c in ends]
     # on the steep verify the next size up (4% slower) is probed, so one session's noise may end there
     assert sum(c.budget == B(best) for c in ends[2:]) >= 5, [c.budget for c in ends]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("recheck_every", [RECHECK_EVERY, 10**9], ids=["rechecks", "never"])
+def test_rechecks_bring_a_session_back_to_the_dynamic_tree_it_once_undersold(recheck_every, seed, monkeypatch):
+    """In the synthetic world EAGLE-2's tree beats every static shape of its size (see the convergence test). A
+    session whose first dynamic steps accepted nothing takes shaped trees; rechecking the dynamic tree within the
+    bound brings it back, and without rechecks it never measures that tree again."""
+    monkeypatch.setattr(tree_plan, "RECHECK_EVERY", recheck_every)
+    planner, hazard = TreePlanner.start(B("32:0.0:10"), SharedMeasurements()), HazardProfile(32, 0.9)
+    bound = Bound(32, 10)
+    for _ in range(4):  # an unlucky start
+        planner.accepted.observe({b: 0 for b in [planner.accepted.base, *(c.budget for c in planner.dynamic)]})
+    rng, kinds = random.Random(seed), []
+    for step in range(160):
+        if step % 4 == 0:
+            kinds.append(planner.choose(hazard, bound)[0].kind)
+        proposed = planner.proposal(bound)
+        tree, paths = grow(world := World(random.Random(rng.random())), list(proposed.plan), proposed.budget)
+        ranks, stop_width = verify(world, tree, paths)
+        hazard.observe(ranks, stop_width)
+        planner.observe(tree, proposed, ranks)
+    assert kinds[0] == SHAPED
+    assert kinds[-4:] == ([DYNAMIC] * 4 if recheck_every == RECHECK_EVERY else [SHAPED] * 4), kinds
