@@ -114,6 +114,12 @@ class Judge:
         return self._fp32_diverges[key][group.index(prompt)]
 
 
+def pending(divergence: Divergence) -> ExactnessResult:
+    """A divergence the judging has not reached: what a report written before the replays says of it."""
+    return ExactnessResult("unchecked", f"not judged yet: the report was written before the judging; diverges from "
+                           f"Auto at token {divergence.position}", divergence)
+
+
 class JudgingLimit:
     """The judging's time limit (``--judge-minutes``): past it, a divergence not yet judged is left unchecked
     rather than judged (its fp32 runs take a minute and more at 64K on an 8B target), so a run that must end

@@ -34,7 +34,7 @@ from bench.reproduce.draft_steps import DraftStep, build_recording_engine, take_
 from bench.reproduce.exactness import ExactnessResult, first_divergence
 from bench.reproduce.fp32_rerun import Fp32Rerun
 from bench.reproduce.inflate import inflate_pair
-from bench.reproduce.judging import Judge, JudgingLimit
+from bench.reproduce.judging import Judge, JudgingLimit, pending
 from bench.reproduce.output import write_outputs
 from bench.reproduce.presets import ProtocolConfig, default_out_dir
 from bench.reproduce.profiling import nvtx_range, profiled
@@ -111,9 +111,12 @@ def run_protocol(
         if config.resume:
             log.info("resuming: %d runs recorded in %s", checkpoint.num_done, out_dir)
         # the protocol holds the only reference to the engine, so that closing it frees the GPU for the replays
-        protocol = _Protocol(config, engine_factory(settings), settings, out_dir, checkpoint)
+        def write(result: ProtocolResult) -> None:
+            write_outputs(result, config, settings, argv, started)
+
+        protocol = _Protocol(config, engine_factory(settings), settings, out_dir, checkpoint, write_report=write)
         result = asyncio.run(protocol.run(datasets, contexts))
-        write_outputs(result, config, settings, argv, started)
+        write(result)
         return result
     finally:
         for handler in handlers:
@@ -189,9 +192,12 @@ def cases_of(config: ProtocolConfig, datasets: list[Dataset], contexts: list[int
 class _Protocol:
     def __init__(
         self, config: ProtocolConfig, engine: Engine, settings: DiffSpecSettings, out_dir: Path,
-        checkpoint: RunCheckpoint,
+        checkpoint: RunCheckpoint, write_report: Callable[[ProtocolResult], None] | None = None,
     ) -> None:
+        """``write_report``: writes the report of a result; called once before a judging that has divergences
+        to replay, so a machine that goes away during the replays (minutes each at 64K) leaves the tables."""
         self.config = config
+        self.write_report = write_report
         self.checkpoint = checkpoint  # runs an earlier process finished (--resume), and where each new one goes
         self.settings = settings  # the engine's: the exactness replays and the fp32 rerun build from them
         self.base_model = settings.base_model
@@ -249,10 +255,31 @@ class _Protocol:
             close()
         del self.engine, close  # the bound method holds the engine too: kept, its model and pool outlive the judging
         free_gpu_memory()  # the serving pool's blocks, before the judging's models load
+        if self.write_report is not None and self._verdicts_before_judging():
+            self.write_report(self._result(exit_code=0))
         # on a thread of its own: the fp32 run behind a near-tie drives an engine with asyncio.run of its own
         exit_code = await asyncio.to_thread(self._judge_exactness, info.dtype)
-        return ProtocolResult(self.out_dir, self.runs, self.scores, summarise([r for r in self.runs if r.phase == "eval"]),
-                              exit_code, self.warmup_draft_steps)
+        return self._result(exit_code)
+
+    def _result(self, exit_code: int) -> ProtocolResult:
+        evaluated = [r for r in self.runs if r.phase == "eval"]
+        return ProtocolResult(self.out_dir, self.runs, self.scores, summarise(evaluated), exit_code,
+                              self.warmup_draft_steps)
+
+    def _verdicts_before_judging(self) -> int:
+        """Each evaluated run's verdict as far as it is known before the replays: recorded, exact (Auto's tokens),
+        or not judged yet (``judging.pending``). Returns how many await the judging."""
+        evaluated = [r for r in self.runs if r.phase == "eval"]
+        auto = {(r.dataset, r.context, r.prompt): r for r in evaluated if r.arm == arm_names.AUTO}
+        waiting = 0
+        for run in (r for r in evaluated if r.arm != arm_names.AUTO):
+            divergence = first_divergence(auto[run.dataset, run.context, run.prompt].token_ids, run.token_ids)
+            run.exactness = self.checkpoint.verdict(run_key(run))
+            if run.exactness is None:
+                run.exactness = pending(divergence) if divergence is not None else ExactnessResult(
+                    "exact", "same tokens as Auto")
+                waiting += divergence is not None
+        return waiting
 
     def _has_runs_left(self, case: Case, shortest: int) -> bool:
         """Whether any run of ``case`` is still to generate, not recorded by an earlier process (``--resume``):

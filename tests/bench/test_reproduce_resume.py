@@ -184,6 +184,38 @@ def test_past_the_judging_limit_a_divergence_is_left_unchecked_and_a_later_resum
         "exactness"]["verdict"] == "mismatch"
 
 
+def test_the_report_is_written_before_the_judging_so_a_machine_lost_during_it_leaves_the_tables(
+    smoke_run, code_prompts, tmp_path, monkeypatch
+):
+    """A divergence to replay: the report is written first, the divergence not judged yet, and stays when the
+    judging dies (the lent machine went away); a run without divergences writes it once, after the judging."""
+    _, smoke_dir, _ = smoke_run
+    stopped = stopped_copy(smoke_dir, tmp_path / "stopped")
+    (stopped / VERDICTS_FILE).write_text("")
+    runs = [json.loads(line) for line in (stopped / RUNS_FILE).read_text().splitlines()]
+    planted = next(r for r in runs if r["phase"] == "eval" and r["arm"] == "eagle3")
+    planted["token_ids"][5] = (planted["token_ids"][5] + 1) % 8192
+    (stopped / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+
+    class MachineGone(Exception):
+        pass
+
+    def gone(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise MachineGone
+
+    monkeypatch.setattr(Judge, "_greedy_evidence", gone)
+    with pytest.raises(MachineGone):
+        main([*_argv(code_prompts, stopped), "--resume"])
+    written = json.loads((stopped / "results.json").read_text())
+    verdicts = {r["label"]: r["exactness"] for r in written["runs"] if r["phase"] == "eval" and r["arm"] != "auto"}
+    waiting = verdicts.pop(planted["label"])
+    assert waiting["verdict"] == "unchecked" and "not judged yet" in waiting["reason"]
+    assert waiting["divergence"]["position"] == 5
+    assert {v["verdict"] for v in verdicts.values()} == {"exact"} and not written["exactness"]["passed"]
+    assert "(1 unchecked)" in (stopped / "results.md").read_text()
+    assert len(written["summaries"]) == len({(r["context"], r["label"]) for r in runs if r["phase"] == "eval"})
+
+
 def test_the_judging_limit_counts_from_its_start():
     now = [100.0]
     limit = JudgingLimit(0.5, clock=lambda: now[0])

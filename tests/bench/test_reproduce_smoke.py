@@ -117,9 +117,9 @@ def test_the_serving_engine_is_freed_before_the_judging_loads_its_models(code_pr
     alive_at_judging: list[bool] = []
     start = protocol._Protocol.__init__
 
-    def tracked_start(self, config, engine, *rest):  # noqa: ANN001, ANN002, ANN202
+    def tracked_start(self, config, engine, *rest, **named):  # noqa: ANN001, ANN002, ANN003, ANN202
         engines.append(weakref.ref(engine))
-        start(self, config, engine, *rest)
+        start(self, config, engine, *rest, **named)
 
     free = protocol.free_gpu_memory
     monkeypatch.setattr(protocol._Protocol, "__init__", tracked_start)
