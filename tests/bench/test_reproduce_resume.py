@@ -148,18 +148,24 @@ def test_the_fp32_runs_attention_is_a_judging_choice_that_a_resumed_run_may_chan
     assert json.loads((resumed / PROTOCOL_FILE).read_text())["settings"]["attention_backend"] == "auto"
 
 
+def _planted_divergence(smoke_dir: Path, to: Path, position: int) -> tuple[Path, dict, list[dict]]:
+    """The smoke run stopped before its judging (no verdicts, no results), its ``eagle3`` evaluation's token at
+    ``position`` changed: the folder, that run, and every recorded run."""
+    stopped = stopped_copy(smoke_dir, to)
+    (stopped / VERDICTS_FILE).write_text("")
+    runs = [json.loads(line) for line in (stopped / RUNS_FILE).read_text().splitlines()]
+    planted = next(r for r in runs if r["phase"] == "eval" and r["arm"] == "eagle3")
+    planted["token_ids"][position] = (planted["token_ids"][position] + 1) % 8192
+    (stopped / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    return stopped, planted, runs
+
+
 def test_past_the_judging_limit_a_divergence_is_left_unchecked_and_a_later_resume_judges_it(
     smoke_run, code_prompts, tmp_path, monkeypatch
 ):
     """``--judge-minutes 0``: a divergence is neither judged nor recorded; the report says so and does not pass.
     Runs equal to Auto's are still exact. Resumed without the limit, the divergence is judged."""
-    _, smoke_dir, _ = smoke_run
-    stopped = stopped_copy(smoke_dir, tmp_path / "stopped")
-    (stopped / VERDICTS_FILE).write_text("")
-    runs = [json.loads(line) for line in (stopped / RUNS_FILE).read_text().splitlines()]
-    planted = next(r for r in runs if r["phase"] == "eval" and r["arm"] == "eagle3")
-    planted["token_ids"][3] = (planted["token_ids"][3] + 1) % 8192
-    (stopped / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    stopped, planted, _ = _planted_divergence(smoke_run[1], tmp_path / "stopped", position=3)
 
     def no_evidence(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a divergence was judged past the judging limit")
@@ -188,14 +194,8 @@ def test_the_report_is_written_before_the_judging_so_a_machine_lost_during_it_le
     smoke_run, code_prompts, tmp_path, monkeypatch
 ):
     """A divergence to replay: the report is written first, the divergence not judged yet, and stays when the
-    judging dies (the lent machine went away); a run without divergences writes it once, after the judging."""
-    _, smoke_dir, _ = smoke_run
-    stopped = stopped_copy(smoke_dir, tmp_path / "stopped")
-    (stopped / VERDICTS_FILE).write_text("")
-    runs = [json.loads(line) for line in (stopped / RUNS_FILE).read_text().splitlines()]
-    planted = next(r for r in runs if r["phase"] == "eval" and r["arm"] == "eagle3")
-    planted["token_ids"][5] = (planted["token_ids"][5] + 1) % 8192
-    (stopped / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    judging dies (the lent machine went away)."""
+    stopped, planted, runs = _planted_divergence(smoke_run[1], tmp_path / "stopped", position=5)
 
     class MachineGone(Exception):
         pass
