@@ -334,10 +334,14 @@ class StepCostModel:
     def observe_step(self, step_seconds: float, proposal_seconds: float, verify_seconds: float) -> None:
         """One whole step (wall time from one proposing draft call to the next) whose proposal took
         ``proposal_seconds`` and whose verify ``verify_seconds`` on the device. A step far longer than the
-        average (a request's start ingesting its prompt, say) moves it by at most twice the average."""
+        average (a request's start ingesting its prompt, say) moves it by at most twice the average. The first
+        step has no average to bound it and is the likeliest to hold a one-off start (a lazy capture or compile
+        on the target, hundreds of milliseconds): its overhead counts at most its device time, else a 0.9 decay
+        would carry that start into the next fifty steps' plans."""
         overhead = max(0.0, step_seconds - proposal_seconds - verify_seconds)
         if not self.overhead_measured:
-            self.step_overhead_seconds, self.overhead_measured = overhead, True
+            self.step_overhead_seconds = min(overhead, proposal_seconds + verify_seconds)
+            self.overhead_measured = True
         else:
             overhead = min(overhead, 2 * self.step_overhead_seconds)
             self.step_overhead_seconds = 0.9 * self.step_overhead_seconds + 0.1 * overhead

@@ -275,6 +275,9 @@ def test_step_overhead_is_the_rest_of_a_step_averaged_with_long_steps_bounded():
     before = cost.step_overhead_seconds
     cost.observe_step(0.0050, proposal_seconds=0.0020, verify_seconds=0.0080)  # overlapping spans: none
     assert cost.step_overhead_seconds == pytest.approx(0.9 * before)
+    started = StepCostModel()
+    started.observe_step(0.4, proposal_seconds=0.0020, verify_seconds=0.0080)  # a first step with a capture in it
+    assert started.overhead_measured and started.step_overhead_seconds == pytest.approx(0.0100)  # its device time
 
 
 @pytest.mark.parametrize(
