@@ -20,9 +20,10 @@ choice's predicted value is at least each one's, by construction (up to the hyst
 current bound is kept).
 
 Cadence. The bound is chosen again every ``REPLAN_EVERY`` proposals, and at once when the batch size
-crosses a power of two (the verify cost moves with it). The runtime's first online batch starts from
-the largest of its sessions' own budgets (where a tuned profile starts them) and keeps it
-``START_STEPS`` proposals, so the own budgets are measured first.
+crosses a power of two (the verify cost moves with it). A new online batch (the runtime's first, or the
+first after every online session of the last one ended: each request of a client at batch 1) starts from the
+largest of its sessions' own budgets (where a tuned profile starts them) and keeps it ``START_STEPS``
+proposals, so the own budgets are measured first on the new text rather than the last request's bound kept.
 
 Probes. One online session in turn proposes a probe (``tree_plan.TreePlanner.probes``) in one proposal
 of every ``PROBE_EVERY``, so candidates larger than the bound stay measured. A probe pads the whole

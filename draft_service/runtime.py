@@ -178,6 +178,8 @@ class DraftRuntime:
         with self._lock:
             started = time.perf_counter()
             released = {sid: self._release(sid) for sid in batch.releases if sid in self.sessions}
+            if released and all(s.planner is None for s in self.sessions.values()):
+                self.batch_plan = BatchPlanner()  # the online batch ended: the next online session starts a new one
             if batch.verify_cost is not None:
                 self.step_cost.observe_verify(batch.verify_cost.rows, batch.verify_cost.seconds)
                 self._observe_step_cost(started, batch.verify_cost.seconds)

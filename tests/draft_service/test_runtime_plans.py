@@ -112,6 +112,22 @@ def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work
     assert observed_per_step[1:] and max(observed_per_step) <= OBSERVED_PER_STEP + 1 and min(observed_per_step[1:]) > 0
 
 
+def test_once_every_online_session_ended_the_next_starts_a_new_batch_from_its_own_budget(planning_runtime):
+    """A client at batch 1 sends one request after another: each starts from its own (tuned) budget, as the
+    runtime's first did, not from the bound the last request's text chose."""
+    runtime = planning_runtime
+    list(stepped_online_batch(runtime, STEPS))
+    left = runtime.batch_plan.bound
+    runtime.step(DraftBatch(releases=[f"s{i}" for i in range(SESSIONS - 1)]))
+    assert runtime.batch_plan.bound == left  # an online session still runs: its batch goes on
+    runtime.step(DraftBatch(releases=[f"s{SESSIONS - 1}"]))
+    features = torch.zeros(24, 3 * runtime.head.config.target_hidden_size)
+    start = DraftStart("next", [3] * 24, features, 1, DraftOptions("online", "32:0.0:10"))
+    assert "next" in runtime.step(DraftBatch(starts=[start], proposes=["next"])).trees
+    assert left != Bound(32, 10) and runtime.batch_plan.bound == Bound(32, 10)
+    assert runtime.batch_plan.proposals_to_choice == START_STEPS - 1  # kept for START_STEPS proposals
+
+
 def test_probes_back_off_while_the_batchs_bound_stays(planning_runtime):
     """Past the start, the batch is planned without proposing (200 proposals of the bundled head take minutes on a
     CPU), so its planners learn nothing and its first chosen bound stays: every probe leaves it as it was, and the
