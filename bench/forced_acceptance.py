@@ -215,12 +215,18 @@ def write_results(out: Path, settings: DiffSpecSettings, rows: list[dict]) -> No
     plot(summaries, out.with_suffix(".png"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_text_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the pair and the prompts whose target passes a drafting bench walks along."""
     parser.add_argument("--base-model", type=Path, required=True)
     parser.add_argument("--draft-model", type=Path, required=True)
     parser.add_argument("--data", type=Path, required=True,
                         help="JSONL with a 'text' field per prompt, or a plain file")
+    parser.add_argument("--cache", type=Path, help="a folder keeping each prompt's target pass for later runs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_text_arguments(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--first-prompt", type=int, default=0, help="the dataset index the prompts are taken from on")
@@ -234,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-prompts", action="store_true",
                         help="at every length the prompts long enough for the longest, each cut to it: context "
                              "length is then the only difference between lengths (cuts keep the prompt's end)")
-    parser.add_argument("--cache", type=Path, help="a folder keeping each prompt's target pass for later runs")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 

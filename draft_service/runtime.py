@@ -168,6 +168,11 @@ class DraftRuntime:
         self._lock = threading.Lock()
 
     @property
+    def last_proposal_depth(self) -> int:
+        """Draft depths the last batch proposal ran (its deepest plan): what its device time grew with."""
+        return self._timed_proposal.depth if self._timed_proposal is not None else 0
+
+    @property
     def bounds_proposed(self) -> collections.Counter[Bound]:
         """Proposals per online batch bound so far."""
         return collections.Counter({bound: report.proposals for bound, report in self.bound_audit.reports().items()})
