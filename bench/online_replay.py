@@ -36,7 +36,7 @@ from bench.forced_acceptance import (
 )
 from bench.reproduce.output import device_name
 from bench.reproduce.prompts import load_datasets, prompts_at
-from diffspec.settings import DiffSpecSettings
+from diffspec.settings import DiffSpecSettings, parse_sizes
 from diffspec.tree import DraftTree
 from draft_service.backend import DraftAccept, DraftBatch, DraftStart, VerifyCost
 from draft_service.hazard import StepCostModel
@@ -65,10 +65,12 @@ class FrozenCost(StepCostModel):
         pass
 
 
-def frozen_cost(verify_ms: dict[int, float], draft_ms: dict[int, float], overhead_ms: float) -> FrozenCost:
+def frozen_cost(
+    verify_ms: dict[int, float], draft_ms: dict[int, float], overhead_ms: float, graph_tree_sizes: tuple[int, ...] = ()
+) -> FrozenCost:
     """The frozen model of ``verify_ms`` (tree tokens -> ms, batch 1), ``draft_ms`` (depths -> ms) and a step's
-    overhead."""
-    cost = FrozenCost()
+    overhead; a verify computes its tree padded to the step graph bucket of ``graph_tree_sizes``, as on the GPU."""
+    cost = FrozenCost(graph_batch_sizes=(1,), graph_tree_sizes=graph_tree_sizes)
     for tokens, ms in verify_ms.items():
         StepCostModel.observe_verify(cost, tokens, ms / 1000)
     for depth, ms in draft_ms.items():
@@ -116,14 +118,15 @@ def replay(
     steps, root, seconds = 0, 0, 0.0  # root: the continuation index of the current tree's root
     while root < new_tokens - 1:
         tree = DraftTree.of(trees[session_id])
-        verify_seconds = cost.verify_seconds(tree.num_nodes, length + root)
+        rows = cost.computed_rows(1, tree.num_nodes)  # the step graph bucket the verify runs in
+        verify_seconds = cost.verify_seconds(rows, length + root)
         seconds += cost.step_overhead_seconds + cost.draft_seconds(runtime.last_proposal_depth) + verify_seconds
         emitted = len(accepted_path(tree, cont[root + 1 :])) + 1
-        rows = text.features[length + root : length + root + emitted]  # the root's and the accepted entries'
-        accept = DraftAccept(session_id, cont[root + 1 : root + 1 + emitted], rows)
+        features = text.features[length + root : length + root + emitted]  # the root's and the accepted entries'
+        accept = DraftAccept(session_id, cont[root + 1 : root + 1 + emitted], features)
         steps, root = steps + 1, root + emitted
         proposes = [session_id] if root < new_tokens - 1 else []
-        verify = VerifyCost(rows=tree.num_nodes, seconds=verify_seconds)
+        verify = VerifyCost(rows=rows, seconds=verify_seconds)
         trees = runtime.step(DraftBatch(accepts=[accept], proposes=proposes, verify_cost=verify)).trees
     runtime.step(DraftBatch(releases=[session_id]))
     return ReplayedRun(prompt, options.policy, steps, root, seconds)
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     runtime = build_draft(settings, target)
     if not isinstance(runtime, DraftRuntime):
         parser.error(f"no draft head at {args.draft_model}")
-    runtime.step_cost = frozen_cost(args.verify_ms, args.draft_ms, args.overhead_ms)
+    graph_tree_sizes = parse_sizes(settings.graph_tree_sizes)
+    runtime.step_cost = frozen_cost(args.verify_ms, args.draft_ms, args.overhead_ms, graph_tree_sizes)
     runs: list[ReplayedRun] = []
     for index, ids in prompts_at(dataset, args.length, args.first_prompt, args.prompts):
         key = f"{dataset.name}_{args.length}_{index}_{args.max_new_tokens}"

@@ -33,6 +33,8 @@ def test_the_frozen_cost_prices_as_measured_and_learns_nothing():
     cost.observe_draft(10, 1.0)
     cost.observe_step(5.0, 1.0, 1.0)
     assert (cost.verify_seconds(16), cost.verify_seconds(32), cost.draft_seconds(8), cost.step_overhead_seconds) == priced
+    padded = frozen_cost({16: 7.0, 32: 10.0}, {6: 1.2, 10: 2.0}, 0.3, graph_tree_sizes=(8, 16, 32, 64))
+    assert (padded.computed_rows(1, 19), cost.computed_rows(1, 19)) == (32, 19)  # a 19-node tree runs the 32 graph
 
 
 def test_the_full_arm_takes_the_drafters_own_steps_and_online_runs_beside_it():
