@@ -73,9 +73,8 @@ def frozen_cost(
     cost = FrozenCost(graph_batch_sizes=(1,), graph_tree_sizes=graph_tree_sizes)
     for tokens, ms in verify_ms.items():
         StepCostModel.observe_verify(cost, tokens, ms / 1000)
-    for depth, ms in draft_ms.items():
-        StepCostModel.observe_draft(cost, depth, ms / 1000)
-        cost.draft_seconds_by_batch[1][depth] = ms / 1000  # as measured, not averaged with the first point
+    cost.draft_seconds_by_batch = {1: {depth: ms / 1000 for depth, ms in draft_ms.items()}}
+    cost.draft_measured = True
     cost.step_overhead_seconds, cost.overhead_measured = overhead_ms / 1000, True
     return cost
 

@@ -363,7 +363,7 @@ class TreePlanner:
 
             def guess(budget: TreeBudget) -> float:  # drafts of the best static tree known of its size and depth
                 known = [uniform_widths(budget)]
-                if shaped.budget.total_tokens <= budget.total_tokens and shaped.depth <= budget.depth:
+                if Bound(budget.total_tokens, budget.depth).fits(shaped):
                     known.append(tuple(shaped.widths))
                 return ratio * max(expected_tokens(passes, widths) for widths in known) - 1.0
 
