@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -31,7 +31,7 @@ from bench.reproduce import arms as arm_names
 from bench.reproduce.arms import Arm, baseline_arms, tuning_grid
 from bench.reproduce.checkpoint import RunCheckpoint, run_key
 from bench.reproduce.draft_steps import DraftStep, build_recording_engine, take_draft_steps
-from bench.reproduce.exactness import ExactnessResult, first_divergence
+from bench.reproduce.exactness import Divergence, ExactnessResult, first_divergence
 from bench.reproduce.fp32_rerun import Fp32Rerun
 from bench.reproduce.inflate import inflate_pair
 from bench.reproduce.judging import Judge, JudgingLimit, pending
@@ -76,6 +76,14 @@ class WarmupSteps:
 
     def to_dict(self) -> dict:
         return {"before_run": self.before_run, "steps": [step.to_list() for step in self.steps]}
+
+
+class BesideAuto(NamedTuple):
+    """An evaluated arm's run, Auto's run of the same prompt, and where the arm's tokens first leave Auto's."""
+
+    run: RunRecord
+    auto: RunRecord
+    divergence: Divergence | None  # None: the same tokens
 
 
 @dataclass(frozen=True)
@@ -266,14 +274,19 @@ class _Protocol:
         return ProtocolResult(self.out_dir, self.runs, self.scores, summarise(evaluated), exit_code,
                               self.warmup_draft_steps)
 
+    def _beside_auto(self) -> list[BesideAuto]:
+        """Every evaluated arm's run with Auto's run of the same prompt and where their tokens first differ."""
+        evaluated = [r for r in self.runs if r.phase == "eval"]
+        auto = {(r.dataset, r.context, r.prompt): r for r in evaluated if r.arm == arm_names.AUTO}
+        pairs = [(run, auto[run.dataset, run.context, run.prompt]) for run in evaluated if run.arm != arm_names.AUTO]
+        return [BesideAuto(run, auto_run, first_divergence(auto_run.token_ids, run.token_ids))
+                for run, auto_run in pairs]
+
     def _verdicts_before_judging(self) -> int:
         """Each evaluated run's verdict as far as it is known before the replays: recorded, exact (Auto's tokens),
         or not judged yet (``judging.pending``). Returns how many await the judging."""
-        evaluated = [r for r in self.runs if r.phase == "eval"]
-        auto = {(r.dataset, r.context, r.prompt): r for r in evaluated if r.arm == arm_names.AUTO}
         waiting = 0
-        for run in (r for r in evaluated if r.arm != arm_names.AUTO):
-            divergence = first_divergence(auto[run.dataset, run.context, run.prompt].token_ids, run.token_ids)
+        for run, _, divergence in self._beside_auto():
             run.exactness = self.checkpoint.verdict(run_key(run))
             if run.exactness is None:
                 run.exactness = pending(divergence) if divergence is not None else ExactnessResult(
@@ -379,11 +392,9 @@ class _Protocol:
         """Verdicts for every evaluated arm against Auto's run of the same prompt; 1 on any engine arm's
         mismatch. The outside reference is judged by the same rule, but its mismatch is a warning: its
         kernels round differently from the engine's at every position, not only where a tree is verified."""
-        evaluated = [r for r in self.runs if r.phase == "eval"]
-        auto = {(r.dataset, r.context, r.prompt): r for r in evaluated if r.arm == arm_names.AUTO}
-        judged = [r for r in evaluated if r.arm != arm_names.AUTO]
-        diverging = [r for r in judged if self.checkpoint.verdict(run_key(r)) is None
-                     and first_divergence(auto[r.dataset, r.context, r.prompt].token_ids, r.token_ids) is not None]
+        judged = self._beside_auto()
+        diverging = [b.run for b in judged
+                     if b.divergence is not None and self.checkpoint.verdict(run_key(b.run)) is None]
         # each model loads once, at the size of the longest prompt to judge
         longest = max((len(self.prompt_ids[r.dataset, r.context, r.prompt]) for r in diverging), default=0)
         replay = TargetReplay(self.base_model, _torch_dtype(serving_dtype), _device(), self.settings,
@@ -392,15 +403,13 @@ class _Protocol:
         fp32_settings = self.settings if backend is None else self.settings.model_copy(update={"attention_backend": backend})
         judge = Judge(replay, Fp32Rerun(fp32_settings, longest, sampling=self.sampling))
         limit = JudgingLimit(self.config.judge_minutes)
-        for run in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
-            key = (run.dataset, run.context, run.prompt)
+        for run, auto, divergence in tqdm(judged, unit="run", desc="judge", dynamic_ncols=True):
             run.exactness = self.checkpoint.verdict(run_key(run))
-            if (run.exactness is None and limit.reached()
-                    and (divergence := first_divergence(auto[key].token_ids, run.token_ids)) is not None):
+            if run.exactness is None and divergence is not None and limit.reached():
                 run.exactness = limit.unchecked(divergence)  # not recorded: --resume judges it
             elif run.exactness is None:
                 started = time.perf_counter()
-                run.exactness = self._verdict(judge, run, auto[key], self.prompt_ids[key])
+                run.exactness = self._verdict(judge, run, auto, self.prompt_ids[run.dataset, run.context, run.prompt])
                 self.checkpoint.record_verdict(run_key(run), run.exactness)
                 if run.exactness.verdict != "exact":
                     log.info("judged %s ctx=%d prompt=%d %s: %s (%s) in %.1f s", run.dataset, run.context, run.prompt,
@@ -415,8 +424,8 @@ class _Protocol:
         if limit.left_unchecked:
             log.warning("judging stopped after %.1f minutes (--judge-minutes): %d divergences unchecked; --resume "
                         "judges them", self.config.judge_minutes, limit.left_unchecked)
-        return int(any(r.exactness is not None and r.exactness.verdict == "mismatch" and r.arm != REFERENCE
-                       for r in evaluated))
+        return int(any(b.run.exactness is not None and b.run.exactness.verdict == "mismatch"
+                       and b.run.arm != REFERENCE for b in judged))
 
     def _verdict(self, judge: Judge, run: RunRecord, auto: RunRecord, prompt_ids: list[int]) -> ExactnessResult:
         """The judge's verdict, greedy or sampled: every arm samples with one seed, so its tokens are Auto's too."""
