@@ -31,9 +31,7 @@ batch's verify, so probes that change nothing back off (``ProbeSchedule``): the 
 probe that keeps the bound doubles the interval, up to ``PROBE_EVERY_MAX``; a new bound, a batch size
 that crosses a power of two, or a new batch returns it to ``PROBE_EVERY`` at once. The probe is the largest
 of the session's nested probes past the bound whose padded verify is predicted to cost at most
-``PROBE_OVERHEAD`` more than the bound's; where none does, the turn passes without one. A probe past the
-bound by depth alone (the grid's 16-token tree 10 deep over a bound 4 deep) verifies at the bound's cost and
-deepens the batch's proposal, about 0.1-0.2 ms a depth for an 8B-shaped head, a few percent of a verify.
+``PROBE_OVERHEAD`` more than the bound's; where none does, the turn passes without one.
 
 Record. Each choice keeps what it predicted for the bound it chose, by part, and the best other bound's
 value (``BoundChoice``): ``draft_service.bound_audit`` sets it beside what the steps within the bound delivered.

@@ -19,7 +19,7 @@ from draft_service.batch_plan import (
 )
 from draft_service.hazard import HazardProfile, StepCostModel
 from draft_service.tree_budget import TreeBudget
-from draft_service.tree_plan import CANDIDATE_GRID, Bound, Candidate, nested_probes
+from draft_service.tree_plan import CANDIDATE_GRID, Bound, Candidate
 from tests.draft_service.test_tree_plan import MEANS, planner_with
 
 GRID_BOUNDS = [Bound(b.total_tokens, b.depth) for b in CANDIDATE_GRID]
@@ -128,15 +128,14 @@ def test_a_batch_starts_from_the_largest_own_budget_and_chooses_again_when_due()
     assert planner.due(3)
 
 
-PROBES = nested_probes(list(CANDIDATE_GRID))  # a planner's of the grid: 16:0.0:10, 32:0.0:10, ..., 96:0.0:10
+PROBES = tuple(Candidate.dynamic(budget) for budget in CANDIDATE_GRID)  # nested, as a planner's of the grid
 
 
 @pytest.mark.parametrize(
     ("cost", "batch", "bound", "probe"),
     [
-        # 512 rows for the next size up already cost 1.6x the bound's 256; 16 tokens 10 deep verify as the bound
-        (KNEE, 16, Bound(16, 4), "16:0.0:10"),
-        (KNEE, 4, Bound(16, 4), "64:0.0:10"),  # 256 rows: the weights' read; 96's 384 rows cost 1.4x
+        (KNEE, 16, Bound(16, 4), None),  # 512 rows for the next size up already cost 1.6x the bound's 256
+        (KNEE, 4, Bound(16, 4), "64:0.0:8"),  # 256 rows: the weights' read; 96's 384 rows cost 1.4x
         (KNEE, 1, Bound(16, 4), "96:0.0:10"),  # 96 rows: still the weights' read
         (FLAT, 16, Bound(16, 4), "96:0.0:10"),
         (FLAT, 16, Bound(64, 8), "96:0.0:10"),
