@@ -101,8 +101,12 @@ class ReplayedRun:
     seconds: float  # the frozen model's price of its steps
 
     def to_dict(self) -> dict:
-        return {**vars(self), "tau": round(self.tokens / self.steps, 3),
-                "tokens_per_s": round(self.tokens / self.seconds, 1)}  # fmt: skip
+        return {**vars(self), **rates(self.steps, self.tokens, self.seconds)}
+
+
+def rates(steps: int, tokens: int, seconds: float) -> dict[str, float]:
+    """tau and the frozen model's tokens per second, as the JSON reports them, for one run or an arm's sum."""
+    return {"tau": round(tokens / steps, 3), "tokens_per_s": round(tokens / seconds, 1)}
 
 
 def replay(
@@ -137,8 +141,7 @@ def summarise(runs: list[ReplayedRun]) -> dict[str, dict]:
     for arm in dict.fromkeys(r.arm for r in runs):
         mine = [r for r in runs if r.arm == arm]
         steps, tokens, seconds = (sum(getattr(r, f) for r in mine) for f in ("steps", "tokens", "seconds"))
-        summary[arm] = {"prompts": len(mine), "tau": round(tokens / steps, 3),
-                        "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+        summary[arm] = {"prompts": len(mine), **rates(steps, tokens, seconds)}
     return summary
 
 
