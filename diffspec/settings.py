@@ -84,6 +84,14 @@ class DiffSpecSettings(BaseSettings):
         "proposal is queued behind them at once, so the GPU runs it while the host reads the verify's results "
         "(off: the next step proposes after the results). The same trees either way.",
     )
+    draft_prefix_cache_tokens: int = Field(
+        65536, ge=0,
+        description="Prompt and generated entries the draft's prefix cache keeps after their request ends, in blocks "
+        "of 64, per cache scope (the client): a prompt that starts with cached blocks takes them instead of the "
+        "target's features, and the target's own prefix cache then skips those positions' forward too. Memory on "
+        "the draft's device: 2 x layers x KV heads x head dim x dtype bytes a token (4 KiB for a Llama-3.1-8B "
+        "EAGLE-3 head in bf16). 0 = off.",
+    )
     tuning_profile: str = Field(
         "",
         description="tuned_profile.json written by python -m bench.reproduce: a request that sets no policy, tree "

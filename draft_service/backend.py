@@ -1,7 +1,9 @@
 """The contract between the engine loop and a draft: in process or over gRPC, the same call.
 
 One ``step`` call per loop iteration carries the whole batch: sessions to release (their
-final stats come back), sessions to start (the prompt's EAGLE-3 features from the target),
+final stats come back), prompts to look up in the draft's prefix cache (before the target opens
+them: it computes features only past the cached entries), sessions to start (the prompt's EAGLE-3
+features from the target),
 the tokens the target committed for each running session at the last verification (with
 their features), and the sessions to propose a tree for. The measured cost of the last
 verification batch rides along, so tree budgets follow the batch they will be verified in.
@@ -24,7 +26,10 @@ from draft_service.options import DraftOptions
 if TYPE_CHECKING:
     from diffspec.device_accept import DeviceAccept
 
-__all__ = ["DraftOptions", "DraftStats", "DraftStart", "DraftAccept", "VerifyCost", "DraftBatch", "DraftBatchResult"]
+__all__ = [
+    "DraftOptions", "DraftStats", "PrefixLookup", "DraftStart", "DraftAccept", "VerifyCost", "DraftBatch",
+    "DraftBatchResult",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -38,12 +43,23 @@ class DraftStats:
 
 
 @dataclass(frozen=True)
+class PrefixLookup:
+    """A queued prompt's leading entries the draft's prefix cache holds, pinned for its session until it starts or
+    is released (``draft_service/prefix_cache.py``)."""
+
+    session_id: str
+    prompt_ids: list[int]
+    cache_scope: str = ""  # tenant: cached entries are shared only within a scope
+
+
+@dataclass(frozen=True)
 class DraftStart:
     session_id: str
     prompt_ids: list[int]
-    features: Features  # [len(prompt_ids), 3 * target_hidden]
+    features: Features  # [len(prompt_ids) - cached_positions, 3 * target_hidden]: the positions after the cached
     first_token: int
     options: DraftOptions
+    cached_positions: int = 0  # leading prompt entries taken from the session's prefix-cache lookup
 
 
 @dataclass(frozen=True)
@@ -66,14 +82,15 @@ class VerifyCost:
 
 @dataclass(frozen=True)
 class DraftBatch:
-    releases: list[str] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)  # a session's or a lookup's pin
     starts: list[DraftStart] = field(default_factory=list)
     accepts: list[DraftAccept] = field(default_factory=list)
     proposes: list[str] = field(default_factory=list)  # after starts and accepts are applied
     verify_cost: VerifyCost | None = None
+    lookups: list[PrefixLookup] = field(default_factory=list)  # applied after the releases, before the starts
 
     def __bool__(self) -> bool:
-        return bool(self.releases or self.starts or self.accepts or self.proposes)
+        return bool(self.releases or self.lookups or self.starts or self.accepts or self.proposes)
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,7 @@ class DraftBatchResult:
     trees: dict[str, ProposedTree] = field(default_factory=dict)
     released: dict[str, DraftStats] = field(default_factory=dict)
     failures: dict[str, DiffSpecError] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)  # per lookup: leading prompt entries pinned for it
 
 
 class DraftBackend(Protocol):

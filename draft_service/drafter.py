@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +76,14 @@ class DraftSession:
     root_hidden: torch.Tensor  # [hidden] that layer's input; with root_query, the proposal computes the output
     num_entries: int  # committed entries = position of the root token
     root_token: int  # last emitted token (target id)
+    token_ids: list[int]  # [num_entries + 1] token 0, then each committed entry's next token: the prefix cache's key
     unsettled: UnsettledEntries | None = None  # entries written on the device past num_entries, not yet checked
+
+    def commit(self, next_tokens: list[int]) -> None:
+        """Count the entries just written for ``next_tokens`` as committed; the last of them is the next root."""
+        self.num_entries += len(next_tokens)
+        self.token_ids += next_tokens
+        self.root_token = next_tokens[-1]
 
 
 class Drafter:
@@ -100,16 +107,20 @@ class Drafter:
         features: torch.Tensor,
         first_token: int,
         salience: WorkingSetConfig | None = None,
+        load_cached: Callable[[DraftContext], int] | None = None,
     ) -> DraftSession:
-        """Build the draft KV over the prompt: entries pair f[t] with token t + 1."""
+        """Build the draft KV over the prompt: entries pair f[t] with token t + 1. ``load_cached``: fills the
+        empty context with the prompt's first entries from the prefix cache and returns how many; ``features``
+        then holds the rows of the positions after them."""
         c, weight = self.head.config, self.head.fc.weight
         pool = self._chunk_pool(salience.chunk_size) if salience is not None else None
         context = DraftContext(
             c.num_kv_heads, c.head_dim, weight.dtype, weight.device, salience, c.num_layers, pool, self.head.rope
         )
+        cached = load_cached(context) if load_cached is not None else 0
         nothing = torch.empty(0)
-        session = DraftSession(context, root_query=nothing, root_hidden=nothing, num_entries=0, root_token=first_token)
-        self.extend_many([Extension(session, features, [*prompt_ids[1:], first_token])], select_now=True)
+        session = DraftSession(context, nothing, nothing, cached, prompt_ids[cached], list(prompt_ids[: cached + 1]))
+        self.extend_many([Extension(session, features, [*prompt_ids[cached + 1 :], first_token])], select_now=True)
         return session
 
     def _chunk_pool(self, chunk_size: int) -> ChunkEncodingPool:
@@ -146,9 +157,8 @@ class Drafter:
         tokens, positions, last_rows = rows.split([ends[-1], ends[-1], len(extensions)])
         features = [e.features for e in extensions]
         queries, hiddens = self._write_entries(sessions, counts, features, tokens, positions, last_rows)
-        for extension, n in zip(extensions, counts):
-            extension.session.num_entries += n
-            extension.session.root_token = extension.next_tokens[-1]
+        for extension in extensions:
+            extension.session.commit(extension.next_tokens)
         for session, query, hidden in zip(sessions, queries, hiddens):
             session.root_query, session.root_hidden = query, hidden
         if select_now:
@@ -210,9 +220,8 @@ class Drafter:
             session, unsettled = extension.session, extension.session.unsettled
             if unsettled is not None and unsettled.agrees_with(extension.next_tokens):
                 session.unsettled = None
-                session.num_entries += len(extension.next_tokens)
+                session.commit(extension.next_tokens)
                 session.context.keep(session.num_entries)
-                session.root_token = extension.next_tokens[-1]
                 settled.append(session)
                 kept.append(True)
                 continue

@@ -1,7 +1,8 @@
 """Draft step dataclasses <-> ``diffspec.v1.draft`` messages, for the servicer and the client alike.
 
-A step's features travel after it as one row-chunked tensor: each start's prompt rows, then
-each accept's rows, in the step's order (the row counts are the prompt and emitted lengths).
+A step's features travel after it as one row-chunked tensor: each start's prompt rows past its cached
+entries, then each accept's rows, in the step's order (the row counts are those prompt positions and the
+emitted lengths).
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from diffspec.feature_rows import Features, WireRows, wire_rows
 from diffspec.v1 import draft_pb2
 from diffspec.tree_nodes import TreeNodes
 from diffspec.wire import error_from_failure, failure_to_proto
-from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats, VerifyCost
+from draft_service.backend import (
+    DraftAccept,
+    DraftBatch,
+    DraftBatchResult,
+    DraftStart,
+    DraftStats,
+    PrefixLookup,
+    VerifyCost,
+)
 from draft_service.options import DraftOptions
 
 
@@ -27,9 +36,13 @@ def batch_to_proto(batch: DraftBatch) -> tuple[draft_pb2.DraftStep, WireRows | N
     """The step message and the feature rows that follow it, if any."""
     step = draft_pb2.DraftStep(
         releases=batch.releases,
+        lookups=[
+            draft_pb2.PrefixLookup(session_id=q.session_id, prompt_ids=q.prompt_ids, cache_scope=q.cache_scope)
+            for q in batch.lookups
+        ],
         starts=[
             draft_pb2.DraftStart(session_id=s.session_id, prompt_ids=s.prompt_ids, first_token=s.first_token,
-                                 options=options_to_proto(s.options))  # fmt: skip
+                                 options=options_to_proto(s.options), cached_positions=s.cached_positions)  # fmt: skip
             for s in batch.starts
         ],
         accepts=[
@@ -49,8 +62,10 @@ def batch_to_proto(batch: DraftBatch) -> tuple[draft_pb2.DraftStep, WireRows | N
 
 
 def feature_rows(step: draft_pb2.DraftStep) -> int:
-    """Rows the step's features must have: one per prompt token of each start, one per emitted token of each accept."""
-    return sum(len(s.prompt_ids) for s in step.starts) + sum(len(a.emitted_tokens) for a in step.accepts)
+    """Rows the step's features must have: one per prompt position past each start's cached entries (a start that
+    claims more than its prompt gets none, and fails in the runtime), one per emitted token of each accept."""
+    prompts = sum(max(0, len(s.prompt_ids) - s.cached_positions) for s in step.starts)
+    return prompts + sum(len(a.emitted_tokens) for a in step.accepts)
 
 
 def batch_from_proto(step: draft_pb2.DraftStep, features: Features, scope: str) -> DraftBatch:
@@ -64,8 +79,8 @@ def batch_from_proto(step: draft_pb2.DraftStep, features: Features, scope: str) 
         return features[row - n : row]
 
     starts = [
-        DraftStart(scope + s.session_id, list(s.prompt_ids), take(len(s.prompt_ids)), s.first_token,
-                   options_from_proto(s.options))  # fmt: skip
+        DraftStart(scope + s.session_id, list(s.prompt_ids), take(max(0, len(s.prompt_ids) - s.cached_positions)),
+                   s.first_token, options_from_proto(s.options), s.cached_positions)  # fmt: skip
         for s in step.starts
     ]
     accepts = [
@@ -75,6 +90,7 @@ def batch_from_proto(step: draft_pb2.DraftStep, features: Features, scope: str) 
     cost = VerifyCost(step.verify_rows, step.verify_seconds) if step.verify_rows > 0 else None
     return DraftBatch(
         releases=[scope + s for s in step.releases],
+        lookups=[PrefixLookup(scope + q.session_id, list(q.prompt_ids), q.cache_scope) for q in step.lookups],
         starts=starts,
         accepts=accepts,
         proposes=[scope + s for s in step.proposes],
@@ -89,6 +105,8 @@ def result_to_proto(result: DraftBatchResult, scope: str) -> draft_pb2.DraftStep
     for sid, stats in result.released.items():
         reply.released.add(session_id=sid.removeprefix(scope), stats=stats_to_proto(stats))
     reply.failures.extend(failure_to_proto(sid.removeprefix(scope), f) for sid, f in result.failures.items())
+    for sid, positions in result.cached.items():
+        reply.cached.add(session_id=sid.removeprefix(scope), positions=positions)
     return reply
 
 
@@ -101,7 +119,8 @@ def result_from_proto(reply: draft_pb2.DraftStepReply, peer: str) -> DraftBatchR
         except DiffSpecError as bad:
             failures[proposed.session_id] = bad
     released = {r.session_id: stats_from_proto(r.stats) for r in reply.released}
-    return DraftBatchResult(trees, released, failures)
+    cached = {c.session_id: c.positions for c in reply.cached}
+    return DraftBatchResult(trees, released, failures, cached)
 
 
 def stats_to_proto(stats: DraftStats) -> draft_pb2.DraftStats:

@@ -1,7 +1,8 @@
 """The draft runtime: the EAGLE-3 head, its sessions, and the tree plan each policy asks for.
 
-One ``step`` per engine iteration: release finished sessions (their stats go back), start new
-ones over the target's prompt features, extend running ones with what the target committed,
+One ``step`` per engine iteration: release finished sessions (their stats go back, their entries stay in
+the prefix cache), look queued prompts up in that cache, start new ones over the target's prompt features
+(after the cached entries), extend running ones with what the target committed,
 then grow every requested session's tree together, one head pass per depth for the batch. What
 the verified trees teach (the hazard profiles, the online planners, the bound audit) is learnt
 last, while the device runs the proposal: between a verify's results and the next proposal's
@@ -34,7 +35,7 @@ from diffspec.device_accept import DeviceAccept
 from diffspec.devices import DeviceTimer
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.tree import DraftTree, PendingTree
-from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats
+from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats, PrefixLookup
 from draft_service.drafter import DeviceExtension, Drafter, DraftSession, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.batch_plan import REPLAN_EVERY, BatchCost, BatchPlanner, SessionOutlook, StepSeconds
@@ -42,6 +43,7 @@ from draft_service.bound_audit import BoundAudit
 from draft_service.hazard import HazardProfile, StepCostModel, expected_tokens
 from draft_service.serving_weights import Quantization
 from draft_service.options import validate_options
+from draft_service.prefix_cache import PREFIX_BLOCK_TOKENS, DraftPrefixCache
 from draft_service.tree_budget import MAX_DEPTH
 from draft_service.tree_plan import (
     CANDIDATE_GRID,
@@ -130,6 +132,7 @@ class _SessionState:
     expected_tokens: float = 1.0  # what the last plan expected to emit per step
     proposed_within: Bound | None = None  # the online bound its last tree kept within (None: none, or a probe past it)
     steps_to_replan: int = 0  # proposals left before the plan is made again
+    cache_scope: str | None = None  # its prefix-cache scope; None: its entries are not cached (it was not looked up)
 
 
 class DraftRuntime:
@@ -143,15 +146,24 @@ class DraftRuntime:
         warm_up_batches: tuple[int, ...] = (1,),
         quantization: Quantization = "none",
         propose_ahead: bool = True,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         """``warm_up_batches``: the batch sizes ``warm_up`` proposes at (a server's expected batches).
         ``quantization``: of the head's per-depth matmuls (``serving_weights``). ``propose_ahead``: queue the
-        next proposal behind entries written on the device (the module's docstring)."""
+        next proposal behind entries written on the device (the module's docstring). ``prefix_cache_tokens``:
+        entries the prefix cache keeps (0: none)."""
         self.head = head
         self.warm_up_batches = warm_up_batches
         self.working_set = working_set
         self.drafter = Drafter(head, cuda_graphs, quantization)
         self.sessions: dict[str, _SessionState] = {}
+        c, weight = head.config, head.fc.weight
+        self.prefix_cache = (
+            DraftPrefixCache(prefix_cache_tokens, PREFIX_BLOCK_TOKENS, c.num_layers, c.num_kv_heads, c.head_dim,
+                             weight.dtype, weight.device)
+            if prefix_cache_tokens >= PREFIX_BLOCK_TOKENS else None
+        )  # fmt: skip
+        self._lookup_scopes: dict[str, str] = {}  # looked-up sessions not started yet -> their cache scope
         self.global_hazard = HazardProfile(MAX_DEPTH, GLOBAL_DECAY)
         self.step_cost = StepCostModel()  # verify seconds against the batch's tree tokens, draft seconds per depth
         self.shared_measurements = SharedMeasurements()  # online: every request's, the prior of each one's own
@@ -183,6 +195,11 @@ class DraftRuntime:
         with self._lock:
             started = time.perf_counter()
             released = {sid: self._release(sid) for sid in batch.releases if sid in self.sessions}
+            for sid in batch.releases:
+                self._drop_lookup(sid)
+            for lookup in batch.lookups:
+                self._guard(lookup.session_id, failures, self._lookup, lookup)
+            cached = {lookup.session_id: self._pinned(lookup.session_id) for lookup in batch.lookups}
             if released and all(s.planner is None for s in self.sessions.values()):
                 self.batch_plan = BatchPlanner()  # the online batch ended: the next online session starts a new one
             if batch.verify_cost is not None:
@@ -222,7 +239,8 @@ class DraftRuntime:
                         self._observe(step)
             for sid in failures:
                 self.sessions.pop(sid, None)
-        return DraftBatchResult(trees, released, failures)
+                self._drop_lookup(sid)
+        return DraftBatchResult(trees, released, failures, cached)
 
     def accept_on_device(self, accepts: dict[str, DeviceAccept], ending: frozenset[str] = frozenset()) -> set[str]:
         """Write the entries of verify acceptances the device computed (in one process with the target), while
@@ -289,24 +307,55 @@ class DraftRuntime:
             # frame it holds, a cycle that would keep a failed session's KV until the cyclic collector runs
             failures[session_id] = failure.with_traceback(None)
 
+    def _lookup(self, lookup: PrefixLookup) -> None:
+        """Pin the lookup's cached entries for its session (none without a cache)."""
+        if lookup.session_id in self.sessions or lookup.session_id in self._lookup_scopes:
+            raise InvalidRequest(f"draft session {lookup.session_id!r} already exists")
+        if not lookup.prompt_ids:
+            raise InvalidRequest("a prompt needs at least one token")
+        self._check_token_ids(lookup.prompt_ids)
+        self._lookup_scopes[lookup.session_id] = lookup.cache_scope
+        if self.prefix_cache is not None:
+            self.prefix_cache.lookup(lookup.session_id, lookup.cache_scope, lookup.prompt_ids)
+
+    def _pinned(self, session_id: str) -> int:
+        """Leading prompt entries the session's lookup pinned."""
+        return self.prefix_cache.pinned(session_id) if self.prefix_cache is not None else 0
+
+    def _drop_lookup(self, session_id: str) -> None:
+        """A looked-up session that will not start (released, or failed): its pin goes."""
+        if self._lookup_scopes.pop(session_id, None) is not None and self.prefix_cache is not None:
+            self.prefix_cache.unpin(session_id)
+
     def _start(self, start: DraftStart) -> None:
         policy, budget = validate_options(start.options)
         expected = 3 * self.head.config.target_hidden_size
-        features = start.features
-        if features.ndim != 2 or tuple(features.shape) != (len(start.prompt_ids), expected):
-            raise InvalidRequest(
-                f"features of shape {tuple(features.shape)}; expected ({len(start.prompt_ids)}, {expected})"
-            )
+        features, cached = start.features, start.cached_positions
+        pinned = self._pinned(start.session_id)
+        if cached and not 0 < cached <= min(pinned, len(start.prompt_ids) - 1):
+            raise InvalidRequest(f"{cached} cached prompt entries; the session's lookup pinned {pinned}")
+        rows = len(start.prompt_ids) - cached
+        if features.ndim != 2 or tuple(features.shape) != (rows, expected):
+            raise InvalidRequest(f"features of shape {tuple(features.shape)}; expected ({rows}, {expected})")
         if start.session_id in self.sessions:
             raise InvalidRequest(f"draft session {start.session_id!r} already exists")
         self._check_token_ids([*start.prompt_ids, start.first_token])
         salience = self.working_set if start.options.salience else None
-        state = self.drafter.start(start.prompt_ids, features, start.first_token, salience)
+        scope = self._lookup_scopes.pop(start.session_id, None)
+        cache = self.prefix_cache
+        load = (lambda context: cache.load(start.session_id, context, cached)) if cache is not None else None
+        try:
+            state = self.drafter.start(start.prompt_ids, features, start.first_token, salience, load)
+        finally:
+            if cache is not None:
+                cache.unpin(start.session_id)  # taken, or the start failed
+        if cache is not None and scope is not None:
+            cache.store(scope, state.token_ids, state.context)
         hazard = HazardProfile(MAX_DEPTH, REQUEST_DECAY, prior=self.global_hazard)
         online = policy.name == "online"
         planner = TreePlanner.start(budget, self.shared_measurements, self.candidate_grid) if online else None
         candidate = planner.current if planner is not None else fixed_candidate(policy, budget)
-        self.sessions[start.session_id] = _SessionState(state, hazard, candidate, planner)
+        self.sessions[start.session_id] = _SessionState(state, hazard, candidate, planner, cache_scope=scope)
         # sessions started together replan in different steps, so no step plans for all of them
         self.sessions[start.session_id].steps_to_replan = len(self.sessions) % REPLAN_EVERY
 
@@ -525,6 +574,8 @@ class DraftRuntime:
         session = self.sessions.pop(session_id)
         state = session.drafter_state
         self.drafter.discard_unsettled(state)  # a last verify's entries no accept settled: not its context
+        if self.prefix_cache is not None and session.cache_scope is not None:
+            self.prefix_cache.store(session.cache_scope, state.token_ids, state.context)
         return DraftStats(
             hazard=session.hazard.hazard(session.candidate.widths),
             working_set_tokens=state.context.attended_tokens,

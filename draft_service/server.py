@@ -1,10 +1,10 @@
 """The draft's gRPC servicer: one ``Step`` stream per gateway over the ``DraftRuntime``.
 
 As on the target, a stream's session ids live in a scope of its own and the ``finally``
-releases every draft session still open on it (draft KV, arena slots) however the stream
-ends, once the step in flight has ended (``StepWorker``: a start still running would leak
-otherwise). A step's features follow it in row chunks, each checked against the head's width and
-against the rows the step's starts and accepts need.
+releases every draft session still open on it (draft KV, arena slots, the prefix-cache pins of
+prompts looked up and never started) however the stream ends, once the step in flight has ended
+(``StepWorker``: a start still running would leak otherwise). A step's features follow it in row
+chunks, each checked against the head's width and against the rows the step's starts and accepts need.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 if message.WhichOneof("kind") != "step":
                     raise InvalidRequest("feature chunks must follow a step that announces them")
                 batch = batch_from_proto(message.step, await self._features(context, message.step, runtime), scope)
-                open_sessions.update(s.session_id for s in batch.starts)
+                open_sessions.update(s.session_id for s in [*batch.lookups, *batch.starts])
                 with self.metrics.time_call("step"):
                     result = await worker.run(runtime.step, batch)
                 open_sessions.difference_update(batch.releases, result.failures)

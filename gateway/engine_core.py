@@ -2,8 +2,9 @@
 
 Each iteration, on the engine's own thread:
   1. takes new requests and cancellations from the inbox, and ends requests past their deadline;
-  2. makes one draft call: release finished sessions, start sessions whose prompt is done, accept
-     what the last verification committed, propose a tree for every speculative session;
+  2. makes one draft call: release finished sessions, look the queued drafting requests' prompts up in the
+     draft's prefix cache (the target then computes features only past what it holds), start sessions whose
+     prompt is done, accept what the last verification committed, propose a tree for every speculative session;
   3. makes one target call: release, open sessions for the queued requests the KV pool can hold to
      their end (``gateway/admission.py``, fair across clients), one verification of every decoding
      request, speculative (its tree) and Auto (a root-only tree) alike, and the next prompt chunk of
@@ -32,7 +33,7 @@ from typing import TypeVar
 
 from diffspec.errors import DeadlineExceeded, DiffSpecError, PeerUnavailable, ResourceExhausted
 from diffspec.device_accept import DeviceAccept
-from draft_service.backend import AcceptsOnDevice, DraftBackend, DraftBatch, DraftBatchResult, VerifyCost
+from draft_service.backend import AcceptsOnDevice, DraftBackend, DraftBatch, DraftBatchResult, PrefixLookup, VerifyCost
 from gateway.admission import KVAdmission, KVGeometry
 from gateway.detokenizer import Tokenizer
 from gateway.outbox import Outbox
@@ -299,24 +300,27 @@ class EngineCore:
     # -- draft ---------------------------------------------------------------------------------
 
     def _draft_batch(self) -> DraftBatch:
-        starts, accepts, proposes = [], [], []
+        lookups, starts, accepts, proposes = [], [], [], []
         for running in self._requests.values():
+            if running.needs_lookup:
+                lookups.append(PrefixLookup(running.request_id, running.request.prompt_ids, running.request.client))
+                running.draft_cached, running.draft_pin = 0, True
             if running.phase is not Phase.DECODING or not running.drafting:
                 continue
             if running.pending_start is not None:
                 starts.append(running.pending_start)
-                running.pending_start, running.draft_session = None, True
+                running.pending_start, running.draft_session, running.draft_pin = None, True, False
             if running.pending_accept is not None:
                 accepts.append(running.pending_accept)
                 running.pending_accept = None
             if running.wants_proposal:
                 proposes.append(running.request_id)
         cost, self._verify_cost = self._verify_cost, None
-        return DraftBatch(list(self._draft_releases), starts, accepts, proposes, cost)
+        return DraftBatch(list(self._draft_releases), starts, accepts, proposes, cost, lookups)
 
     def _draft_step_failed(self, failure: DiffSpecError) -> DraftBatchResult:
         log.warning("draft step failed, its requests continue with Auto: %s", failure)
-        drafting = [r.request_id for r in self._requests.values() if r.drafting and r.draft_session]
+        drafting = [r.request_id for r in self._requests.values() if r.drafting and (r.draft_session or r.draft_pin)]
         return DraftBatchResult(failures=dict.fromkeys(drafting, failure))
 
     def _apply_draft(self, batch: DraftBatch, result: DraftBatchResult, seconds: float) -> None:
@@ -324,11 +328,15 @@ class EngineCore:
             waiting = self._draft_releases.pop(session_id, None)
             if waiting is not None:
                 waiting.finish(result.released.get(session_id))
+        for lookup in batch.lookups:
+            running = self._requests.get(lookup.session_id)
+            if running is not None:
+                running.draft_cached = result.cached.get(lookup.session_id, 0)
         for session_id, failure in result.failures.items():
             running = self._requests.get(session_id)
             if running is not None and running.drafting:
                 log.warning("draft failed for %s, continuing with Auto: %s", session_id, failure)
-                running.draft_session = False  # the draft dropped it
+                running.draft_session = running.draft_pin = False  # the draft dropped it
                 running.fall_back_to_auto()
         for session_id in batch.proposes:
             running = self._requests.get(session_id)
@@ -351,7 +359,7 @@ class EngineCore:
             if budget <= 0:
                 break
             if running.phase is Phase.WAITING:
-                if running.request_id not in admitted or running.waits_for_prompt:
+                if running.request_id not in admitted or running.waits_for_prompt or running.needs_lookup:
                     continue
                 opens.append(running.session_open(self.feature_layers))
                 running.phase, running.target_session = Phase.PREFILLING, True
@@ -458,9 +466,9 @@ class EngineCore:
             self._target_releases.append(running.request_id)
             running.target_session = False
         waiting_for_stats = notify and running.drafting and running.draft_session
-        if running.draft_session:
+        if running.draft_session or running.draft_pin:
             self._draft_releases[running.request_id] = running if waiting_for_stats else None
-            running.draft_session = False
+            running.draft_session = running.draft_pin = False
         self._requests.pop(running.request_id, None)
         self._leave(running)
         if notify and not waiting_for_stats:

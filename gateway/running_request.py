@@ -49,6 +49,8 @@ class RunningRequest:
     stats: GenerationStats = field(default_factory=GenerationStats)
     drafting: bool = False  # proposals come from the draft; False = Auto (from the start or after a fallback)
     draft_session: bool = False  # the draft holds a session for it
+    draft_pin: bool = False  # the draft holds its prompt's cached entries, pinned by a lookup, until the start
+    draft_cached: int | None = None  # leading prompt entries the draft's prefix cache holds (None: not looked up)
     target_session: bool = False  # the target holds a session for it
     forked: bool = False  # its target session forks the prompt pages of another sample of its request
     inherited_features: Features | None = None  # [prompt, 3 * hidden] the forked sample's, until the first prefill
@@ -115,6 +117,15 @@ class RunningRequest:
         return share.source.phase in (Phase.WAITING, Phase.PREFILLING)
 
     @property
+    def needs_lookup(self) -> bool:
+        """A queued drafting request whose prompt the draft's prefix cache has not been asked about: it opens on the
+        target after the answer (the samples of an n > 1 request share their prompt by fork instead)."""
+        return (
+            self.phase is Phase.WAITING and self.drafting and self.draft_cached is None
+            and self.request.prompt_share is None
+        )  # fmt: skip
+
+    @property
     def can_fork(self) -> bool:
         """A sample of its request has prefilled the prompt and kept the prompt features this one's draft
         would start on, if it drafts: its session opens as a fork of that one's."""
@@ -133,8 +144,9 @@ class RunningRequest:
             if share.forks_left <= 0:
                 share.features = None
         fork_of = share.session_id if self.forked and share is not None else ""
+        features_from = self.draft_cached or 0 if self.drafting else 0
         return SessionOpen(self.request_id, request.prompt_ids, request.sampling, self.drafting, request.client,
-                           feature_layers, fork_of)  # fmt: skip
+                           feature_layers, fork_of, features_from)  # fmt: skip
 
     def on_prefill(self, result: PrefillResult) -> None:
         """Stream the progress; once the prompt is done, emit the first token and queue the draft's start."""
@@ -145,7 +157,11 @@ class RunningRequest:
                 if start:  # a recomputed prompt (the fork's parent was gone) needs none of them
                     self.prompt_features.append(self.inherited_features[:start])
                 self.inherited_features = None
-            self.prompt_features.append(result.features)
+            # rows of positions the draft's prefix cache holds: the target computed them for its own pages
+            first = result.done_tokens - len(result.features)
+            cached = min(len(result.features), max(0, (self.draft_cached or 0) - first))
+            if cached < len(result.features):
+                self.prompt_features.append(result.features[cached:])
         if result.first_token is None:
             if result.done_tokens < result.total_tokens:  # a finished prompt's first token says so itself
                 self.sink.put(GenerationChunk([], "", prefill_progress=(result.done_tokens, result.total_tokens)))
@@ -158,7 +174,8 @@ class RunningRequest:
         if features is not None and not self.finished and self.tokens_left > 1:  # one left: an Auto step emits it
             assert self.request.draft is not None
             self.pending_start = DraftStart(
-                self.request_id, self.request.prompt_ids, features, result.first_token, self.request.draft
+                self.request_id, self.request.prompt_ids, features, result.first_token, self.request.draft,
+                self.draft_cached or 0,
             )
         share = self.request.prompt_share
         if share is not None and not self.forked and share.forks_left > 0:

@@ -38,6 +38,9 @@ class SessionOpen:
     # a decoding session of the same prompt whose pages of every prompt position but the last are shared, and
     # whose features of those positions the gateway holds: they are not computed again; "" = none
     fork_of: str = ""
+    # with want_features: features only from this prompt position on (the draft's prefix cache holds the entries
+    # before it), so the prefix cache's pages before it need no forward; in [0, len(prompt_ids))
+    features_from: int = 0
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def batch_to_proto(batch: TargetBatch) -> target_pb2.TargetStep:
             target_pb2.SessionOpen(
                 session_id=o.session_id, prompt_ids=o.prompt_ids, sampling=sampling_to_proto(o.sampling),
                 want_features=o.want_features, cache_scope=o.cache_scope, feature_layers=o.feature_layers,
-                fork_of=o.fork_of,
+                fork_of=o.fork_of, features_from=o.features_from,
             )  # fmt: skip
             for o in batch.opens
         ],
@@ -65,7 +65,7 @@ def batch_from_proto(message: target_pb2.TargetStep, scope: str) -> tuple[Target
             sampling = sampling_from_proto(o.sampling)
             fork_of = scope + o.fork_of if o.fork_of else ""  # only a session of the same stream
             opens.append(SessionOpen(scope + o.session_id, list(o.prompt_ids), sampling, o.want_features, o.cache_scope,
-                                     tuple(o.feature_layers), fork_of))  # fmt: skip
+                                     tuple(o.feature_layers), fork_of, o.features_from))  # fmt: skip
         except DiffSpecError as bad:
             failures[o.session_id] = bad
     for v in message.verifies:

@@ -158,6 +158,9 @@ class TargetRuntime:
         if opening.session_id in self.sessions or self.pool.has_sequence(opening.session_id):
             raise InvalidRequest(f"session {opening.session_id!r} already exists")
         self.limits.check_prompt(opening.prompt_ids)
+        last = len(opening.prompt_ids) - 1
+        if not 0 <= opening.features_from <= last:
+            raise InvalidRequest(f"features_from {opening.features_from} outside the prompt's 0..{last}")
         layers = opening.feature_layers or self.feature_layers
         if opening.want_features and any(not 0 <= i < self.model.config.num_layers for i in layers):
             raise InvalidRequest(f"feature layers {list(layers)} outside the target's 0..{self.model.config.num_layers - 1}")
@@ -176,13 +179,13 @@ class TargetRuntime:
 
         A fork shares its parent's pages of every prompt position but the last, whose forward samples the
         fork's own first token; the features of the shared positions are its parent's, which its gateway
-        holds. Any other session shares the prefix cache's hits, which save compute only when no features
-        are wanted (the draft needs those of every prompt position). A parent already released (it
-        finished first) leaves the fork to the prefix cache."""
+        holds. Any other session shares the prefix cache's hits, which save compute up to the first position
+        whose features are wanted (the draft's prefix cache holds its entries before ``features_from``). A
+        parent already released (it finished first) leaves the fork to the prefix cache."""
         parent = self.sessions.get(opening.fork_of) if opening.fork_of else None
         if parent is None:
             num_cached = self.pool.allocate(opening.session_id, opening.prompt_ids, opening.cache_scope)
-            return 0 if opening.want_features else num_cached
+            return min(num_cached, opening.features_from) if opening.want_features else num_cached
         if parent.prefilling or parent.prompt_ids != list(opening.prompt_ids):
             raise InvalidRequest(f"session {opening.fork_of!r} is not a decoding session of the same prompt")
         self.pool.fork(opening.fork_of, opening.session_id, len(opening.prompt_ids) - 1)

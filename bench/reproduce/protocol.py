@@ -7,10 +7,11 @@ tuning prompts come after them when the data has enough, so the chosen configura
 on the prompts it is judged on (with too few prompts, tuning reuses the evaluation prompts and the
 log says so).
 
-End-to-end figures need every evaluated prefill cold. The target keeps a prefix cache, and a
-target-only request (Auto) reuses cached prompt pages while a drafting one recomputes them for their
-features; so warm-up and tuning run on the tuning prompts, and Auto runs first on each evaluated
-prompt, before any other request has seen it.
+End-to-end figures need every evaluated prefill cold. The target and the draft keep prefix caches by
+client (the cache scope), so each evaluated run is a client of its own, whatever ran before it; warm-up
+and tuning run on the tuning prompts. The tuning runs of a context share one scope: a tuning prompt's
+candidates after the first take its prompt from both caches, as its decode, which the tuning scores, is
+the same either way (the cached KV is the computed KV), and a 64K prompt's prefill is most of a run.
 """
 
 from __future__ import annotations
@@ -328,7 +329,8 @@ class _Protocol:
         if done is not None:
             return self._record(bar, phase, case, prompt, done)
         with nvtx_range(f"{phase} {case.context} p{prompt[0]} {arm.label}"):
-            run = await generate_run(self.engine, prompt[1], arm, n, self.sampling)
+            scope = None if phase == "eval" else f"tuning/{case.dataset}/{case.context}"  # the module's docstring
+            run = await generate_run(self.engine, prompt[1], arm, n, self.sampling, scope)
         self._record(bar, phase, case, prompt, run)
         self.checkpoint.record(run)
         return run

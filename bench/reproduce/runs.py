@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
@@ -69,9 +70,16 @@ class RunRecord:
 
 
 async def generate_run(
-    engine: Engine, prompt_ids: list[int], arm: Arm, max_new_tokens: int, sampling: SamplingParams = SamplingParams()
+    engine: Engine,
+    prompt_ids: list[int],
+    arm: Arm,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    cache_scope: str | None = None,
 ) -> RunRecord:
-    """Generate and time one request; the record's labels other than the arm's are left for the caller."""
+    """Generate and time one request; the record's labels other than the arm's are left for the caller.
+    ``cache_scope``: the prefix caches' scope (the request's client); None: one of its own, so its prefill is cold
+    whatever ran before it."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -81,7 +89,8 @@ async def generate_run(
     stats: GenerationStats | None = None
     started = time.perf_counter()
     first_token_at = None
-    request = GenerationRequest(prompt_ids, max_new_tokens, sampling=sampling, draft=arm.draft)
+    scope = cache_scope if cache_scope is not None else f"run-{uuid.uuid4().hex}"
+    request = GenerationRequest(prompt_ids, max_new_tokens, sampling=sampling, draft=arm.draft, client=scope)
     async for chunk in engine.generate(request):
         if chunk.token_ids and first_token_at is None:
             first_token_at = time.perf_counter()

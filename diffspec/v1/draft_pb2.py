@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from diffspec.v1 import tensor_pb2 as diffspec_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64iffspec/v1/draft.proto\x12\x0b\x64iffspec.v1\x1a\x18\x64iffspec/v1/tensor.proto\"E\n\x0c\x44raftOptions\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x0btree_config\x18\x02 \x01(\t\x12\x10\n\x08salience\x18\x03 \x01(\x08\"u\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x03\x12*\n\x07options\x18\x04 \x01(\x0b\x32\x19.diffspec.v1.DraftOptions\"V\n\x0b\x44raftAccept\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x65mitted_tokens\x18\x02 \x03(\x03\x12\x1b\n\x13verified_draft_tree\x18\x03 \x01(\x08\"\xc6\x01\n\tDraftStep\x12\x10\n\x08releases\x18\x01 \x03(\t\x12\'\n\x06starts\x18\x02 \x03(\x0b\x32\x17.diffspec.v1.DraftStart\x12)\n\x07\x61\x63\x63\x65pts\x18\x03 \x03(\x0b\x32\x18.diffspec.v1.DraftAccept\x12\x10\n\x08proposes\x18\x04 \x03(\t\x12\x13\n\x0bverify_rows\x18\x05 \x01(\x03\x12\x16\n\x0everify_seconds\x18\x06 \x01(\x01\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x07 \x01(\x03\"p\n\x10\x44raftStepRequest\x12&\n\x04step\x18\x01 \x01(\x0b\x32\x16.diffspec.v1.DraftStepH\x00\x12,\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x18.diffspec.v1.TensorChunkH\x00\x42\x06\n\x04kind\"H\n\x0cProposedTree\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.diffspec.v1.DraftTree\"m\n\nDraftStats\x12\x0e\n\x06hazard\x18\x01 \x03(\x01\x12\x1a\n\x12working_set_tokens\x18\x02 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13working_set_updates\x18\x04 \x01(\x03\"M\n\x0fReleasedSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.diffspec.v1.DraftStats\"\x99\x01\n\x0e\x44raftStepReply\x12(\n\x05trees\x18\x01 \x03(\x0b\x32\x19.diffspec.v1.ProposedTree\x12.\n\x08released\x18\x02 \x03(\x0b\x32\x1c.diffspec.v1.ReleasedSession\x12-\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x1b.diffspec.v1.SessionFailure\"\x12\n\x10\x44raftInfoRequest\"\xd3\x01\n\x11\x44raftInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\x03\x12\x1a\n\x12target_hidden_size\x18\x04 \x01(\x03\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x03\x12\x15\n\rmax_positions\x18\x06 \x01(\x03\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t2\x96\x01\n\x05\x44raft\x12\x46\n\x04Step\x12\x1d.diffspec.v1.DraftStepRequest\x1a\x1b.diffspec.v1.DraftStepReply(\x01\x30\x01\x12\x45\n\x04Info\x12\x1d.diffspec.v1.DraftInfoRequest\x1a\x1e.diffspec.v1.DraftInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64iffspec/v1/draft.proto\x12\x0b\x64iffspec.v1\x1a\x18\x64iffspec/v1/tensor.proto\"E\n\x0c\x44raftOptions\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x13\n\x0btree_config\x18\x02 \x01(\t\x12\x10\n\x08salience\x18\x03 \x01(\x08\"K\n\x0cPrefixLookup\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x03 \x01(\t\"\x8f\x01\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x03\x12*\n\x07options\x18\x04 \x01(\x0b\x32\x19.diffspec.v1.DraftOptions\x12\x18\n\x10\x63\x61\x63hed_positions\x18\x05 \x01(\x03\"V\n\x0b\x44raftAccept\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x65mitted_tokens\x18\x02 \x03(\x03\x12\x1b\n\x13verified_draft_tree\x18\x03 \x01(\x08\"\xf2\x01\n\tDraftStep\x12\x10\n\x08releases\x18\x01 \x03(\t\x12\'\n\x06starts\x18\x02 \x03(\x0b\x32\x17.diffspec.v1.DraftStart\x12)\n\x07\x61\x63\x63\x65pts\x18\x03 \x03(\x0b\x32\x18.diffspec.v1.DraftAccept\x12\x10\n\x08proposes\x18\x04 \x03(\t\x12\x13\n\x0bverify_rows\x18\x05 \x01(\x03\x12\x16\n\x0everify_seconds\x18\x06 \x01(\x01\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x07 \x01(\x03\x12*\n\x07lookups\x18\x08 \x03(\x0b\x32\x19.diffspec.v1.PrefixLookup\"p\n\x10\x44raftStepRequest\x12&\n\x04step\x18\x01 \x01(\x0b\x32\x16.diffspec.v1.DraftStepH\x00\x12,\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x18.diffspec.v1.TensorChunkH\x00\x42\x06\n\x04kind\"H\n\x0cProposedTree\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.diffspec.v1.DraftTree\"m\n\nDraftStats\x12\x0e\n\x06hazard\x18\x01 \x03(\x01\x12\x1a\n\x12working_set_tokens\x18\x02 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13working_set_updates\x18\x04 \x01(\x03\"M\n\x0fReleasedSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.diffspec.v1.DraftStats\"5\n\x0c\x43\x61\x63hedPrefix\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x01(\x03\"\xc4\x01\n\x0e\x44raftStepReply\x12(\n\x05trees\x18\x01 \x03(\x0b\x32\x19.diffspec.v1.ProposedTree\x12.\n\x08released\x18\x02 \x03(\x0b\x32\x1c.diffspec.v1.ReleasedSession\x12-\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x1b.diffspec.v1.SessionFailure\x12)\n\x06\x63\x61\x63hed\x18\x04 \x03(\x0b\x32\x19.diffspec.v1.CachedPrefix\"\x12\n\x10\x44raftInfoRequest\"\xd3\x01\n\x11\x44raftInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x18\n\x10\x64raft_vocab_size\x18\x03 \x01(\x03\x12\x1a\n\x12target_hidden_size\x18\x04 \x01(\x03\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x03\x12\x15\n\rmax_positions\x18\x06 \x01(\x03\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t2\x96\x01\n\x05\x44raft\x12\x46\n\x04Step\x12\x1d.diffspec.v1.DraftStepRequest\x1a\x1b.diffspec.v1.DraftStepReply(\x01\x30\x01\x12\x45\n\x04Info\x12\x1d.diffspec.v1.DraftInfoRequest\x1a\x1e.diffspec.v1.DraftInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTOPTIONS']._serialized_start=66
   _globals['_DRAFTOPTIONS']._serialized_end=135
-  _globals['_DRAFTSTART']._serialized_start=137
-  _globals['_DRAFTSTART']._serialized_end=254
-  _globals['_DRAFTACCEPT']._serialized_start=256
-  _globals['_DRAFTACCEPT']._serialized_end=342
-  _globals['_DRAFTSTEP']._serialized_start=345
-  _globals['_DRAFTSTEP']._serialized_end=543
-  _globals['_DRAFTSTEPREQUEST']._serialized_start=545
-  _globals['_DRAFTSTEPREQUEST']._serialized_end=657
-  _globals['_PROPOSEDTREE']._serialized_start=659
-  _globals['_PROPOSEDTREE']._serialized_end=731
-  _globals['_DRAFTSTATS']._serialized_start=733
-  _globals['_DRAFTSTATS']._serialized_end=842
-  _globals['_RELEASEDSESSION']._serialized_start=844
-  _globals['_RELEASEDSESSION']._serialized_end=921
-  _globals['_DRAFTSTEPREPLY']._serialized_start=924
-  _globals['_DRAFTSTEPREPLY']._serialized_end=1077
-  _globals['_DRAFTINFOREQUEST']._serialized_start=1079
-  _globals['_DRAFTINFOREQUEST']._serialized_end=1097
-  _globals['_DRAFTINFORESPONSE']._serialized_start=1100
-  _globals['_DRAFTINFORESPONSE']._serialized_end=1311
-  _globals['_DRAFT']._serialized_start=1314
-  _globals['_DRAFT']._serialized_end=1464
+  _globals['_PREFIXLOOKUP']._serialized_start=137
+  _globals['_PREFIXLOOKUP']._serialized_end=212
+  _globals['_DRAFTSTART']._serialized_start=215
+  _globals['_DRAFTSTART']._serialized_end=358
+  _globals['_DRAFTACCEPT']._serialized_start=360
+  _globals['_DRAFTACCEPT']._serialized_end=446
+  _globals['_DRAFTSTEP']._serialized_start=449
+  _globals['_DRAFTSTEP']._serialized_end=691
+  _globals['_DRAFTSTEPREQUEST']._serialized_start=693
+  _globals['_DRAFTSTEPREQUEST']._serialized_end=805
+  _globals['_PROPOSEDTREE']._serialized_start=807
+  _globals['_PROPOSEDTREE']._serialized_end=879
+  _globals['_DRAFTSTATS']._serialized_start=881
+  _globals['_DRAFTSTATS']._serialized_end=990
+  _globals['_RELEASEDSESSION']._serialized_start=992
+  _globals['_RELEASEDSESSION']._serialized_end=1069
+  _globals['_CACHEDPREFIX']._serialized_start=1071
+  _globals['_CACHEDPREFIX']._serialized_end=1124
+  _globals['_DRAFTSTEPREPLY']._serialized_start=1127
+  _globals['_DRAFTSTEPREPLY']._serialized_end=1323
+  _globals['_DRAFTINFOREQUEST']._serialized_start=1325
+  _globals['_DRAFTINFOREQUEST']._serialized_end=1343
+  _globals['_DRAFTINFORESPONSE']._serialized_start=1346
+  _globals['_DRAFTINFORESPONSE']._serialized_end=1557
+  _globals['_DRAFT']._serialized_start=1560
+  _globals['_DRAFT']._serialized_end=1710
 # @@protoc_insertion_point(module_scope)

@@ -17,17 +17,29 @@ class DraftOptions(_message.Message):
     salience: bool
     def __init__(self, policy: _Optional[str] = ..., tree_config: _Optional[str] = ..., salience: _Optional[bool] = ...) -> None: ...
 
+class PrefixLookup(_message.Message):
+    __slots__ = ("session_id", "prompt_ids", "cache_scope")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_scope: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ...) -> None: ...
+
 class DraftStart(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "first_token", "options")
+    __slots__ = ("session_id", "prompt_ids", "first_token", "options", "cached_positions")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     options: DraftOptions
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ...) -> None: ...
+    cached_positions: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ..., cached_positions: _Optional[int] = ...) -> None: ...
 
 class DraftAccept(_message.Message):
     __slots__ = ("session_id", "emitted_tokens", "verified_draft_tree")
@@ -40,7 +52,7 @@ class DraftAccept(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., emitted_tokens: _Optional[_Iterable[int]] = ..., verified_draft_tree: _Optional[bool] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("releases", "starts", "accepts", "proposes", "verify_rows", "verify_seconds", "feature_rows")
+    __slots__ = ("releases", "starts", "accepts", "proposes", "verify_rows", "verify_seconds", "feature_rows", "lookups")
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +60,7 @@ class DraftStep(_message.Message):
     VERIFY_ROWS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     releases: _containers.RepeatedScalarFieldContainer[str]
     starts: _containers.RepeatedCompositeFieldContainer[DraftStart]
     accepts: _containers.RepeatedCompositeFieldContainer[DraftAccept]
@@ -55,7 +68,8 @@ class DraftStep(_message.Message):
     verify_rows: int
     verify_seconds: float
     feature_rows: int
-    def __init__(self, releases: _Optional[_Iterable[str]] = ..., starts: _Optional[_Iterable[_Union[DraftStart, _Mapping]]] = ..., accepts: _Optional[_Iterable[_Union[DraftAccept, _Mapping]]] = ..., proposes: _Optional[_Iterable[str]] = ..., verify_rows: _Optional[int] = ..., verify_seconds: _Optional[float] = ..., feature_rows: _Optional[int] = ...) -> None: ...
+    lookups: _containers.RepeatedCompositeFieldContainer[PrefixLookup]
+    def __init__(self, releases: _Optional[_Iterable[str]] = ..., starts: _Optional[_Iterable[_Union[DraftStart, _Mapping]]] = ..., accepts: _Optional[_Iterable[_Union[DraftAccept, _Mapping]]] = ..., proposes: _Optional[_Iterable[str]] = ..., verify_rows: _Optional[int] = ..., verify_seconds: _Optional[float] = ..., feature_rows: _Optional[int] = ..., lookups: _Optional[_Iterable[_Union[PrefixLookup, _Mapping]]] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
     __slots__ = ("step", "features")
@@ -93,15 +107,25 @@ class ReleasedSession(_message.Message):
     stats: DraftStats
     def __init__(self, session_id: _Optional[str] = ..., stats: _Optional[_Union[DraftStats, _Mapping]] = ...) -> None: ...
 
+class CachedPrefix(_message.Message):
+    __slots__ = ("session_id", "positions")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    positions: int
+    def __init__(self, session_id: _Optional[str] = ..., positions: _Optional[int] = ...) -> None: ...
+
 class DraftStepReply(_message.Message):
-    __slots__ = ("trees", "released", "failures")
+    __slots__ = ("trees", "released", "failures", "cached")
     TREES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     trees: _containers.RepeatedCompositeFieldContainer[ProposedTree]
     released: _containers.RepeatedCompositeFieldContainer[ReleasedSession]
     failures: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.SessionFailure]
-    def __init__(self, trees: _Optional[_Iterable[_Union[ProposedTree, _Mapping]]] = ..., released: _Optional[_Iterable[_Union[ReleasedSession, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[_tensor_pb2.SessionFailure, _Mapping]]] = ...) -> None: ...
+    cached: _containers.RepeatedCompositeFieldContainer[CachedPrefix]
+    def __init__(self, trees: _Optional[_Iterable[_Union[ProposedTree, _Mapping]]] = ..., released: _Optional[_Iterable[_Union[ReleasedSession, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[_tensor_pb2.SessionFailure, _Mapping]]] = ..., cached: _Optional[_Iterable[_Union[CachedPrefix, _Mapping]]] = ...) -> None: ...
 
 class DraftInfoRequest(_message.Message):
     __slots__ = ()

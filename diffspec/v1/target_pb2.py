@@ -26,7 +26,7 @@ from diffspec.v1 import logprobs_pb2 as diffspec_dot_v1_dot_logprobs__pb2
 from diffspec.v1 import tensor_pb2 as diffspec_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64iffspec/v1/target.proto\x12\x0b\x64iffspec.v1\x1a\x1a\x64iffspec/v1/logprobs.proto\x1a\x18\x64iffspec/v1/tensor.proto\"}\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x11\n\x04seed\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xb3\x01\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.diffspec.v1.Sampling\x12\x15\n\rwant_features\x18\x04 \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x05 \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x06 \x03(\x03\x12\x0f\n\x07\x66ork_of\x18\x07 \x01(\t\"5\n\x0bPrefillWork\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\"F\n\nVerifyWork\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.diffspec.v1.DraftTree\"\xd0\x01\n\nTargetStep\x12\x10\n\x08releases\x18\x01 \x03(\t\x12\'\n\x05opens\x18\x02 \x03(\x0b\x32\x18.diffspec.v1.SessionOpen\x12*\n\x08prefills\x18\x03 \x03(\x0b\x32\x18.diffspec.v1.PrefillWork\x12)\n\x08verifies\x18\x04 \x03(\x0b\x32\x17.diffspec.v1.VerifyWork\x12\x1e\n\x16\x66irst_tokens_next_step\x18\x05 \x01(\x08\x12\x10\n\x08\x63ollects\x18\x06 \x03(\t\"\xc0\x01\n\x0bPrefillDone\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64one_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\x12\x18\n\x0b\x66irst_token\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x05 \x01(\x03\x12\x32\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x1a.diffspec.v1.TokenLogprobsB\x0e\n\x0c_first_token\"\xaa\x01\n\nVerifyDone\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x03(\x03\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x03 \x03(\x03\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x03\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x05 \x01(\x03\x12,\n\x08logprobs\x18\x06 \x01(\x0b\x32\x1a.diffspec.v1.TokenLogprobs\"\xdd\x01\n\x0fTargetStepReply\x12*\n\x08prefills\x18\x01 \x03(\x0b\x32\x18.diffspec.v1.PrefillDone\x12)\n\x08verifies\x18\x02 \x03(\x0b\x32\x17.diffspec.v1.VerifyDone\x12-\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x1b.diffspec.v1.SessionFailure\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x04 \x01(\x03\x12\x1b\n\x0enum_free_pages\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_num_free_pages\"y\n\x12TargetStepResponse\x12-\n\x05reply\x18\x01 \x01(\x0b\x32\x1c.diffspec.v1.TargetStepReplyH\x00\x12,\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x18.diffspec.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x13\n\x11TargetInfoRequest\"\x9a\x02\n\x12TargetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x03\x12\x12\n\nnum_layers\x18\x04 \x01(\x03\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x03\x12\x13\n\x0bmax_context\x18\x07 \x01(\x03\x12\x11\n\tpage_size\x18\x08 \x01(\x03\x12\x11\n\tnum_pages\x18\t \x01(\x03\x12\x16\n\x0enum_free_pages\x18\n \x01(\x03\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0b \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t2\x97\x01\n\x06Target\x12\x44\n\x04Step\x12\x17.diffspec.v1.TargetStep\x1a\x1f.diffspec.v1.TargetStepResponse(\x01\x30\x01\x12G\n\x04Info\x12\x1e.diffspec.v1.TargetInfoRequest\x1a\x1f.diffspec.v1.TargetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64iffspec/v1/target.proto\x12\x0b\x64iffspec.v1\x1a\x1a\x64iffspec/v1/logprobs.proto\x1a\x18\x64iffspec/v1/tensor.proto\"}\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x11\n\x04seed\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xca\x01\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.diffspec.v1.Sampling\x12\x15\n\rwant_features\x18\x04 \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x05 \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x06 \x03(\x03\x12\x0f\n\x07\x66ork_of\x18\x07 \x01(\t\x12\x15\n\rfeatures_from\x18\x08 \x01(\x03\"5\n\x0bPrefillWork\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\"F\n\nVerifyWork\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.diffspec.v1.DraftTree\"\xd0\x01\n\nTargetStep\x12\x10\n\x08releases\x18\x01 \x03(\t\x12\'\n\x05opens\x18\x02 \x03(\x0b\x32\x18.diffspec.v1.SessionOpen\x12*\n\x08prefills\x18\x03 \x03(\x0b\x32\x18.diffspec.v1.PrefillWork\x12)\n\x08verifies\x18\x04 \x03(\x0b\x32\x17.diffspec.v1.VerifyWork\x12\x1e\n\x16\x66irst_tokens_next_step\x18\x05 \x01(\x08\x12\x10\n\x08\x63ollects\x18\x06 \x03(\t\"\xc0\x01\n\x0bPrefillDone\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64one_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\x12\x18\n\x0b\x66irst_token\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x05 \x01(\x03\x12\x32\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x1a.diffspec.v1.TokenLogprobsB\x0e\n\x0c_first_token\"\xaa\x01\n\nVerifyDone\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x03(\x03\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x03 \x03(\x03\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x03\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x05 \x01(\x03\x12,\n\x08logprobs\x18\x06 \x01(\x0b\x32\x1a.diffspec.v1.TokenLogprobs\"\xdd\x01\n\x0fTargetStepReply\x12*\n\x08prefills\x18\x01 \x03(\x0b\x32\x18.diffspec.v1.PrefillDone\x12)\n\x08verifies\x18\x02 \x03(\x0b\x32\x17.diffspec.v1.VerifyDone\x12-\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x1b.diffspec.v1.SessionFailure\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x04 \x01(\x03\x12\x1b\n\x0enum_free_pages\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_num_free_pages\"y\n\x12TargetStepResponse\x12-\n\x05reply\x18\x01 \x01(\x0b\x32\x1c.diffspec.v1.TargetStepReplyH\x00\x12,\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x18.diffspec.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x13\n\x11TargetInfoRequest\"\x9a\x02\n\x12TargetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x03\x12\x12\n\nnum_layers\x18\x04 \x01(\x03\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x03\x12\x13\n\x0bmax_context\x18\x07 \x01(\x03\x12\x11\n\tpage_size\x18\x08 \x01(\x03\x12\x11\n\tnum_pages\x18\t \x01(\x03\x12\x16\n\x0enum_free_pages\x18\n \x01(\x03\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0b \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t2\x97\x01\n\x06Target\x12\x44\n\x04Step\x12\x17.diffspec.v1.TargetStep\x1a\x1f.diffspec.v1.TargetStepResponse(\x01\x30\x01\x12G\n\x04Info\x12\x1e.diffspec.v1.TargetInfoRequest\x1a\x1f.diffspec.v1.TargetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLING']._serialized_start=95
   _globals['_SAMPLING']._serialized_end=220
   _globals['_SESSIONOPEN']._serialized_start=223
-  _globals['_SESSIONOPEN']._serialized_end=402
-  _globals['_PREFILLWORK']._serialized_start=404
-  _globals['_PREFILLWORK']._serialized_end=457
-  _globals['_VERIFYWORK']._serialized_start=459
-  _globals['_VERIFYWORK']._serialized_end=529
-  _globals['_TARGETSTEP']._serialized_start=532
-  _globals['_TARGETSTEP']._serialized_end=740
-  _globals['_PREFILLDONE']._serialized_start=743
-  _globals['_PREFILLDONE']._serialized_end=935
-  _globals['_VERIFYDONE']._serialized_start=938
-  _globals['_VERIFYDONE']._serialized_end=1108
-  _globals['_TARGETSTEPREPLY']._serialized_start=1111
-  _globals['_TARGETSTEPREPLY']._serialized_end=1332
-  _globals['_TARGETSTEPRESPONSE']._serialized_start=1334
-  _globals['_TARGETSTEPRESPONSE']._serialized_end=1455
-  _globals['_TARGETINFOREQUEST']._serialized_start=1457
-  _globals['_TARGETINFOREQUEST']._serialized_end=1476
-  _globals['_TARGETINFORESPONSE']._serialized_start=1479
-  _globals['_TARGETINFORESPONSE']._serialized_end=1761
-  _globals['_TARGET']._serialized_start=1764
-  _globals['_TARGET']._serialized_end=1915
+  _globals['_SESSIONOPEN']._serialized_end=425
+  _globals['_PREFILLWORK']._serialized_start=427
+  _globals['_PREFILLWORK']._serialized_end=480
+  _globals['_VERIFYWORK']._serialized_start=482
+  _globals['_VERIFYWORK']._serialized_end=552
+  _globals['_TARGETSTEP']._serialized_start=555
+  _globals['_TARGETSTEP']._serialized_end=763
+  _globals['_PREFILLDONE']._serialized_start=766
+  _globals['_PREFILLDONE']._serialized_end=958
+  _globals['_VERIFYDONE']._serialized_start=961
+  _globals['_VERIFYDONE']._serialized_end=1131
+  _globals['_TARGETSTEPREPLY']._serialized_start=1134
+  _globals['_TARGETSTEPREPLY']._serialized_end=1355
+  _globals['_TARGETSTEPRESPONSE']._serialized_start=1357
+  _globals['_TARGETSTEPRESPONSE']._serialized_end=1478
+  _globals['_TARGETINFOREQUEST']._serialized_start=1480
+  _globals['_TARGETINFOREQUEST']._serialized_end=1499
+  _globals['_TARGETINFORESPONSE']._serialized_start=1502
+  _globals['_TARGETINFORESPONSE']._serialized_end=1784
+  _globals['_TARGET']._serialized_start=1787
+  _globals['_TARGET']._serialized_end=1938
 # @@protoc_insertion_point(module_scope)

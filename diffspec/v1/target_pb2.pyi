@@ -23,7 +23,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "cache_scope", "feature_layers", "fork_of")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "want_features", "cache_scope", "feature_layers", "fork_of", "features_from")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class SessionOpen(_message.Message):
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FORK_OF_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
@@ -38,7 +39,8 @@ class SessionOpen(_message.Message):
     cache_scope: str
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     fork_of: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., want_features: _Optional[bool] = ..., cache_scope: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ..., fork_of: _Optional[str] = ...) -> None: ...
+    features_from: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., want_features: _Optional[bool] = ..., cache_scope: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ..., fork_of: _Optional[str] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class PrefillWork(_message.Message):
     __slots__ = ("session_id", "num_tokens")

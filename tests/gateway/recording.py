@@ -7,6 +7,7 @@ import threading
 
 from diffspec.device_accept import DeviceAccept
 from draft_service.backend import DraftBatch, DraftBatchResult
+from draft_service.prefix_cache import DraftPrefixCache
 from draft_service.runtime import DraftRuntime
 from gateway.detokenizer import Tokenizer
 from gateway.engine import SpeculativeEngine
@@ -23,6 +24,7 @@ class RecordingTarget:
         self.inner = inner
         self.core: EngineCore | None = None
         self.batches: list[tuple[int, TargetBatch]] = []  # (iteration, batch)
+        self.results: list[TargetBatchResult] = []  # each batch's
         self.gate = threading.Event()
         self.gate.set()
 
@@ -32,7 +34,9 @@ class RecordingTarget:
     def step(self, batch: TargetBatch) -> TargetBatchResult:
         assert self.gate.wait(timeout=30)
         self.batches.append((self.core.timing.iterations if self.core else -1, batch))
-        return self.inner.step(batch)
+        result = self.inner.step(batch)
+        self.results.append(result)
+        return result
 
 
 class RecordingDraft:
@@ -46,6 +50,10 @@ class RecordingDraft:
     @property
     def sessions(self) -> dict:
         return self.inner.sessions
+
+    @property
+    def prefix_cache(self) -> DraftPrefixCache | None:
+        return self.inner.prefix_cache
 
     def step(self, batch: DraftBatch) -> DraftBatchResult:
         self.batches.append((self.core.timing.iterations if self.core else -1, batch))

@@ -133,6 +133,12 @@ BAD_TARGET_STEPS = [
     (opens("x", PROMPT, temperature=-1.0), "temperature"),
     (opens("x", PROMPT, temperature=math.inf), "temperature"),
     (opens("x", PROMPT, top_p=0.0), "top_p"),
+    (target_pb2.TargetStep(opens=[target_pb2.SessionOpen(session_id="x", prompt_ids=PROMPT, want_features=True,
+                                                          features_from=4, sampling=target_pb2.Sampling(top_p=1.0))]),
+     "features_from 4 outside"),  # fmt: skip
+    (target_pb2.TargetStep(opens=[target_pb2.SessionOpen(session_id="x", prompt_ids=PROMPT, features_from=-1,
+                                                          sampling=target_pb2.Sampling(top_p=1.0))]),
+     "features_from -1 outside"),  # fmt: skip
     (target_pb2.TargetStep(prefills=[target_pb2.PrefillWork(session_id="x", num_tokens=4)]), "no prompt left"),
     (target_pb2.TargetStep(verifies=[target_pb2.VerifyWork(session_id="x", tree=ROOT_ONLY_5)]), "unknown session"),
     (target_pb2.TargetStep(verifies=[target_pb2.VerifyWork(session_id="x")]), "malformed draft tree"),
@@ -250,6 +256,14 @@ BAD_DRAFT_STEPS = [
     (with_features(draft_pb2.DraftStep(starts=[draft_start("x", PROMPT, 7, policy="sideways")]), torch.zeros(4, 768)),
      "unknown policy"),  # fmt: skip
     ([draft_pb2.DraftStepRequest(step=draft_pb2.DraftStep(starts=[draft_start("x", [], 7)]))], "features of shape"),
+    (with_features(draft_pb2.DraftStep(starts=[draft_pb2.DraftStart(
+        session_id="x", prompt_ids=PROMPT, first_token=7, cached_positions=2,
+        options=draft_pb2.DraftOptions(policy="chain", tree_config="4:0.0:4"))]), torch.zeros(2, 768)),
+     "lookup pinned 0"),  # a start claiming cached entries no lookup pinned  # fmt: skip
+    ([draft_pb2.DraftStepRequest(step=draft_pb2.DraftStep(lookups=[draft_pb2.PrefixLookup(session_id="x")]))],
+     "at least one token"),  # fmt: skip
+    ([draft_pb2.DraftStepRequest(step=draft_pb2.DraftStep(lookups=[draft_pb2.PrefixLookup(
+        session_id="x", prompt_ids=[0, 9000])]))], "out of the vocabulary"),  # fmt: skip
     (with_features(draft_pb2.DraftStep(starts=[draft_start("x", PROMPT, 7)],
                                        accepts=[draft_pb2.DraftAccept(session_id="x", emitted_tokens=[])]),
                    torch.zeros(4, 768)), "0 emitted tokens"),  # fmt: skip
