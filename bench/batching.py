@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,9 +64,13 @@ class RequestSpec:
     draft: DraftOptions | None  # None: Auto
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
+    # the prefix caches' scope: one per measurement, so no measurement starts from prompts another one cached
+    client: str = ""
 
     def of(self, prompt_ids: list[int]) -> GenerationRequest:
-        return GenerationRequest(prompt_ids, self.max_new_tokens, sampling=self.sampling, draft=self.draft)
+        return GenerationRequest(
+            prompt_ids, self.max_new_tokens, sampling=self.sampling, draft=self.draft, client=self.client
+        )
 
 
 async def one_stream(engine: SpeculativeEngine, ids: list[int], spec: RequestSpec) -> GenerationStats:
@@ -99,7 +104,8 @@ def measure(
     _settle(engine)  # the last run's releases: an iteration in flight would add to the reset timing
     timing.reset()
     recorded_before, audit_before, compiled_before = _draft_graphs(engine), audit.snapshot(), triton_kernels_compiled()
-    requests, seconds = asyncio.run(concurrent(engine, streams, RequestSpec(MODES[mode], max_new_tokens, sampling)))
+    spec = RequestSpec(MODES[mode], max_new_tokens, sampling, client=f"measure-{uuid.uuid4().hex}")
+    requests, seconds = asyncio.run(concurrent(engine, streams, spec))
     tokens = sum(stats.new_tokens for stats in requests)
     steps = sum(stats.steps for stats in requests)
     decode_seconds = sum(stats.decode_seconds for stats in requests)
