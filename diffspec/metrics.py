@@ -21,7 +21,7 @@ from prometheus_client import (
     Histogram,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from diffspec.errors import InvalidRequest
 
@@ -39,8 +39,16 @@ class WatchedTarget(Protocol):
     sessions: Sized
 
 
+class WatchedPrefixCache(Protocol):
+    block_tokens: int
+    cached_blocks: int
+    looked_up_entries: int
+    hit_entries: int
+
+
 class WatchedDraft(Protocol):
     sessions: Sized
+    prefix_cache: WatchedPrefixCache | None
 
 
 class FinishedGeneration(Protocol):
@@ -102,6 +110,28 @@ class _WireCollector:
                 wire_bytes.add_metric([peer, "received", kind], counters.bytes_received)
         yield steps
         yield wire_bytes
+
+
+class _PrefixCacheCollector:
+    """The draft's prefix cache at each scrape: the prompt entries lookups asked for and found (their ratio is
+    the hit rate), and the entries it holds."""
+
+    def __init__(self, cache: WatchedPrefixCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        looked_up = CounterMetricFamily(
+            "diffspec_draft_prefix_cache_entries",
+            "Prompt entries the draft's prefix-cache lookups could reuse (looked_up) and found (hit)",
+            labels=["result"],
+        )
+        looked_up.add_metric(["looked_up"], self.cache.looked_up_entries)
+        looked_up.add_metric(["hit"], self.cache.hit_entries)
+        yield looked_up
+        yield GaugeMetricFamily(
+            "diffspec_draft_prefix_cache_cached_entries", "Entries the draft's prefix cache holds",
+            value=self.cache.cached_blocks * self.cache.block_tokens,
+        )
 
 
 _TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
@@ -172,6 +202,8 @@ class ServingMetrics:
 
     def watch_draft(self, draft: WatchedDraft) -> None:
         self.sessions.labels("draft").set_function(lambda: len(draft.sessions))
+        if draft.prefix_cache is not None:
+            self.registry.register(_PrefixCacheCollector(draft.prefix_cache))
 
     def watch_wire(self, peer: str, traffic: WireTraffic) -> None:
         """Export a gRPC client's ``Step`` stream traffic as ``diffspec_wire_{steps,bytes}_total{peer=...}``."""

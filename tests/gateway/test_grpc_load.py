@@ -86,3 +86,19 @@ def test_prometheus_metrics_cover_requests_tokens_tau_and_the_kv_pool(embedded_s
     assert samples["diffspec_mean_accepted_length_count"] >= 1
     assert samples["diffspec_stop_depth_count"] >= 1
     assert samples["diffspec_step_seconds_count"] >= 1 and samples["diffspec_prefill_seconds_count"] >= 1
+
+
+def test_the_draft_s_prefix_cache_counts_what_a_repeated_prompt_finds(embedded_server):
+    """A prompt sent twice by one client: the second lookup finds the first's blocks (the cached entries' metric
+    counts them), and the text is the same."""
+    long_text = "\n".join(PROMPTS) * 8  # a few hundred tokens: several 64-entry blocks
+    before = scrape_when_idle(embedded_server)
+    with grpc.insecure_channel(embedded_server.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        first, again = (generate(stub, text=long_text, max_new_tokens=8, policy="full")[0] for _ in range(2))
+    after = scrape_when_idle(embedded_server)
+    assert first == again
+    hit = 'diffspec_draft_prefix_cache_entries_total{result="hit"}'
+    looked_up = 'diffspec_draft_prefix_cache_entries_total{result="looked_up"}'
+    assert after[looked_up] - before[looked_up] >= 2 * 64 and after[hit] - before[hit] >= 64
+    assert after["diffspec_draft_prefix_cache_cached_entries"] >= 64
