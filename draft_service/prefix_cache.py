@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffspec.devices import upload
 from draft_service.draft_context import DraftContext
 
 PREFIX_BLOCK_TOKENS = 64  # entries a cache block holds: the granularity of a hit
@@ -112,7 +113,7 @@ class DraftPrefixCache:
         if not 0 <= positions <= held or positions % self.block_tokens or context.length:
             raise ValueError(f"cannot load {positions} cached entries: {held} pinned, {context.length} in the context")
         if positions:
-            blocks = torch.tensor(prefix.blocks[: positions // self.block_tokens], device=self.keys.device)
+            blocks = self._on_device(prefix.blocks[: positions // self.block_tokens])
             for layer, (keys, values) in enumerate(context.claim(positions)):
                 keys.view(-1, *self.keys.shape[2:]).copy_(self.keys[layer].index_select(0, blocks))
                 values.view(-1, *self.values.shape[2:]).copy_(self.values[layer].index_select(0, blocks))
@@ -159,12 +160,16 @@ class DraftPrefixCache:
 
     def _copy_in(self, context: DraftContext, added: list[tuple[int, int]]) -> None:
         size = self.block_tokens
-        indexes = torch.tensor([index for index, _ in added], device=self.keys.device)
-        blocks = torch.tensor([block for _, block in added], device=self.keys.device)
+        indexes, blocks = self._on_device([index for index, _ in added] + [block for _, block in added]).split(len(added))
         for layer in range(self.keys.shape[0]):
             for cache, committed in zip((self.keys, self.values), context.committed(layer)):
                 whole = committed[: len(committed) // size * size].view(-1, size, *committed.shape[1:])  # [blocks, ...]
                 cache[layer].index_copy_(0, blocks, whole.index_select(0, indexes))
+
+    def _on_device(self, values: Sequence[int]) -> torch.Tensor:
+        """Block indices on the cache's device without a stream sync: a start or a release runs inside a draft
+        step, with the device's queue still busy."""
+        return upload(torch.tensor(values, dtype=torch.int64), self.keys.device)
 
     def _take_block(self, keep: set[int]) -> int | None:
         """A never-used block, else the least recently used unpinned one (out of the cache), or None. ``keep``:
