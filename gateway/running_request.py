@@ -144,7 +144,7 @@ class RunningRequest:
             if share.forks_left <= 0:
                 share.features = None
         fork_of = share.session_id if self.forked and share is not None else ""
-        features_from = self.draft_cached or 0 if self.drafting else 0
+        features_from = (self.draft_cached or 0) if self.drafting else 0
         return SessionOpen(self.request_id, request.prompt_ids, request.sampling, self.drafting, request.client,
                            feature_layers, fork_of, features_from)  # fmt: skip
 
