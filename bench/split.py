@@ -24,6 +24,7 @@ import json
 import sys
 import tempfile
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -34,6 +35,7 @@ from transformers import AutoTokenizer
 from bench.processes import ServerProcess, free_port
 from bench.reproduce.prompts import cut_to_context, read_texts
 from diffspec.v1 import gateway_pb2, gateway_pb2_grpc
+from gateway.quota import CLIENT_HEADER
 
 AUTO = "auto"
 SPECULATIVE = "diffspec"
@@ -112,7 +114,9 @@ def wire_per_step(before: dict, after: dict) -> dict[str, dict[str, dict[str, fl
     return report
 
 
-def generate(stub: gateway_pb2_grpc.GatewayStub, ids: list[int], policy: str, tree_config: str, n: int) -> list[int]:
+def generate(
+    stub: gateway_pb2_grpc.GatewayStub, ids: list[int], policy: str, tree_config: str, n: int, client: str
+) -> list[int]:
     request = gateway_pb2.GenerateRequest(
         token_ids=gateway_pb2.TokenIds(ids=ids),
         max_new_tokens=n,
@@ -120,17 +124,20 @@ def generate(stub: gateway_pb2_grpc.GatewayStub, ids: list[int], policy: str, tr
         policy=policy,
         tree_config=tree_config,
     )
-    return [token for chunk in stub.Generate(request) for token in chunk.token_ids]
+    metadata = ((CLIENT_HEADER, client),)
+    return [token for chunk in stub.Generate(request, metadata=metadata) for token in chunk.token_ids]
 
 
 def concurrent(
     address: str, prompts: list[list[int]], policy: str, tree_config: str, n: int
 ) -> tuple[list[list[int]], float]:
-    """Every prompt as its own ``Generate`` stream, all at once: (outputs in prompt order, wall seconds)."""
+    """Every prompt as its own ``Generate`` stream, all at once: (outputs in prompt order, wall seconds). The
+    streams are a client of their own, so their prompts are cold in the prefix caches whatever ran before."""
+    client = f"bench-{uuid.uuid4().hex}"
     with grpc.insecure_channel(address) as channel, ThreadPoolExecutor(len(prompts)) as pool:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         started = time.perf_counter()
-        outputs = list(pool.map(lambda ids: generate(stub, ids, policy, tree_config, n), prompts))
+        outputs = list(pool.map(lambda ids: generate(stub, ids, policy, tree_config, n, client), prompts))
         return outputs, time.perf_counter() - started
 
 
