@@ -1,0 +1,105 @@
+"""Time to the first token of a drafting request whose prompt its client sent before, against the same request cold,
+side by side on one engine (the draft's prefix cache and the target's: ``draft_service/prefix_cache.py``).
+
+For each prompt cut to its last ``--prompt-tokens`` tokens, each request a client of its own unless said:
+Auto cold; DiffSpec cold; DiffSpec again as the same client (both caches hold the prompt); and a next turn, the
+prompt, that answer and ``--turn-tokens`` more of the text's tokens, cold and as that client. Reported per prompt:
+each request's first-token and request seconds, the warm/cold ratios, and whether the warm requests' tokens equal
+the cold ones'.
+
+    python -m bench.prefix_reuse --base-model B8/target --draft-model B8/head --data longctx_eval.jsonl \\
+        --prompt-tokens 65536 --prompts 2 --out bench/results/prefix_reuse.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+
+from bench.warmup import warm_up_draft, warm_up_target
+from diffspec.settings import DiffSpecSettings
+from draft_service.options import DraftOptions
+from gateway.assembly import build_engine
+from gateway.engine import SpeculativeEngine
+from gateway.request import GenerationRequest
+
+DIFFSPEC = DraftOptions("online", "16:0.0:6", salience=True)
+
+
+def timed(engine: SpeculativeEngine, ids: list[int], draft: DraftOptions | None, client: str, n: int) -> dict:
+    """One greedy request: its tokens, first-token and request seconds."""
+
+    async def run() -> dict:
+        tokens: list[int] = []
+        started, first = time.perf_counter(), None
+        async for chunk in engine.generate(GenerationRequest(ids, n, draft=draft, client=client)):
+            if chunk.token_ids and first is None:
+                first = time.perf_counter()
+            tokens += chunk.token_ids
+        ended = time.perf_counter()
+        seconds = {"first_token_s": round((first or ended) - started, 4), "request_s": round(ended - started, 4)}
+        return {"tokens": tokens, **seconds}
+
+    return asyncio.run(run())
+
+
+def one_prompt(engine: SpeculativeEngine, ids: list[int], turn: list[int], n: int) -> dict:
+    client = f"reuse-{uuid.uuid4().hex}"
+    auto = timed(engine, ids, None, f"cold-{uuid.uuid4().hex}", n)
+    cold = timed(engine, ids, DIFFSPEC, client, n)
+    warm = timed(engine, ids, DIFFSPEC, client, n)
+    next_turn = [*ids, *warm["tokens"], *turn]
+    turn_cold = timed(engine, next_turn, DIFFSPEC, f"cold-{uuid.uuid4().hex}", n)
+    turn_warm = timed(engine, next_turn, DIFFSPEC, client, n)
+    return {
+        "prompt_tokens": len(ids), "next_turn_tokens": len(next_turn),
+        "runs": {name: {k: v for k, v in run.items() if k != "tokens"}
+                 for name, run in [("auto", auto), ("cold", cold), ("warm", warm), ("turn_cold", turn_cold),
+                                   ("turn_warm", turn_warm)]},
+        "warm_over_cold_first_token": round(warm["first_token_s"] / cold["first_token_s"], 4),
+        "turn_warm_over_cold_first_token": round(turn_warm["first_token_s"] / turn_cold["first_token_s"], 4),
+        "cold_equals_auto": cold["tokens"] == auto["tokens"],
+        "warm_equals_cold": warm["tokens"] == cold["tokens"],
+        "turn_warm_equals_cold": turn_warm["tokens"] == turn_cold["tokens"],
+    }  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-model", type=Path, required=True)
+    parser.add_argument("--draft-model", type=Path, required=True)
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--prompt-tokens", type=int, default=65536)
+    parser.add_argument("--turn-tokens", type=int, default=64, help="the next turn's new tokens")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-pages", type=int, default=16384)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    engine = build_engine(DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model,
+                                           num_pages=args.num_pages))  # fmt: skip
+    try:
+        graphs, trees = warm_up_target(engine), warm_up_draft(engine)
+        print(f"recorded {graphs} step graphs, proposed {trees} warm-up trees", flush=True)
+        texts = [json.loads(line)["text"] for line in args.data.read_text().splitlines()]
+        needed = args.prompt_tokens + args.turn_tokens
+        encoded = [ids for ids in (engine.tokenizer(t)["input_ids"] for t in texts) if len(ids) >= needed]
+        rows = []
+        for ids in encoded[: args.prompts]:
+            prompt, turn = ids[-needed : -args.turn_tokens], ids[-args.turn_tokens :]
+            rows.append(one_prompt(engine, prompt, turn, args.max_new_tokens))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        engine.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"prompt_tokens": args.prompt_tokens, "policy": "online 16:0.0:6 salience",
+                                    "prompts": rows}, indent=1) + "\n")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
