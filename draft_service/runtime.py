@@ -332,8 +332,10 @@ class DraftRuntime:
         expected = 3 * self.head.config.target_hidden_size
         features, cached = start.features, start.cached_positions
         pinned = self._pinned(start.session_id)
-        if cached and not 0 < cached <= min(pinned, len(start.prompt_ids) - 1):
-            raise InvalidRequest(f"{cached} cached prompt entries; the session's lookup pinned {pinned}")
+        whole_blocks = cached % PREFIX_BLOCK_TOKENS == 0
+        if cached and not (0 < cached <= min(pinned, len(start.prompt_ids) - 1) and whole_blocks):
+            raise InvalidRequest(f"{cached} cached prompt entries; the session's lookup pinned {pinned}, in blocks of "
+                                 f"{PREFIX_BLOCK_TOKENS}")
         rows = len(start.prompt_ids) - cached
         if features.ndim != 2 or tuple(features.shape) != (rows, expected):
             raise InvalidRequest(f"features of shape {tuple(features.shape)}; expected ({rows}, {expected})")

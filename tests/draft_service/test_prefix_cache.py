@@ -203,12 +203,14 @@ def test_a_start_claiming_more_than_its_lookup_pinned_fails_alone_and_every_pin_
     runtime.step(DraftBatch(lookups=[PrefixLookup("a", ids)]))
     runtime.step(DraftBatch(starts=[DraftStart("a", ids, features, 1, options)]))
     runtime.step(DraftBatch(releases=["a"]))  # 192 entries cached
-    result = runtime.step(DraftBatch(lookups=[PrefixLookup("b", ids), PrefixLookup("c", ids), PrefixLookup("d", ids)]))
-    assert result.cached == {"b": 192, "c": 192, "d": 192} and runtime.prefix_cache.pinned_sessions == 3
+    lookups = [PrefixLookup(sid, ids) for sid in "bcde"]
+    assert runtime.step(DraftBatch(lookups=lookups)).cached == {"b": 192, "c": 192, "d": 192, "e": 192}
+    assert runtime.prefix_cache.pinned_sessions == 4
     too_many = DraftStart("b", ids, features[199:], 1, options, cached_positions=199)
     wrong_rows = DraftStart("c", ids, features, 1, options, cached_positions=64)
-    failed = runtime.step(DraftBatch(starts=[too_many, wrong_rows], releases=["d"]))
-    assert set(failed.failures) == {"b", "c"}
+    part_block = DraftStart("e", ids, features[65:], 1, options, cached_positions=65)
+    failed = runtime.step(DraftBatch(starts=[too_many, wrong_rows, part_block], releases=["d"]))
+    assert set(failed.failures) == {"b", "c", "e"}
     assert all(isinstance(f, InvalidRequest) for f in failed.failures.values())
     assert runtime.prefix_cache.pinned_sessions == 0 and not runtime._lookup_scopes
 
