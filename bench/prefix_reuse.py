@@ -16,44 +16,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
 import uuid
 from pathlib import Path
 
+from bench.reproduce.arms import Arm
+from bench.reproduce.runs import generate_run
 from bench.warmup import warm_up_draft, warm_up_target
 from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
 from gateway.engine import SpeculativeEngine
-from gateway.request import GenerationRequest
 
-DIFFSPEC = DraftOptions("online", "16:0.0:6", salience=True)
+AUTO = Arm("auto", None)
+DIFFSPEC = Arm("diffspec", DraftOptions("online", "16:0.0:6", salience=True))
 
 
-def timed(engine: SpeculativeEngine, ids: list[int], draft: DraftOptions | None, client: str, n: int) -> dict:
-    """One greedy request: its tokens, first-token and request seconds."""
-
-    async def run() -> dict:
-        tokens: list[int] = []
-        started, first = time.perf_counter(), None
-        async for chunk in engine.generate(GenerationRequest(ids, n, draft=draft, client=client)):
-            if chunk.token_ids and first is None:
-                first = time.perf_counter()
-            tokens += chunk.token_ids
-        ended = time.perf_counter()
-        seconds = {"first_token_s": round((first or ended) - started, 4), "request_s": round(ended - started, 4)}
-        return {"tokens": tokens, **seconds}
-
-    return asyncio.run(run())
+def timed(engine: SpeculativeEngine, ids: list[int], arm: Arm, client: str | None, n: int) -> dict:
+    """One greedy request as ``client`` (None: a client of its own, cold; ``generate_run``): its tokens,
+    first-token and request seconds."""
+    run = asyncio.run(generate_run(engine, ids, arm, n, cache_scope=client))
+    seconds = {"first_token_s": round(run.first_token_seconds, 4), "request_s": round(run.request_seconds, 4)}
+    return {"tokens": run.token_ids, **seconds}
 
 
 def one_prompt(engine: SpeculativeEngine, ids: list[int], turn: list[int], n: int) -> dict:
     client = f"reuse-{uuid.uuid4().hex}"
-    auto = timed(engine, ids, None, f"cold-{uuid.uuid4().hex}", n)
+    auto = timed(engine, ids, AUTO, None, n)
     cold = timed(engine, ids, DIFFSPEC, client, n)
     warm = timed(engine, ids, DIFFSPEC, client, n)
     next_turn = [*ids, *warm["tokens"], *turn]
-    turn_cold = timed(engine, next_turn, DIFFSPEC, f"cold-{uuid.uuid4().hex}", n)
+    turn_cold = timed(engine, next_turn, DIFFSPEC, None, n)
     turn_warm = timed(engine, next_turn, DIFFSPEC, client, n)
     return {
         "prompt_tokens": len(ids), "next_turn_tokens": len(next_turn),

@@ -23,8 +23,7 @@ again once the parent is stored again.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -34,14 +33,6 @@ from draft_service.draft_context import DraftContext
 PREFIX_BLOCK_TOKENS = 64  # entries a cache block holds: the granularity of a hit
 
 PrefixKey = tuple[int, tuple[int, ...]]  # (chain hash of the previous block, the tokens this block's entries pair with)
-
-
-@dataclass(frozen=True)
-class CachedPrefix:
-    """A session's pinned chain: what its start copies instead of computing."""
-
-    blocks: tuple[int, ...]  # cache block of each leading block of entries, in position order
-    positions: int  # entries the blocks hold: len(blocks) * block_tokens
 
 
 class DraftPrefixCache:
@@ -69,7 +60,8 @@ class DraftPrefixCache:
         self._pins = [0] * self.num_blocks  # [blocks] sessions holding each block
         self._free = list(range(self.num_blocks - 1, -1, -1))  # never used: popped from the end, block 0 first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unpinned: least recently used first
-        self._pinned: dict[str, CachedPrefix] = {}  # session -> the chain its lookup pinned
+        # session -> the cache block of each leading block of entries its lookup pinned, in position order
+        self._pinned: dict[str, tuple[int, ...]] = {}
         self.looked_up_entries = 0  # prompt entries lookups could have found (their usable blocks), for the hit rate
         self.hit_entries = 0  # of them, found
 
@@ -95,25 +87,23 @@ class DraftPrefixCache:
         for block in blocks:
             self._pins[block] += 1
             self._evictable.pop(block, None)
-        self._pinned[session_id] = CachedPrefix(tuple(blocks), len(blocks) * self.block_tokens)
+        self._pinned[session_id] = tuple(blocks)
         self.looked_up_entries += usable * self.block_tokens
         self.hit_entries += len(blocks) * self.block_tokens
         return len(blocks) * self.block_tokens
 
     def pinned(self, session_id: str) -> int:
         """Entries the session's pin holds (0 when it has none)."""
-        prefix = self._pinned.get(session_id)
-        return 0 if prefix is None else prefix.positions
+        return len(self._pinned.get(session_id, ())) * self.block_tokens
 
     def load(self, session_id: str, context: DraftContext, positions: int) -> int:
         """Copy the first ``positions`` entries of the session's pin into the empty ``context`` and unpin it;
         returns ``positions``."""
-        prefix = self._pinned.get(session_id)
-        held = 0 if prefix is None else prefix.positions
+        held = self.pinned(session_id)
         if not 0 <= positions <= held or positions % self.block_tokens or context.length:
             raise ValueError(f"cannot load {positions} cached entries: {held} pinned, {context.length} in the context")
         if positions:
-            blocks = self._on_device(prefix.blocks[: positions // self.block_tokens])
+            blocks = self._on_device(self._pinned[session_id][: positions // self.block_tokens])
             for layer, (keys, values) in enumerate(context.claim(positions)):
                 keys.view(-1, *self.keys.shape[2:]).copy_(self.keys[layer].index_select(0, blocks))
                 values.view(-1, *self.values.shape[2:]).copy_(self.values[layer].index_select(0, blocks))
@@ -122,10 +112,7 @@ class DraftPrefixCache:
 
     def unpin(self, session_id: str) -> None:
         """Let the session's chain go (no-op without one): its blocks become evictable, its tail first."""
-        prefix = self._pinned.pop(session_id, None)
-        if prefix is None:
-            return
-        for block in reversed(prefix.blocks):
+        for block in reversed(self._pinned.pop(session_id, ())):
             self._pins[block] -= 1
             if self._pins[block] == 0:
                 self._evictable[block] = None
@@ -183,14 +170,13 @@ class DraftPrefixCache:
                 return block
         return None
 
-    def _chain(self, scope: str, token_ids: Sequence[int], num_blocks: int) -> list[PrefixKey]:
-        """The keys of the first ``num_blocks`` blocks of entries over ``token_ids`` (at least num_blocks * B + 1)."""
-        if not num_blocks:
-            return []
-        size, keys = self.block_tokens, []
-        previous = hash(("draft_prefix", scope, token_ids[0]))
+    def _chain(self, scope: str, token_ids: Sequence[int], num_blocks: int) -> Iterator[PrefixKey]:
+        """The keys of the first ``num_blocks`` blocks of entries over ``token_ids`` (at least num_blocks * B + 1),
+        each hashed only when asked for: a lookup that misses early hashes no more of a long prompt."""
+        if num_blocks <= 0:
+            return
+        size, previous = self.block_tokens, hash(("draft_prefix", scope, token_ids[0]))
         for j in range(num_blocks):
             key = (previous, tuple(token_ids[j * size + 1 : (j + 1) * size + 1]))
-            keys.append(key)
+            yield key
             previous = hash(key)
-        return keys
