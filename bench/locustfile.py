@@ -13,7 +13,11 @@ Every call reports four request events (request_type ``grpc``):
 Environment: ``DIFFSPEC_LOCUST_PROMPTS`` (JSONL with a ``text`` key; default
 ``../shared/data/shortctx_eval.jsonl``), ``DIFFSPEC_LOCUST_PROMPT_CHARS`` (keep the last N
 characters of each prompt, default 2000), ``DIFFSPEC_LOCUST_MAX_NEW_TOKENS`` (default 64),
-``DIFFSPEC_LOCUST_POLICY`` (default: the server's), ``DIFFSPEC_LOCUST_TIMEOUT_S`` (default 120).
+``DIFFSPEC_LOCUST_POLICY`` (default: the server's), ``DIFFSPEC_LOCUST_TIMEOUT_S`` (default 120),
+``DIFFSPEC_LOCUST_CLIENTS``: ``shared`` (default: every call is one client, so a repeated prompt finds the
+target's and the draft's prefix caches warm, as repeated traffic does in serving) or ``per-call`` (each call
+declares a client of its own in ``x-diffspec-client``: the caches are scoped by client, so every prompt is
+computed cold and the figures do not depend on how often the prompts repeat).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
+import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import grpc  # noqa: E402
@@ -42,6 +47,10 @@ PROMPT_CHARS = int(os.environ.get("DIFFSPEC_LOCUST_PROMPT_CHARS", "2000"))
 MAX_NEW_TOKENS = int(os.environ.get("DIFFSPEC_LOCUST_MAX_NEW_TOKENS", "64"))
 POLICY = os.environ.get("DIFFSPEC_LOCUST_POLICY", "")
 TIMEOUT_S = float(os.environ.get("DIFFSPEC_LOCUST_TIMEOUT_S", "120"))
+CLIENTS = os.environ.get("DIFFSPEC_LOCUST_CLIENTS", "shared")
+if CLIENTS not in ("shared", "per-call"):
+    raise ValueError(f"DIFFSPEC_LOCUST_CLIENTS must be 'shared' or 'per-call', not {CLIENTS!r}")
+CLIENT_HEADER = "x-diffspec-client"  # gateway.quota's; the load generator imports nothing of the gateway
 
 
 def load_prompts(path: Path, keep_chars: int) -> list[str]:
@@ -76,7 +85,7 @@ class GenerateUser(User):
         first = last = None
         tokens = 0
         try:
-            for response in self.stub.Generate(request, timeout=TIMEOUT_S):
+            for response in self.stub.Generate(request, timeout=TIMEOUT_S, metadata=self._call_metadata()):
                 if response.token_ids:
                     last = time.perf_counter()
                     first = first or last
@@ -91,6 +100,11 @@ class GenerateUser(User):
         if tokens > 1 and last > first:
             self._report("inter_token_latency", (last - first) * 1000 / (tokens - 1), tokens - 1)
             self._report("tokens_per_second", (tokens - 1) / (last - first), tokens - 1)
+
+    @staticmethod
+    def _call_metadata() -> tuple[tuple[str, str], ...]:
+        """The call's client: none declared (the caller's host, shared by every call) or a fresh one."""
+        return ((CLIENT_HEADER, f"locust-{uuid.uuid4().hex[:12]}"),) if CLIENTS == "per-call" else ()
 
     def _report(self, name: str, value: float, length: int, failure: Exception | None = None) -> None:
         self.environment.events.request.fire(

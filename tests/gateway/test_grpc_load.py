@@ -22,15 +22,21 @@ PROMPTS = [
 ]
 
 
-def test_headless_locust_run_has_no_failures(embedded_server, tmp_path):
+def test_headless_locust_run_has_no_failures_and_per_call_clients_stay_cold(embedded_server, tmp_path):
+    """Three prompts of several 64-entry blocks, at least four calls: prompts repeat, yet with a client per
+    call no lookup finds another call's blocks."""
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in PROMPTS))
+    long_texts = ["\n".join(PROMPTS[i:] + PROMPTS[:i]) * 8 for i in range(len(PROMPTS))]
+    prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in long_texts))
     env = {
         **os.environ,
         "DIFFSPEC_LOCUST_PROMPTS": str(prompts),
         "DIFFSPEC_LOCUST_MAX_NEW_TOKENS": "24",
-        "DIFFSPEC_LOCUST_PROMPT_CHARS": "600",
+        "DIFFSPEC_LOCUST_PROMPT_CHARS": "2000",
+        "DIFFSPEC_LOCUST_POLICY": "full",
+        "DIFFSPEC_LOCUST_CLIENTS": "per-call",
     }
+    before = scrape_when_idle(embedded_server)
     command = [
         sys.executable,
         "-m",
@@ -60,6 +66,11 @@ def test_headless_locust_run_has_no_failures(embedded_server, tmp_path):
     assert all(int(row["Failure Count"]) == 0 for row in rows.values())
     for name in ("time_to_first_token", "inter_token_latency", "tokens_per_second"):
         assert float(rows[name]["Average Response Time"]) > 0
+    after = scrape_when_idle(embedded_server)
+    looked_up = 'diffspec_draft_prefix_cache_entries_total{result="looked_up"}'
+    hit = 'diffspec_draft_prefix_cache_entries_total{result="hit"}'
+    assert after[looked_up] - before[looked_up] >= 4 * 64
+    assert after[hit] == before[hit]
 
 
 def scrape_when_idle(server, timeout: float = 10.0) -> dict[str, float]:  # noqa: ANN001
