@@ -4,8 +4,12 @@ side by side on one engine (the draft's prefix cache and the target's: ``draft_s
 For each prompt cut to its last ``--prompt-tokens`` tokens, each request a client of its own unless said:
 Auto cold; DiffSpec cold; DiffSpec again as the same client (both caches hold the prompt); and a next turn, the
 prompt, that answer and ``--turn-tokens`` more of the text's tokens, cold and as that client. Reported per prompt:
-each request's first-token and request seconds, the warm/cold ratios, and whether the warm requests' tokens equal
-the cold ones'.
+each request's first-token and request seconds and the entries its draft found cached, the warm/cold ratios, and
+whether the warm requests' tokens equal the cold ones'.
+
+The draft's cache holds as many entries as the target's pool holds tokens (serving's default) unless
+``--draft-cache-tokens`` says otherwise: one that holds a single 64K conversation loses the warm client's chain to
+the cold next turn (another client's prompt) before the warm next turn comes.
 
     python -m bench.prefix_reuse --base-model B8/target --draft-model B8/head --data longctx_eval.jsonl \\
         --prompt-tokens 65536 --prompts 2 --out bench/results/prefix_reuse.json
@@ -21,7 +25,7 @@ from pathlib import Path
 
 from bench.reproduce.arms import Arm
 from bench.reproduce.runs import generate_run
-from bench.warmup import warm_up_draft, warm_up_target
+from bench.warmup import in_process_draft, warm_up_draft, warm_up_target
 from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
@@ -33,10 +37,12 @@ DIFFSPEC = Arm("diffspec", DraftOptions("online", "16:0.0:6", salience=True))
 
 def timed(engine: SpeculativeEngine, ids: list[int], arm: Arm, client: str | None, n: int) -> dict:
     """One greedy request as ``client`` (None: a client of its own, cold; ``generate_run``): its tokens,
-    first-token and request seconds."""
+    first-token and request seconds, and the prompt entries its draft's lookup found cached."""
+    cache = in_process_draft(engine).prefix_cache
+    hits_before = cache.hit_entries
     run = asyncio.run(generate_run(engine, ids, arm, n, cache_scope=client))
     seconds = {"first_token_s": round(run.first_token_seconds, 4), "request_s": round(run.request_seconds, 4)}
-    return {"tokens": run.token_ids, **seconds}
+    return {"tokens": run.token_ids, **seconds, "draft_cached_entries": cache.hit_entries - hits_before}
 
 
 def one_prompt(engine: SpeculativeEngine, ids: list[int], turn: list[int], n: int) -> dict:
@@ -70,10 +76,12 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-pages", type=int, default=16384)
+    parser.add_argument("--draft-cache-tokens", type=int, default=-1,
+                        help="entries the draft's prefix cache holds (default -1: the target pool's tokens)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     engine = build_engine(DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model,
-                                           num_pages=args.num_pages))  # fmt: skip
+                                           num_pages=args.num_pages, draft_prefix_cache_tokens=args.draft_cache_tokens))
     try:
         graphs, trees = warm_up_target(engine), warm_up_draft(engine)
         print(f"recorded {graphs} step graphs, proposed {trees} warm-up trees", flush=True)

@@ -85,12 +85,13 @@ class DiffSpecSettings(BaseSettings):
         "(off: the next step proposes after the results). The same trees either way.",
     )
     draft_prefix_cache_tokens: int = Field(
-        65536, ge=0,
+        -1, ge=-1,
         description="Prompt and generated entries the draft's prefix cache keeps after their request ends, in blocks "
         "of 64, per cache scope (the client): a prompt that starts with cached blocks takes them instead of the "
         "target's features, and the target's own prefix cache then skips those positions' forward too. Memory on "
         "the draft's device: 2 x layers x KV heads x head dim x dtype bytes a token (4 KiB for a Llama-3.1-8B "
-        "EAGLE-3 head in bf16). 0 = off.",
+        "EAGLE-3 head in bf16, 1/32 of the target's 128 KiB). -1 = as many as the KV pool holds tokens "
+        "(num_pages x page_size), so that what the target keeps cached the draft can keep too; 0 = off.",
     )
     tuning_profile: str = Field(
         "",
@@ -232,6 +233,13 @@ class DiffSpecSettings(BaseSettings):
         "refuses other tokens (UNAUTHENTICATED, HTTP 401); auth_token, when set too, is still accepted. Empty = "
         "no per-tenant keys.",
     )
+
+    @property
+    def draft_prefix_cache_capacity(self) -> int:
+        """Entries the draft's prefix cache holds: ``draft_prefix_cache_tokens``, or the pool's tokens for -1."""
+        if self.draft_prefix_cache_tokens < 0:
+            return self.num_pages * self.page_size
+        return self.draft_prefix_cache_tokens
 
     @field_validator("feature_layers")
     @classmethod

@@ -55,5 +55,5 @@ def load_draft_runtime(settings: DiffSpecSettings, target: TargetRuntime | None 
     batches = parse_sizes(settings.graph_batch_sizes)  # the batches the target records graphs for
     return DraftRuntime(
         head, working_set_config(settings), settings.cuda_graphs, batches, settings.draft_quantization,
-        propose_ahead=settings.propose_ahead, prefix_cache_tokens=settings.draft_prefix_cache_tokens,
+        propose_ahead=settings.propose_ahead, prefix_cache_tokens=settings.draft_prefix_cache_capacity,
     )  # fmt: skip
