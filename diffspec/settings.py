@@ -91,7 +91,8 @@ class DiffSpecSettings(BaseSettings):
         "target's features, and the target's own prefix cache then skips those positions' forward too. Memory on "
         "the draft's device: 2 x layers x KV heads x head dim x dtype bytes a token (4 KiB for a Llama-3.1-8B "
         "EAGLE-3 head in bf16, 1/32 of the target's 128 KiB). -1 = as many as the KV pool holds tokens "
-        "(num_pages x page_size), so that what the target keeps cached the draft can keep too; 0 = off.",
+        "(num_pages x page_size; a draft service of its own reads them from its own settings, so give it the "
+        "target's), so that what the target keeps cached the draft can keep too; 0 = off.",
     )
     tuning_profile: str = Field(
         "",
