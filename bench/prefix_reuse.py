@@ -80,6 +80,8 @@ def main() -> int:
                         help="entries the draft's prefix cache holds (default -1: the target pool's tokens)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.draft_cache_tokens == 0:
+        parser.error("--draft-cache-tokens 0 turns off the draft's prefix cache, which this benchmark measures")
     engine = build_engine(DiffSpecSettings(base_model=args.base_model, draft_model=args.draft_model,
                                            num_pages=args.num_pages, draft_prefix_cache_tokens=args.draft_cache_tokens))
     try:
