@@ -18,8 +18,12 @@ from bench.processes import free_port
 from diffspec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 START_TIMEOUT_S = 90.0
-# 64 KiB messages: a prompt's features cross the wire in many chunks
+# 64 KiB messages: a prompt's features cross the wire in many chunks. No warm-up: on the CPU it compiles nothing
+# and records no graph, only proposes (13 of a server's 16 s to serving); the README's and the docs' commands
+# (tests/cli/test_readme.py, tests/docs) start servers that warm up as users' do.
 COMMON_FLAGS = [
+    "--warm-up",
+    "off",
     "--num-pages",
     "1024",
     "--shutdown-grace-seconds",
