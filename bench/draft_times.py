@@ -20,6 +20,10 @@ host clocks, median of several:
   profiler: the torch ops it dispatches, the kernels and copies it puts on the device, and the ops that
   cost the host most (calls, CPU microseconds of their own). An accept is host-bound: these say where the
   working set's share of it goes;
+- ``start_ms`` and ``start_floor_ms``: a session's start, the head's pass over every prompt position (one
+  session; in serving it runs in the first draft call after the first token, inside the request's decode), and
+  its matmuls' FLOPs (``fc`` and the first layer's projections per position) over the bf16 matmul peak measured
+  in the same run;
 - ``floor_ms``: the bytes a proposal must read (the head's weights once per depth, int8 ones with
   ``--draft-quantization int8``, plus each session's attended context once per depth) over the copy
   bandwidth measured in the same run.
@@ -40,7 +44,7 @@ from typing import Callable, get_args
 
 import torch
 
-from bench.kernels import copy_bandwidth, median_ms
+from bench.kernels import copy_bandwidth, matmul_peak, median_ms
 from diffspec.device_accept import DeviceAccept
 from draft_service.drafter import DeviceExtension, Drafter, Extension, ProposalRequest
 from draft_service.eagle3_head import Eagle3Head
@@ -68,8 +72,17 @@ def _host_seconds(work: Callable[[], object], sync: bool) -> float:
     return statistics.median(times)
 
 
+def start_flops(head: Eagle3Head, positions: int) -> float:
+    """The matmul FLOPs of a start over ``positions`` prompt positions: ``fc`` (3h -> h) and the first layer's
+    q, k, v projections of its 2h-wide input, per position."""
+    c = head.config
+    h, projected = c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    return 2.0 * positions * (3 * c.target_hidden_size * h + 2 * h * projected)
+
+
 def measure(
-    head: Eagle3Head, context: int, batch: int, options: DraftOptions, bandwidth: float, quantization: Quantization
+    head: Eagle3Head, context: int, batch: int, options: DraftOptions, bandwidth: float, peak_flops: float,
+    quantization: Quantization,
 ) -> dict:
     """One (context, batch, options, quantization) point: the accept, the proposal and its graph, and the floor."""
     c, device = head.config, head.fc.weight.device
@@ -83,6 +96,9 @@ def measure(
     for _ in range(batch):
         ids = torch.randint(c.draft_vocab_size, (context,)).tolist()
         sessions.append(drafter.start(ids, torch.randn(context, width, device=device, dtype=dtype), ids[-1], salience))
+    prompt_ids, prompt_features = sessions[0].token_ids[:-1], torch.randn(context, width, device=device, dtype=dtype)
+    start_seconds = _host_seconds(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), sync=True)
+    del prompt_features
     requests = [ProposalRequest(s, list(candidate.plan), candidate.budget) for s in sessions]
     accept_features = torch.randn(ACCEPTED_PER_STEP, width, device=device, dtype=dtype)
 
@@ -129,6 +145,8 @@ def measure(
         "launch_ms": round(1e3 * _host_seconds(run.graph.replay, sync=False), 3),
         "graph_gpu_ms": round(median_ms(run.graph.replay), 3),
         "floor_ms": round(1e3 * floor, 3),
+        "start_ms": round(1e3 * start_seconds, 3),
+        "start_floor_ms": round(1e3 * start_flops(head, context) / peak_flops, 3),
     }
 
 
@@ -254,14 +272,14 @@ def main() -> int:
     parser.add_argument("--draft-quantization", nargs="+", default=["none"], choices=get_args(Quantization),
                         help="the head's per-depth matmuls; each value measures every point")
     args, head = parse_with_gpu_head(parser)
-    bandwidth = copy_bandwidth()
+    bandwidth, peak_flops = copy_bandwidth(), matmul_peak()
     rows = []
     for context in args.contexts:
         for batch in args.batches:
             for salience in (False, True):
                 for quantization in args.draft_quantization:
                     options = DraftOptions("full", args.tree_config, salience=salience)
-                    row = measure(head, context, batch, options, bandwidth, quantization)
+                    row = measure(head, context, batch, options, bandwidth, peak_flops, quantization)
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     write_rows(rows, bandwidth, args.out, plot)

@@ -9,9 +9,12 @@ log says so).
 
 End-to-end figures need every evaluated prefill cold. The target and the draft keep prefix caches by
 client (the cache scope), so each evaluated run is a client of its own, whatever ran before it; warm-up
-and tuning run on the tuning prompts. The tuning runs of a context share one scope: a tuning prompt's
-candidates after the first take its prompt from both caches, as its decode, which the tuning scores, is
-the same either way (the cached KV is the computed KV), and a 64K prompt's prefill is most of a run.
+and tuning run on the tuning prompts. The tuning runs of a context share one scope, and a 64K prompt's
+prefill is most of a run: a tuning prompt's candidates take its prompt from both caches. The decode the
+tuning scores is not the same cold and warm: the draft ingests the prompt after the first token, so a cold
+run's first step holds the head's pass over the whole prompt (at 64K with the 8B-shaped head about 20% of a
+128-token decode), which a warm run loads from the draft's prefix cache. So each tuning prompt is primed
+in each round, one untimed ``PRIME_TOKENS`` request in the tuning scope, and every candidate is scored warm.
 """
 
 from __future__ import annotations
@@ -44,17 +47,28 @@ from bench.reproduce.reference import REFERENCE, TransformersReference
 from bench.reproduce.replay import TargetReplay
 from bench.reproduce.report import ArmSummary, summarise
 from bench.reproduce.runs import Engine, RunRecord, generate_run
-from bench.reproduce.tuning import CandidateScore, finalists, score_candidates, score_finalists
+from bench.reproduce.tuning import (
+    CandidateScore,
+    finalists,
+    score_candidates,
+    score_finalists,
+    seconds_per_step,
+    stalled_phase,
+    stalled_runs,
+)
 from bench.warmup import warm_up_draft, warm_up_generations, warm_up_target
 from diffspec.devices import free_gpu_memory
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
+from draft_service.options import DraftOptions
 from gateway.assembly import load_tokenizer
+from gateway.request import GenerationRequest
 
 log = logging.getLogger("bench.reproduce")
 # where and how a run writes or judges, not what it measures
 NOT_FINGERPRINTED = ("out_dir", "resume", "profile_window", "fp32_attention_backend", "judge_minutes")
 SLACK_TOKENS = 64  # context kept free beyond max_new_tokens for a last step's tree
+PRIME_TOKENS = 3  # a priming request's: the prefill's token, then the draft starts (with two left) and one verify
 
 
 @dataclass
@@ -324,12 +338,16 @@ class _Protocol:
         label = arm if isinstance(arm, str) else arm.label
         return self.checkpoint.done((phase, case.dataset, case.context, prompt[0], label))
 
-    async def _run(self, bar: tqdm, phase: str, case: Case, prompt: tuple[int, list[int]], arm: Arm, n: int) -> RunRecord:
+    async def _run(
+        self, bar: tqdm, phase: str, case: Case, prompt: tuple[int, list[int]], arm: Arm, n: int, again: bool = False
+    ) -> RunRecord:
+        """``arm`` on ``prompt``, or its recorded run; ``again``: generated whatever was recorded (a stalled run's
+        replacement)."""
         done = self._recorded(phase, case, prompt, arm)
-        if done is not None:
+        if done is not None and not again:
             return self._record(bar, phase, case, prompt, done)
         with nvtx_range(f"{phase} {case.context} p{prompt[0]} {arm.label}"):
-            scope = None if phase == "eval" else f"tuning/{case.dataset}/{case.context}"  # the module's docstring
+            scope = None if phase == "eval" else self._tuning_scope(case)  # the module's docstring
             run = await generate_run(self.engine, prompt[1], arm, n, self.sampling, scope)
         self._record(bar, phase, case, prompt, run)
         self.checkpoint.record(run)
@@ -350,18 +368,51 @@ class _Protocol:
 
     async def _tune(self, case: Case, bar: tqdm) -> None:
         bar.set_postfix_str(f"tune {case.dataset} {case.context}")
-        tuned = [await self._run(bar, "tune", case, prompt, arm, self.config.tune_max_new_tokens)
-                 for prompt in case.tune_prompts for arm in self.candidates]
+        tuned = await self._tuning_round("tune", case, self.candidates, self.config.tune_max_new_tokens, bar)
         scores = score_candidates(self.candidates, tuned)
         shortlist = finalists(self.candidates, scores, self.config.tune_finalists)
         bar.set_postfix_str(f"final {case.dataset} {case.context}")
         # the finalists again, paired on the same prompts, with as many tokens as the evaluation
-        finals = [await self._run(bar, "final", case, prompt, arm, self.config.eval_max_new_tokens)
-                  for prompt in case.tune_prompts for arm in shortlist]
+        finals = await self._tuning_round("final", case, shortlist, self.config.eval_max_new_tokens, bar)
         scores, best = self._choose(scores, finals)
         self.scores += scores
         self.chosen[(case.dataset, case.context)] = best
         log.info("tuned %s @ %d: %s", case.dataset, case.context, best.label)
+
+    async def _tuning_round(self, phase: str, case: Case, arms: list[Arm], n: int, bar: tqdm) -> list[RunRecord]:
+        """Every arm on every tuning prompt, each prompt primed first (the module's docstring); a stalled run
+        again, once (``tuning.stalled_runs``)."""
+        runs = []
+        for prompt in case.tune_prompts:
+            if any(self._recorded(phase, case, prompt, arm) is None for arm in arms):
+                await self._prime(case, prompt, arms[0])
+            runs += [await self._run(bar, phase, case, prompt, arm, n) for arm in arms]
+        for stalled in stalled_runs(runs):
+            log.warning("%s ctx=%d prompt=%d %s stalled (%.1f ms a step): run again", phase, case.context,
+                        stalled.prompt, stalled.label, 1e3 * seconds_per_step(stalled))
+            prompt, arm = next(p for p in case.tune_prompts if p[0] == stalled.prompt), self.arm_of[stalled.label]
+            await self._prime(case, prompt, arm)
+            stalled.phase = stalled_phase(phase)
+            self.checkpoint.record(stalled)  # kept under its own phase; the run again takes the phase's key
+            bar.total = (bar.total or 0) + 1  # the bar counts every run the record holds
+            runs[runs.index(stalled)] = await self._run(bar, phase, case, prompt, arm, n, again=True)
+        return runs
+
+    async def _prime(self, case: Case, prompt: tuple[int, list[int]], arm: Arm) -> None:
+        """Fill both prefix caches with ``prompt`` in the tuning scope: an untimed request with ``arm``'s working
+        set under the ``full`` policy, which leaves the ``online`` sessions' shared estimates as they were."""
+        assert arm.draft is not None
+        draft = DraftOptions("full", arm.draft.tree_config, salience=arm.draft.salience)
+        request = GenerationRequest(prompt[1], PRIME_TOKENS, sampling=self.sampling, draft=draft,
+                                    client=self._tuning_scope(case))
+        with nvtx_range(f"prime {case.context} p{prompt[0]}"):
+            async for _ in self.engine.generate(request):
+                pass
+        take_draft_steps(self.engine)  # the recording engine's steps of the prime: no run's
+
+    @staticmethod
+    def _tuning_scope(case: Case) -> str:
+        return f"tuning/{case.dataset}/{case.context}"
 
     async def _evaluate(self, case: Case, bar: tqdm) -> None:
         bar.set_postfix_str(f"eval {case.dataset} {case.context}")

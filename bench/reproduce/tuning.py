@@ -10,12 +10,19 @@ decoded the evaluation prompts 13% apart, in the other order). Among those tied,
 tree tokens per emitted token wins: at the same speed it leaves the most of the GPU to other streams. (The draft's
 milliseconds a step do not say so: with the proposal queued behind the verify they are the host's wait in
 whichever call first needs the GPU, and one configuration's two arms drafted 2.02 and 2.45 ms a step at equal
-steps in one run.)"""
+steps in one run.)
+
+Stalls. Now and then one run's decode stalls for a quarter of a second (on an H100: a 4K final-round run at 24 ms
+a step where its other prompts took 9.3, at no kernel compile), which in a round of four prompts moves its
+candidate's speed by a fifth and can decide the choice. A run whose seconds per step exceed ``STALL_FACTOR``
+times the median of its candidate's other runs in the round (``stalled_runs``) is run again, once; the stalled
+run stays in the record under its own phase (``stalled_phase``)."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,6 +32,7 @@ from draft_service.tuned_profile import PROFILE_FORMAT
 
 PROFILE_NAME = "tuned_profile.json"
 FINAL_TIE = 0.03  # finalists whose final decode speed is within this fraction of the fastest's are tied
+STALL_FACTOR = 1.5  # a run this much slower a step than its candidate's median elsewhere in the round stalled
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,26 @@ def score_finalists(scores: list[CandidateScore], runs: list[RunRecord]) -> list
     tied = [s.final_decode_tokens_per_s is not None and s.final_decode_tokens_per_s >= (1 - FINAL_TIE) * fastest
             for s in final]  # fmt: skip
     return _choose(final, [-s.final_tree_tokens_per_token if tie else -math.inf for s, tie in zip(final, tied)])
+
+
+def stalled_runs(runs: list[RunRecord]) -> list[RunRecord]:
+    """The runs of one round whose decode seconds per step exceed ``STALL_FACTOR`` times the median of the same
+    candidate's other runs (a candidate's seconds a step vary little from prompt to prompt: a tenth at most)."""
+    stalled = []
+    for run in runs:
+        others = [seconds_per_step(r) for r in runs if r.label == run.label and r is not run]
+        if others and seconds_per_step(run) > STALL_FACTOR * statistics.median(others):
+            stalled.append(run)
+    return stalled
+
+
+def seconds_per_step(run: RunRecord) -> float:
+    return run.stats.decode_seconds / run.stats.steps if run.stats.steps else 0.0
+
+
+def stalled_phase(phase: str) -> str:
+    """The phase a stalled run is kept under, beside the run that replaced it: a phase no score reads."""
+    return f"{phase}-stalled"
 
 
 def tree_tokens_per_token(runs: list[RunRecord]) -> float:

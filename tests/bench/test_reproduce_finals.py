@@ -41,14 +41,17 @@ class RatedEngine:
     """Emits ``max_new_tokens`` tokens in 4 verification steps at the decode rate ``RATES`` sets for the tree
     (the evaluation's arms at 10 tokens/s)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stalls: tuple[int, ...] = ()) -> None:
         self.requests: list[tuple[str, int]] = []  # (tree config, max_new_tokens) of the tuning runs, in order
+        self.received: list[GenerationRequest] = []  # every request, primes included, in order
+        self.stalls = stalls  # indices into ``requests`` whose decode takes 3 times as long
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        self.received.append(request)
         n, tree = request.max_new_tokens, request.draft.tree_config if request.draft else "auto"
         if (tree, n) in RATES:
             self.requests.append((tree, n))
-        rate = RATES.get((tree, n), 10.0)
+        rate = RATES.get((tree, n), 10.0) / (3 if len(self.requests) - 1 in self.stalls else 1)
         yield GenerationChunk([7] * n, "", GenerationStats(new_tokens=n, steps=4, accepted_drafts=n - 4,
                                                            decode_seconds=(n - 1) / rate))
 
@@ -88,12 +91,41 @@ def test_the_final_round_runs_the_top_candidates_with_eval_tokens_and_chooses(tm
     assert "| d | 64 | diffspec[online 64:0.0:8] | 2 | 2.00 | 80.0 | 4.00 | 75.0 | 0.00 | **yes** |" in table
 
 
+def test_each_round_primes_each_tuning_prompt_in_the_tuning_scope_before_its_candidates(tmp_path):
+    engine = RatedEngine()
+    _tuned(tmp_path, engine)
+    primes = [i for i, r in enumerate(engine.received) if r.max_new_tokens == protocol.PRIME_TOKENS]
+    assert primes == [0, 5, 10, 14]  # per round (4 candidates, then 3 finalists), per prompt, before its arms
+    for i in primes:
+        prime, first_arm = engine.received[i], engine.received[i + 1]
+        assert prime.prompt_ids == first_arm.prompt_ids and prime.client == first_arm.client == "tuning/d/64"
+        assert (prime.draft.policy, first_arm.draft.policy) == ("full", "online")  # no online estimate learns from it
+        assert (prime.draft.tree_config, prime.draft.salience) == (first_arm.draft.tree_config, first_arm.draft.salience)
+
+
+def test_a_stalled_run_is_run_again_once_and_kept_under_its_own_phase(tmp_path):
+    engine = RatedEngine(stalls=(8,))  # the final round's first run: 32:0.0:6 on prompt 1
+    tuned = _tuned(tmp_path, engine)
+    finals = [(c, EVAL_TOKENS) for c in ("32:0.0:6", "48:0.0:8", "64:0.0:8")]
+    first_pass = [(c, TUNE_TOKENS) for c in ("16:0.0:4", "32:0.0:6", "48:0.0:8", "64:0.0:8")]
+    assert engine.requests == first_pass * 2 + finals * 2 + [finals[0]]  # the stalled one again, after the round
+    assert engine.received[-2].max_new_tokens == protocol.PRIME_TOKENS  # its prompt primed again before it
+    assert engine.received[-2].prompt_ids == CASE.tune_prompts[0][1]
+    stalled = [r for r in tuned.runs if r.phase == "final-stalled"]
+    assert [(r.prompt, r.label) for r in stalled] == [(1, "diffspec[online 32:0.0:6]")]
+    assert stalled[0].stats.decode_seconds == pytest.approx(3 * (EVAL_TOKENS - 1) / 50.0)
+    scores = {s.tree_config: s for s in tuned.scores}
+    assert scores["32:0.0:6"].final_decode_tokens_per_s == 50.0  # scored on the run again, not the stalled one
+    resumed = _tuned(tmp_path, RatedEngine(), resume=True)  # the record keeps the run again under the phase
+    assert resumed.scores == tuned.scores
+
+
 def test_recorded_tuning_and_final_runs_are_reused_and_a_missing_final_run_is_left(tmp_path):
     first = _tuned(tmp_path, RatedEngine())
     asyncio.run(first._evaluate(CASE, tqdm(disable=True)))
     engine = RatedEngine()
     resumed = _tuned(tmp_path, engine, resume=True)
-    assert engine.requests == [] and resumed.scores == first.scores
+    assert engine.received == [] and resumed.scores == first.scores  # no prime where every run is recorded
     assert not resumed._has_runs_left(CASE, CASE.context)
     recorded = (tmp_path / RUNS_FILE).read_text().splitlines()
     one_final = ("final", 2, "diffspec[online 48:0.0:8]")
