@@ -388,8 +388,9 @@ class _Protocol:
                 await self._prime(case, prompt, arms[0])
             runs += [await self._run(bar, phase, case, prompt, arm, n) for arm in arms]
         for stalled in stalled_runs(runs):
-            log.warning("%s ctx=%d prompt=%d %s stalled (%.1f ms a step): run again", phase, case.context,
-                        stalled.prompt, stalled.label, 1e3 * seconds_per_step(stalled))
+            log.warning("%s ctx=%d prompt=%d %s stalled (%.1f ms a step; garbage collection %.3f s, allocator "
+                        "retries %d): run again", phase, case.context, stalled.prompt, stalled.label,
+                        1e3 * seconds_per_step(stalled), stalled.gc_seconds, stalled.allocator_retries)
             prompt, arm = next(p for p in case.tune_prompts if p[0] == stalled.prompt), self.arm_of[stalled.label]
             await self._prime(case, prompt, arm)
             stalled.phase = stalled_phase(phase)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ class RunRecord:
     # "tokens:depth" -> what the batch planner predicted for each online bound and what the run's steps within it
     # delivered (``bench.bound_audits``); empty for fixed policies, Auto, or a draft in another process
     online_bound_audit: dict[str, dict] = field(default_factory=dict)
+    # what can stall a run besides its configuration (``PauseMeter``): collector seconds, allocator retries
+    gc_seconds: float = 0.0
+    allocator_retries: int = 0
 
     @property
     def end_to_end_tokens_per_second(self) -> float:
@@ -66,7 +70,42 @@ class RunRecord:
             "kernels_compiled": self.kernels_compiled,
             "compiled_kernels": self.compiled_kernels,
             "online_bound_audit": self.online_bound_audit,
+            "gc_seconds": round(self.gc_seconds, 6),
+            "allocator_retries": self.allocator_retries,
         }
+
+
+class PauseMeter:
+    """What paused the process during a run, for a run that stalls: the seconds Python's cyclic garbage collector
+    ran (every thread waits for it) and the CUDA caching allocator's retries (a failed allocation frees every cached
+    block and synchronises the device before it tries again)."""
+
+    def __init__(self) -> None:
+        self.gc_seconds = 0.0
+        self._collecting_since: float | None = None
+        self._retries_before = self._retries()
+
+    @staticmethod
+    def _retries() -> int:
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._collecting_since = time.perf_counter()
+        elif self._collecting_since is not None:
+            self.gc_seconds += time.perf_counter() - self._collecting_since
+            self._collecting_since = None
+
+    def __enter__(self) -> PauseMeter:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    @property
+    def allocator_retries(self) -> int:
+        return self._retries() - self._retries_before
 
 
 async def generate_run(
@@ -91,11 +130,12 @@ async def generate_run(
     first_token_at = None
     scope = cache_scope if cache_scope is not None else f"run-{uuid.uuid4().hex}"
     request = GenerationRequest(prompt_ids, max_new_tokens, sampling=sampling, draft=arm.draft, client=scope)
-    async for chunk in engine.generate(request):
-        if chunk.token_ids and first_token_at is None:
-            first_token_at = time.perf_counter()
-        tokens += chunk.token_ids
-        stats = chunk.stats or stats
+    with PauseMeter() as pauses:
+        async for chunk in engine.generate(request):
+            if chunk.token_ids and first_token_at is None:
+                first_token_at = time.perf_counter()
+            tokens += chunk.token_ids
+            stats = chunk.stats or stats
     ended = time.perf_counter()
     assert stats is not None, "the engine's last chunk carries the stats"
     compiled = sorted((triton_compiles() - compiled_before).elements())
@@ -108,4 +148,6 @@ async def generate_run(
         kernels_compiled=len(compiled),
         compiled_kernels=compiled,
         online_bound_audit=audits_since(audit, audit_before),
+        gc_seconds=pauses.gc_seconds,
+        allocator_retries=pauses.allocator_retries,
     )

@@ -16,7 +16,7 @@ from bench.reproduce.inflate import inflate_command, inflate_pair, inflated_dir
 from bench.reproduce.presets import FULL, SMOKE
 from bench.reproduce.prompts import Dataset, cut_to_context, load_datasets, prompts_at
 from bench.reproduce.protocol import cases_of, fingerprint_defaults, model_settings
-from bench.reproduce.runs import RunRecord
+from bench.reproduce.runs import PauseMeter, RunRecord
 from bench.reproduce.tuning import (
     FINAL_TIE, CandidateScore, finalists, score_candidates, score_finalists, tuned_profile, write_tuned_profile,
 )
@@ -256,3 +256,21 @@ def test_each_head_gets_its_own_inflated_pair():
     short, long = inflated_dir(target, Path("/m/head")), inflated_dir(target, Path("/r/head"))
     assert short != long and short.name.startswith("diffspec-8b-bench-code-")
     assert inflated_dir(target, Path("/m/head")) == short
+
+
+def test_the_pause_meter_times_the_collections_inside_it_and_no_others():
+    import gc
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    with PauseMeter() as pauses:
+        for _ in range(20000):
+            Cycle()
+        gc.collect()
+    measured = pauses.gc_seconds
+    assert measured > 0.0
+    gc.collect()  # after the meter: not counted
+    assert pauses.gc_seconds == measured
+    assert pauses.allocator_retries == 0  # no CUDA allocation retried (none on a CPU)

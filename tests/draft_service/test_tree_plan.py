@@ -15,6 +15,8 @@ from draft_service import tree_plan
 from draft_service.tree_budget import TreeBudget
 from draft_service.tree_plan import (
     DYNAMIC,
+    AcceptanceTracker,
+    SessionAcceptance,
     RECHECK_EVERY,
     SHAPED,
     Bound,
@@ -131,6 +133,24 @@ def test_a_dynamic_budget_nobody_measured_is_expected_to_accept_as_the_best_stat
             assert expected >= expectations[shaped] - 1e-9
     deep = Candidate.dynamic(B("32:0.0:10"))
     assert expectations[deep] > expected_tokens(passes, [1] * 10)  # more than the chain's E
+
+
+def test_a_session_whose_paths_stop_early_borrows_the_global_gain_of_a_larger_tree_in_proportion():
+    small, large = B("16:0.0:4"), B("64:0.0:8")
+    shared = AcceptanceTracker(decay=1.0)
+    for _ in range(50):  # other requests' text: 4 drafts a step from the small tree, 6 from the large one
+        shared.observe({small: 4, large: 6})
+    guess = {small: 4.0, large: 6.0}.__getitem__
+    hard, easy = (SessionAcceptance(small, 1.0, shared) for _ in range(2))
+    for _ in range(30):
+        hard.observe({small: 1})  # its text: paths stop early
+    for _ in range(30):
+        easy.observe({small: 4})
+    global_gain = shared.mean(large, 6.0) - shared.mean(small, 4.0)
+    hard_gain = hard.mean(large, guess) - hard.mean(small, guess)
+    assert hard_gain == pytest.approx(global_gain * hard.mean(small, guess) / shared.mean(small, 4.0))
+    assert 0 < hard_gain < 0.5 * global_gain
+    assert easy.mean(large, guess) - easy.mean(small, guess) > 2 * hard_gain
 
 
 def test_the_probes_are_nested_and_the_last_contains_every_candidate():
