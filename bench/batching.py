@@ -152,15 +152,16 @@ def _settle(engine: SpeculativeEngine) -> None:
 
 def _draft_cost_ms(engine: SpeculativeEngine, batch: int) -> dict[str, dict[int, float]]:
     """The in-process draft's proposal cost model at ``batch`` sessions: its prices by depth, and the running
-    averages by depth measured at each batch bucket (bucket = the batch's bit length); empty without one."""
+    averages by depth measured at each (batch, attended context) bucket (each a bit length); empty without one."""
     draft = in_process_draft(engine)
     if draft is None:
         return {}
     cost, deepest = draft.step_cost, max(budget.depth for budget in CANDIDATE_GRID)
     priced = {depth: round(1000 * cost.draft_seconds(depth, batch), 3) for depth in range(1, deepest + 1)}
     measured = {
-        f"bucket {bucket}": {depth: round(1000 * seconds, 3) for depth, seconds in sorted(points.items())}
-        for bucket, points in sorted(cost.draft_seconds_by_batch.items())
+        f"bucket {batch_bucket}, attended {attended}": {
+            depth: round(1000 * seconds, 3) for depth, seconds in sorted(points.items())}
+        for (batch_bucket, attended), points in sorted(cost.draft_seconds_by_shape.items())
     }
     return {"priced": priced, **measured}
 

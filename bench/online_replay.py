@@ -58,7 +58,7 @@ class FrozenCost(StepCostModel):
     def observe_verify(self, rows: int, seconds: float) -> None:
         pass
 
-    def observe_draft(self, depths: int, seconds: float, batch: int = 1) -> None:
+    def observe_draft(self, depths: int, seconds: float, batch: int = 1, attended_tokens: int = 0) -> None:
         pass
 
     def observe_step(self, step_seconds: float, proposal_seconds: float, verify_seconds: float) -> None:
@@ -73,7 +73,7 @@ def frozen_cost(
     cost = FrozenCost(graph_batch_sizes=(1,), graph_tree_sizes=graph_tree_sizes)
     for tokens, ms in verify_ms.items():
         StepCostModel.observe_verify(cost, tokens, ms / 1000)
-    cost.draft_seconds_by_batch = {1: {depth: ms / 1000 for depth, ms in draft_ms.items()}}
+    cost.draft_seconds_by_shape = {(1, 0): {depth: ms / 1000 for depth, ms in draft_ms.items()}}  # nearest to all
     cost.draft_measured = True
     cost.step_overhead_seconds, cost.overhead_measured = overhead_ms / 1000, True
     return cost

@@ -82,6 +82,7 @@ class BatchCost:
     cost: StepCostModel
     batch: int  # sessions verified together
     context_tokens: int  # mean committed tokens per session
+    attended_tokens: int = 0  # mean entries a session's proposal attends to: its working set, or its context
 
     @functools.cached_property
     def _verify(self) -> Callable[[int], float]:
@@ -96,7 +97,7 @@ class BatchCost:
         """A whole step within ``bound``: its depths' proposal, the padded verify, and what every step costs
         besides (``StepCostModel.observe_step``)."""
         return StepSeconds(
-            self.cost.step_overhead_seconds, self.cost.draft_seconds(bound.depth, self.batch),
+            self.cost.step_overhead_seconds, self.cost.draft_seconds(bound.depth, self.batch, self.attended_tokens),
             self.verify_seconds(bound.tokens),
         )
 

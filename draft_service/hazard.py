@@ -253,8 +253,9 @@ class StepCostModel:
     decay: float = 0.9
     tables: list[VerifyTable] = field(default_factory=lambda: [VerifyTable() for _ in range(CONTEXT_BUCKETS)])
     draft_seconds_per_depth: float = 0.05  # replaced by the first measurement, then a running average
-    # batch bucket (the batch's bit length) -> depth -> a proposal's seconds, running average
-    draft_seconds_by_batch: dict[int, dict[int, float]] = field(default_factory=dict)
+    # (batch bucket, attended bucket): the batch's bit length and its sessions' mean attended tokens' (``_bucket``)
+    # -> depth -> a proposal's seconds, running average
+    draft_seconds_by_shape: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)
     default_intercept: float = 1.0
     default_slope: float = 0.01
     draft_measured: bool = False
@@ -293,32 +294,41 @@ class StepCostModel:
         """One verify of ``rows`` padded rows (sessions x the widest tree's tokens)."""
         self.tables[_bucket(self.batch_context)].observe(rows, seconds, self.decay)
 
-    def observe_draft(self, depths: int, seconds: float, batch: int = 1) -> None:
-        """One proposal ``depths`` deep for ``batch`` sessions that took ``seconds`` on the device."""
+    def observe_draft(self, depths: int, seconds: float, batch: int = 1, attended_tokens: int = 0) -> None:
+        """One proposal ``depths`` deep for ``batch`` sessions, each attending to ``attended_tokens`` entries on
+        average (a working set's, or the whole context's), that took ``seconds`` on the device."""
         if depths <= 0:
             return
         if not self.draft_measured:  # the default is in relative units: never average it with seconds
             self.draft_seconds_per_depth, self.draft_measured = seconds / depths, True
         else:
             self.draft_seconds_per_depth = 0.9 * self.draft_seconds_per_depth + 0.1 * seconds / depths
-        points = self.draft_seconds_by_batch.setdefault(batch.bit_length(), {})
+        points = self.draft_seconds_by_shape.setdefault((batch.bit_length(), _bucket(attended_tokens)), {})
         last = points.get(depths)
         points[depths] = seconds if last is None else 0.9 * last + 0.1 * seconds
 
-    def draft_seconds(self, depth: int, batch: int = 1) -> float:
-        """A proposal ``depth`` deep for ``batch`` sessions: on the line through the depths measured so far at
-        the nearest batch bucket measured (powers of two; the larger on a tie), least squares.
+    def draft_seconds(self, depth: int, batch: int = 1, attended_tokens: int = 0) -> float:
+        """A proposal ``depth`` deep for ``batch`` sessions attending to ``attended_tokens`` entries each: on the
+        line through the depths measured so far at the nearest (attended bucket, batch bucket) measured (the
+        attended context's first, then the batch's; powers of two; the larger on a tie), least squares.
 
         A proposal has a part that does not grow with depth (the final rerank, the tree's mask, staging);
         priced per depth alone, that part makes the depths being proposed look dearer per depth than they
         are at any other depth, and a planner proposing shallow trees would price deep ones too high and
         stay shallow. Batches apart: on an H200 an 8B-shaped head's 8-depth proposal takes 1.8 ms for one
         session and 2.5 ms for 16, and a line through depths measured at different batches would tilt with
-        whichever batch each depth met. With fewer than two depths measured there is no line: per depth, as
-        averaged over every proposal."""
-        tables = self.draft_seconds_by_batch
-        home = batch.bit_length()
-        points = tables[min(tables, key=lambda k: (abs(k - home), -k))] if tables else {}
+        whichever batch each depth met. Attended contexts apart, for the same reason: each depth attends to
+        every entry a session attends to, so at 64K a whole-context session's depth costs far more than a
+        working set's (an H100, the 8B-shaped head: 1.51 against 0.99 ms for 6 depths), and one runtime serving
+        both would price a working set's depths at a mix (and its deep trees too dear). With fewer than two
+        depths measured there is no line: per depth, as averaged over every proposal."""
+        tables = self.draft_seconds_by_shape
+        home = (batch.bit_length(), _bucket(attended_tokens))
+
+        def distance(key: tuple[int, int]) -> tuple[int, int, int, int]:
+            return abs(key[1] - home[1]), abs(key[0] - home[0]), -key[1], -key[0]
+
+        points = tables[min(tables, key=distance)] if tables else {}
         if len(points) < 2:
             return depth * self.draft_seconds_per_depth
         depths, seconds = list(points), list(points.values())

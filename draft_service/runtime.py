@@ -68,10 +68,16 @@ class _TimedProposal:
 
     depth: int  # draft depths of its deepest plan
     batch: int  # sessions it proposed for
+    attended_tokens: int  # entries a session attended to, mean over them
     timer: DeviceTimer  # its span on the device
     bound: Bound | None  # the online bound every tree kept within; None without one, or with a probe past it
     first_of_shape: bool  # its shape was new: its span holds a graph's recording (or kernels' compiles) too
     beside: bool = False  # a second proposal ran in its step (``_propose``): the step's span is not its alone
+
+
+def _attended_tokens(sessions: list[_SessionState]) -> int:
+    """Entries a proposal for ``sessions`` attends to per session, on average: what its depths' cost grows with."""
+    return sum(s.drafter_state.context.attended_tokens for s in sessions) // len(sessions)
 
 
 @dataclass(frozen=True)
@@ -426,7 +432,7 @@ class DraftRuntime:
             launched = self._launch(others, self._plan_batch)
         last = self._timed_proposal
         if last is not None and not last.first_of_shape:  # it ran on the device by now: its span is a read
-            self.step_cost.observe_draft(last.depth, last.timer.seconds(), last.batch)
+            self.step_cost.observe_draft(last.depth, last.timer.seconds(), last.batch, last.attended_tokens)
         self._timed_proposal = launched.timed
         for i, sid in enumerate(launched.session_ids):
             session = self.sessions[sid]
@@ -450,7 +456,9 @@ class DraftRuntime:
         first_of_shape = len(self.drafter.proposer.shapes_met) > shapes_met
         within = self._within_bound(sessions, chosen)
         step_bound = within[0] if None not in within else None  # every tree within: the step measures the bound
-        timed = _TimedProposal(max(c.depth for c in chosen), len(sessions), timer, step_bound, first_of_shape)
+        timed = _TimedProposal(
+            max(c.depth for c in chosen), len(sessions), _attended_tokens(sessions), timer, step_bound, first_of_shape
+        )
         observed = frozenset(session_ids[i] for i in self._observed(sessions, chosen))
         return _Launched(tuple(session_ids), tuple(chosen), tuple(trees), tuple(within), observed, timed)
 
@@ -477,7 +485,7 @@ class DraftRuntime:
         online = [sessions[i] for i in online_indices]
         context = sum(s.drafter_state.num_entries for s in sessions) // len(sessions)
         self.step_cost.note_batch(context)
-        cost = BatchCost(self.step_cost, len(sessions), context)
+        cost = BatchCost(self.step_cost, len(sessions), context, _attended_tokens(sessions))
         for session in sessions:
             if session.planner is None and session.steps_to_replan <= 0:
                 passes = session.hazard.pass_table(max(1, session.candidate.depth))

@@ -305,13 +305,28 @@ def test_a_proposals_cost_is_fitted_per_batch_bucket_and_read_at_the_nearest_one
     cost = StepCostModel()
     for depths, seconds, batch in ((4, 0.0011, 1), (8, 0.0019, 1), (4, 0.0020, 16), (8, 0.0026, 16)):
         cost.observe_draft(depths, seconds, batch)
-    assert sorted(cost.draft_seconds_by_batch) == [1, 5]  # bit lengths of 1 and 16
+    assert sorted(cost.draft_seconds_by_shape) == [(1, 0), (5, 0)]  # bit lengths of 1 and 16, no context
     assert cost.draft_seconds(6, 1) == pytest.approx(0.0015)
     assert cost.draft_seconds(6, 16) == pytest.approx(0.0023)
     assert cost.draft_seconds(6, 12) == cost.draft_seconds(6, 16)  # bucket 4 is nearer 5 than 1
     assert cost.draft_seconds(6, 2) == cost.draft_seconds(6, 1)
     assert cost.draft_seconds(6, 4) == cost.draft_seconds(6, 16)  # bucket 3: as near 1 as 5, the larger taken
     assert BatchCost(cost, 16, 4096).step_seconds(Bound(64, 8)).draft == pytest.approx(0.0026)
+
+
+def test_a_proposals_cost_is_fitted_per_attended_context_and_read_at_the_nearest_one_measured():
+    """A working set's sessions (2,048 entries) and whole-context ones (65,536) on one runtime: each depth of the
+    second costs more; mixed, a working set's deep tree would be priced at the whole context's depths."""
+    cost = StepCostModel()
+    for depths, seconds, attended in ((4, 0.0008, 2048), (8, 0.0012, 2048), (4, 0.0011, 65536), (8, 0.0019, 65536)):
+        cost.observe_draft(depths, seconds, 1, attended)
+    assert sorted(cost.draft_seconds_by_shape) == [(1, 12), (1, 17)]
+    assert cost.draft_seconds(8, 1, 2048) == pytest.approx(0.0012)
+    assert cost.draft_seconds(8, 1, 65536) == pytest.approx(0.0019)
+    assert cost.draft_seconds(6, 1, 1900) == pytest.approx(0.0010)  # the working set's bucket: [1024, 2048)
+    assert cost.draft_seconds(6, 16, 40000) == pytest.approx(0.0015)  # the nearest context first, then batch
+    working_set = BatchCost(cost, 1, 65536, attended_tokens=2048).step_seconds(Bound(16, 8))
+    assert working_set.draft == pytest.approx(0.0012)
 
 
 def test_shallow_proposals_do_not_price_deep_ones_by_their_own_per_depth_cost():

@@ -33,7 +33,8 @@ def planning_runtime(monkeypatch) -> DraftRuntime:
     measured wall times, the bounds chosen would hang on the machine's load)."""
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
     observe_draft = runtime.step_cost.observe_draft
-    fixed = lambda depths, seconds, batch: observe_draft(depths, DRAFT_SECONDS_PER_DEPTH * depths, batch)  # noqa: E731
+    fixed = lambda depths, seconds, batch, attended: observe_draft(  # noqa: E731
+        depths, DRAFT_SECONDS_PER_DEPTH * depths, batch, attended)
     monkeypatch.setattr(runtime.step_cost, "observe_draft", fixed)
     monkeypatch.setattr(runtime.step_cost, "observe_step", lambda *measured: None)
     return runtime
@@ -212,7 +213,8 @@ def test_a_proposal_of_a_shape_met_for_the_first_time_is_not_measured():
     assert not runtime.step_cost.draft_measured and not runtime.step_cost.overhead_measured
     runtime.step(DraftBatch(accepts=[accept_first_child(runtime, tree)], proposes=["s"], verify_cost=verify))
     assert runtime.step_cost.draft_measured and runtime.step_cost.overhead_measured
-    assert list(runtime.step_cost.draft_seconds_by_batch[1]) == [3]  # the second proposal, 3 depths deep
+    [((batch_bucket, _), points)] = runtime.step_cost.draft_seconds_by_shape.items()
+    assert batch_bucket == 1 and list(points) == [3]  # the second proposal, one session, 3 depths deep
 
 
 def test_the_bound_audit_counts_every_proposal_within_its_bound_and_what_the_steps_delivered(
