@@ -35,6 +35,7 @@ import torch
 
 from bench.bound_audits import audit_lines, audits_since, engine_bound_audit
 from bench.warmup import in_process_draft, triton_kernels_compiled, warm_up_draft, warm_up_target
+from diffspec.heap import startup_heap_frozen
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
@@ -236,13 +237,15 @@ def main() -> int:
 
     print(f"recorded {warm_up_target(engine)} step graphs, proposed {warm_up_draft(engine)} warm-up trees", flush=True)
     rows = []
-    for mode in args.modes:
-        for streams in args.streams:
-            # untimed first: every draft graph shape this run meets is recorded, and the planner has its costs
-            measure(engine, mode, prompts(streams), args.max_new_tokens, sampling)
-            rows.append(measure(engine, mode, prompts(streams), args.max_new_tokens, sampling))
-            label = f"{rows[-1]['mode']} x{rows[-1]['streams']}"
-            print(json.dumps(rows[-1]), *audit_lines(label, rows[-1]["online_bound_audit"]), sep="\n", flush=True)
+    with startup_heap_frozen():  # as a server's heap is once it is up (diffspec/heap.py)
+        for mode in args.modes:
+            for streams in args.streams:
+                # untimed first: every draft graph shape this run meets is recorded, and the planner has its costs
+                measure(engine, mode, prompts(streams), args.max_new_tokens, sampling)
+                rows.append(measure(engine, mode, prompts(streams), args.max_new_tokens, sampling))
+                label = f"{rows[-1]['mode']} x{rows[-1]['streams']}"
+                print(json.dumps(rows[-1]), *audit_lines(label, rows[-1]["online_bound_audit"]), sep="\n",
+                      flush=True)
     for row in rows:
         single = next(r for r in rows if r["mode"] == row["mode"] and r["streams"] == min(args.streams))
         auto = next((r for r in rows if r["mode"] == "auto" and r["streams"] == row["streams"]), None)

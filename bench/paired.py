@@ -37,6 +37,7 @@ from bench.reproduce.report import markdown, summarise, to_dicts
 from bench.reproduce.runs import Engine, RunRecord, generate_run
 from bench.warmup import warm_up_draft, warm_up_generations, warm_up_target
 from diffspec.errors import InvalidRequest
+from diffspec.heap import startup_heap_frozen
 from diffspec.sampling_params import SamplingParams
 from diffspec.settings import DiffSpecSettings, DraftQuantization
 from draft_service.tree_budget import TreeBudget
@@ -151,10 +152,11 @@ def main() -> int:
     print(f"recorded {warm_up_target(engine)} step graphs, proposed {warm_up_draft(engine)} warm-up trees", flush=True)
     named = arms_at(args.tree_config)
     arms = [named["auto"]] + [named[c] for c in args.configs if c != "auto"]  # Auto first: cold prefill
-    runs = asyncio.run(
-        run_all(engine, dataset, args.lengths, args.prompts, arms, args.max_new_tokens, args.temperature,
-                args.same_prompts)
-    )
+    with startup_heap_frozen():  # as a server's heap is once it is up (diffspec/heap.py)
+        runs = asyncio.run(
+            run_all(engine, dataset, args.lengths, args.prompts, arms, args.max_new_tokens, args.temperature,
+                    args.same_prompts)
+        )
     summaries = summarise(runs)
     result = {
         "command": " ".join(sys.argv),

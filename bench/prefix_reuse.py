@@ -26,6 +26,7 @@ from pathlib import Path
 from bench.reproduce.arms import Arm
 from bench.reproduce.runs import generate_run
 from bench.warmup import in_process_draft, warm_up_draft, warm_up_target
+from diffspec.heap import startup_heap_frozen
 from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
 from gateway.assembly import build_engine
@@ -91,10 +92,11 @@ def main() -> int:
         needed = args.prompt_tokens + args.turn_tokens
         encoded = [ids for ids in (engine.tokenizer(t)["input_ids"] for t in texts) if len(ids) >= needed]
         rows = []
-        for ids in encoded[: args.prompts]:
-            prompt, turn = ids[-needed : -args.turn_tokens], ids[-args.turn_tokens :]
-            rows.append(one_prompt(engine, prompt, turn, args.max_new_tokens))
-            print(json.dumps(rows[-1]), flush=True)
+        with startup_heap_frozen():  # as a server's heap is once it is up (diffspec/heap.py)
+            for ids in encoded[: args.prompts]:
+                prompt, turn = ids[-needed : -args.turn_tokens], ids[-args.turn_tokens :]
+                rows.append(one_prompt(engine, prompt, turn, args.max_new_tokens))
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         engine.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)

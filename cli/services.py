@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from diffspec.heap import freeze_startup_heap, thaw_heap
 from diffspec.serving import Loading, ServiceHost
 from diffspec.settings import DiffSpecSettings
 
@@ -149,12 +150,14 @@ async def serve(role: str, settings: DiffSpecSettings) -> None:
             address = await http.start()
             print(f"diffspec {role} OpenAI-compatible HTTP API on {http.scheme}://{address}/v1", flush=True)
         await load_models()
+        log.info("froze %d objects of startup out of the collector's walks", freeze_startup_heap())
 
     async def close() -> None:
         if http is not None:
             await http.stop()
         if role in ("all", "gateway"):
             await asyncio.to_thread(engine.get().close)
+        thaw_heap()  # what the models leave behind can be freed again
 
     try:
         await host.run(load, close)

@@ -44,7 +44,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def free_gpu_memory() -> None:
     """Return the blocks of tensors no longer referenced to the GPU, so that a model loaded next can use them
-    (dropped models in reference cycles need the collector first)."""
+    (dropped models in reference cycles need the collector first, and a frozen heap thawed: ``diffspec.heap``)."""
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

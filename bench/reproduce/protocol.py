@@ -58,6 +58,7 @@ from bench.reproduce.tuning import (
 )
 from bench.warmup import warm_up_draft, warm_up_generations, warm_up_target
 from diffspec.devices import free_gpu_memory
+from diffspec.heap import freeze_startup_heap
 from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
@@ -253,6 +254,7 @@ class _Protocol:
         if any(self._has_runs_left(case, shortest) for case in cases):  # a resumed run with none left only judges
             log.info("recorded %d target step graphs, proposed %d warm-up trees", warm_up_target(self.engine),
                      warm_up_draft(self.engine))
+            freeze_startup_heap()  # as a server does once it is up (diffspec/heap.py); the close thaws it
         tuning_arms = len(self.candidates) + min(self.config.tune_finalists, len(self.candidates))  # first pass, final
         total = sum(len(c.tune_prompts) * tuning_arms + len(c.eval_prompts) * (len(self.baselines) + 1)
                     + (len(self._reference_prompts(c)) if self.reference and c.context == shortest else 0)
