@@ -22,8 +22,7 @@ host clocks, median of several:
   working set's share of it goes;
 - ``start_ms`` and ``start_floor_ms``: a session's start, the head's pass over every prompt position (one
   session; in serving it runs in the first draft call after the first token, inside the request's decode), and
-  its matmuls' FLOPs (``fc`` and the first layer's projections per position) over the bf16 matmul peak measured
-  in the same run;
+  the matmul FLOPs it needs (``start_flops``) over the bf16 matmul peak measured in the same run;
 - ``floor_ms``: the bytes a proposal must read (the head's weights once per depth, int8 ones with
   ``--draft-quantization int8``, plus each session's attended context once per depth) over the copy
   bandwidth measured in the same run.
@@ -73,11 +72,12 @@ def _host_seconds(work: Callable[[], object], sync: bool) -> float:
 
 
 def start_flops(head: Eagle3Head, positions: int) -> float:
-    """The matmul FLOPs of a start over ``positions`` prompt positions: ``fc`` (3h -> h) and the first layer's
-    q, k, v projections of its 2h-wide input, per position."""
+    """The matmul FLOPs a start over ``positions`` prompt positions needs (a one-layer head): ``fc`` (3h -> h) and
+    the k and v projections of the layer's 2h-wide input per position, and the q projection of the last one
+    (the root's query; the others are never read)."""
     c = head.config
-    h, projected = c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    return 2.0 * positions * (3 * c.target_hidden_size * h + 2 * h * projected)
+    h, q_out, kv_out = c.hidden_size, c.num_heads * c.head_dim, 2 * c.num_kv_heads * c.head_dim
+    return 2.0 * (positions * (3 * c.target_hidden_size * h + 2 * h * kv_out) + 2 * h * q_out)
 
 
 def measure(

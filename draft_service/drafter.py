@@ -48,6 +48,7 @@ from draft_service.tree_proposal import TreeProposer
 from draft_service.working_set import WorkingSetConfig
 
 EXTEND_CHUNK = 4096  # committed entries per projection when ingesting a long prompt
+KV_ONLY_MIN_ROWS = 512  # a chunk this long projects its last layer's k and v alone, and the queries it keeps apart
 ATTEND_CHUNK = 1024  # a lower layer's queries per causal attention call: bounds its mask, rows x context
 
 
@@ -261,7 +262,9 @@ class Drafter:
         tree root's output) run inside the next proposal, over the context it stages anyway, so an
         accept is a few launches for the whole batch and a session that does not propose pays nothing.
         In a deeper head each layer below the last attends causally over its whole committed KV (salience
-        or not) to give the layer above its input, one session at a time: O(length x context) there.
+        or not) to give the layer above its input, one session at a time: O(length x context) there. The
+        last layer's queries are read at each session's last row only, so a long chunk (a prompt's) projects
+        that layer's k and v alone and those few rows' queries apart (``KV_ONLY_MIN_ROWS``).
         """
         device, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
         num_layers = self.head.config.num_layers
@@ -284,7 +287,11 @@ class Drafter:
             rope = self.head.rope(positions[start:stop])
             for layer in range(num_layers):
                 serving = self.weights.layers[layer]
-                q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, rope, serving, layer=layer)
+                if layer + 1 == num_layers and stop - start >= KV_ONLY_MIN_ROWS:
+                    q = None  # a prompt's chunk: of the last layer's queries only the sessions' last rows' are read
+                    k, v = self.head.keys_values(tokens[start:stop], hidden, rope, serving, layer)
+                else:
+                    q, k, v = self.head.attention_inputs(tokens[start:stop], hidden, rope, serving, layer=layer)
                 targets, sources = [], []
                 for i, lo, hi in segments:
                     keys, values = claims[i][layer]
@@ -302,7 +309,13 @@ class Drafter:
             if last_session > first_session:
                 index = last_rows[first_session:last_session]
                 index = index - start if start else index  # rows within this chunk
-                queries.append(q[index])
+                if q is None:
+                    rows_rope = (rope[0][index], rope[1][index])
+                    q = self.head.attention_inputs(tokens[start:stop][index], hidden[index], rows_rope, serving,
+                                                   layer=num_layers - 1)[0]  # fmt: skip
+                    queries.append(q)
+                else:
+                    queries.append(q[index])
                 hiddens.append(hidden[index])
                 first_session = last_session
         return _joined(queries), _joined(hiddens)  # [sessions, heads, hd], [sessions, hidden]

@@ -106,14 +106,33 @@ class Eagle3Head(nn.Module):
         ``kv_out``: where k and v are written (a tree's entry slots), returned in their place.
         """
         c, decoder = self.config, self.decoder_layer(layer)
-        ops = layer_ops(hidden.device)
+        qkv = decoder.self_attn.qkv(self._layer_input(token_ids, hidden, layer), serving)
+        return layer_ops(hidden.device).qkv_rope(qkv, *rope, c.num_heads, c.num_kv_heads, kv_out)
+
+    def keys_values(
+        self,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        serving: ServingProjections,
+        layer: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attention_inputs``' roped k and v alone, for entries whose query no one reads (a prompt's, in the last
+        layer): the q projection is a third of a start's matmul FLOPs with the 8B-shaped head."""
+        kv = serving.kv(self._layer_input(token_ids, hidden, layer))
+        _, k, v = layer_ops(hidden.device).qkv_rope(kv, *rope, 0, self.config.num_kv_heads)
+        return k, v
+
+    def _layer_input(self, token_ids: torch.Tensor, hidden: torch.Tensor, layer: int) -> torch.Tensor:
+        """What decoder layer ``layer``'s projections multiply: layer 0's normed embedding beside its normed
+        feature side (2h wide), a layer above it its normed residual stream."""
+        decoder = self.decoder_layer(layer)
         if layer == 0:
             norms = decoder.input_layernorm, self.midlayer.hidden_norm
-            x = ops.head_input(token_ids, self.embed_tokens, hidden, norms[0].weight, norms[1].weight, norms[0].eps)
-        else:
-            x = decoder.input_layernorm(hidden)
-        qkv = decoder.self_attn.qkv(x, serving)
-        return ops.qkv_rope(qkv, *rope, c.num_heads, c.num_kv_heads, kv_out)
+            return layer_ops(hidden.device).head_input(
+                token_ids, self.embed_tokens, hidden, norms[0].weight, norms[1].weight, norms[0].eps
+            )
+        return decoder.input_layernorm(hidden)
 
     def attention_outputs(
         self, attn: torch.Tensor, hidden: torch.Tensor, serving: ServingProjections | None = None, layer: int = 0

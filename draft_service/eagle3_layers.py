@@ -85,8 +85,10 @@ class DecoderLayer(nn.Module):
     def serving_projections(self, quantization: Quantization) -> ServingProjections:
         """This layer's serving matmuls (``serving_weights``; take them once the weights are final)."""
         attn, mlp = self.self_attn, self.mlp
+        qkv = ServingLinear.of(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), quantization)
         return ServingProjections(
-            qkv=ServingLinear.of(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), quantization),
+            qkv=qkv,
+            kv=qkv.rows_from(attn.q_proj.weight.shape[0]),
             o=ServingLinear.of(attn.o_proj.weight, quantization),
             gate_up=ServingLinear.of(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), quantization),
             down=ServingLinear.of(mlp.down_proj.weight, quantization),

@@ -23,19 +23,23 @@ def test_the_host_profile_counts_the_ops_of_one_run_and_names_the_costliest():
     assert float(x[0]) == 8.0  # the work ran once: (1 + 3) * 2
 
 
-def test_the_start_floor_counts_the_matmul_flops_a_start_runs():
+def test_the_start_floor_counts_the_matmul_flops_a_long_start_runs():
     from torch.utils.flop_counter import FlopCounterMode
 
     from bench.draft_times import start_flops
     from diffspec.settings import BUNDLED_DRAFT, BUNDLED_TARGET
-    from draft_service.drafter import Drafter
+    from draft_service.drafter import KV_ONLY_MIN_ROWS, Drafter
     from draft_service.eagle3_head import Eagle3Head
     from draft_service.target_embedding import load_target_embedding
 
     device, dtype = torch.device("cpu"), torch.float32
     head = Eagle3Head.load(BUNDLED_DRAFT, load_target_embedding(BUNDLED_TARGET, device, dtype), device, dtype)
-    drafter, positions = Drafter(head), 300
+    drafter, positions = Drafter(head), KV_ONLY_MIN_ROWS + 88  # one chunk, long enough to skip its queries
     features = torch.randn(positions, 3 * head.config.target_hidden_size)
     with FlopCounterMode(display=False) as counter:
         drafter.start(list(range(positions)), features, 7)
-    assert counter.get_total_flops() == start_flops(head, positions)
+    c = head.config
+    last_row_kv_again = 2 * (2 * c.hidden_size) * (2 * c.num_kv_heads * c.head_dim)  # its query's q|k|v pass
+    assert counter.get_total_flops() == start_flops(head, positions) + last_row_kv_again
+    all_queries = 2 * positions * (2 * c.hidden_size) * (c.num_heads * c.head_dim)
+    assert start_flops(head, positions) < counter.get_total_flops() < start_flops(head, positions) + all_queries / 100

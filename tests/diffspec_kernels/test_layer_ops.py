@@ -123,6 +123,20 @@ QKV_ROPE_CASES = kernel_cases(
 
 
 @pytest.mark.parametrize("dtype, heads, kv_heads, head_dim", QKV_ROPE_CASES)
+def test_fused_rope_of_k_and_v_alone_matches_reference(kernel_device, dtype, heads, kv_heads, head_dim):
+    """A k|v projection without q (a prompt's rows whose queries nobody reads): no q heads, k rotated, v copied."""
+    ops = fused_ops(kernel_device)
+    gen = torch.Generator(device=kernel_device).manual_seed(head_dim + 1)
+    kv = torch.randn(7, 2 * kv_heads * head_dim, device=kernel_device, dtype=dtype, generator=gen)
+    rope = RotaryEmbedding(RopeConfig(theta=500000.0), head_dim, torch.device(kernel_device))
+    cos, sin = rope.cos_sin(torch.randint(0, 131072, (7,), device=kernel_device, generator=gen), dtype)
+    q, k, v = ops.qkv_rope(kv, cos, sin, 0, kv_heads)
+    want_q, want_k, want_v = REFERENCE_OPS.qkv_rope(kv, cos, sin, 0, kv_heads)
+    assert q.numel() == 0 and torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert torch.equal(v, kv[:, kv_heads * head_dim :].unflatten(-1, (kv_heads, head_dim)))
+
+
+@pytest.mark.parametrize("dtype, heads, kv_heads, head_dim", QKV_ROPE_CASES)
 def test_fused_qkv_rope_matches_reference_with_shared_positions_and_cache_slots(
     kernel_device, dtype, heads, kv_heads, head_dim
 ):

@@ -491,6 +491,28 @@ def test_one_extension_pass_for_a_batch_equals_one_per_session(drafter, monkeypa
         torch.testing.assert_close(got_keys, want_keys)
 
 
+def test_a_long_chunk_projecting_k_and_v_alone_starts_with_the_kv_and_query_of_the_whole_projection(
+    drafter, monkeypatch
+):
+    """Chunks of 64 rows (one holding the session's last row, one not) project the last layer's k and v alone and
+    the kept query apart: the same entries and the same root output as projecting q|k|v for every row."""
+    monkeypatch.setattr(draft_service.drafter, "EXTEND_CHUNK", 64)
+    c = drafter.head.config
+    generator = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, c.vocab_size, (101,), generator=generator).tolist()
+    features = torch.randn(100, 3 * c.target_hidden_size, generator=generator)
+    monkeypatch.setattr(draft_service.drafter, "KV_ONLY_MIN_ROWS", 10**9)
+    whole = drafter.start(prompt[:-1], features, prompt[-1])
+    monkeypatch.setattr(draft_service.drafter, "KV_ONLY_MIN_ROWS", 32)  # both chunks (64 and 36 rows) split
+    split = drafter.start(prompt[:-1], features, prompt[-1])
+    for layer in range(c.num_layers):
+        for got, want in zip(split.context.view(layer), whole.context.view(layer)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split.root_query, whole.root_query, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split.root_hidden, whole.root_hidden)
+    torch.testing.assert_close(root_output(drafter, split), root_output(drafter, whole), rtol=1e-5, atol=1e-5)
+
+
 def test_a_prompt_longer_than_an_extension_chunk_starts_like_its_parts(drafter, monkeypatch):
     """A prompt spans several projection chunks, some holding no session's last entry: it starts with the
     same KV and last output as the same prompt fed in one-chunk pieces."""
