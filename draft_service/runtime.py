@@ -36,7 +36,14 @@ from diffspec.devices import DeviceTimer
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.tree import DraftTree, PendingTree
 from draft_service.backend import DraftAccept, DraftBatch, DraftBatchResult, DraftStart, DraftStats, PrefixLookup
-from draft_service.drafter import DeviceExtension, Drafter, DraftSession, Extension, ProposalRequest
+from draft_service.drafter import (
+    KV_ONLY_MIN_ROWS,
+    DeviceExtension,
+    Drafter,
+    DraftSession,
+    Extension,
+    ProposalRequest,
+)
 from draft_service.eagle3_head import Eagle3Head
 from draft_service.batch_plan import REPLAN_EVERY, BatchCost, BatchPlanner, SessionOutlook, StepSeconds
 from draft_service.bound_audit import BoundAudit
@@ -302,6 +309,9 @@ class DraftRuntime:
                 for candidate in candidates:
                     request = ProposalRequest(session, list(candidate.plan), candidate.budget)
                     self.drafter.propose_many([request] * batch)
+        # a prompt's long chunk projects the last layer's k and v alone: its kernels compile here too
+        long_features = features.new_zeros(KV_ONLY_MIN_ROWS, features.shape[1])
+        self.drafter.start([0] * KV_ONLY_MIN_ROWS, long_features, 0)
         return len(sessions) * len(candidates) * len(self.warm_up_batches)
 
     @staticmethod

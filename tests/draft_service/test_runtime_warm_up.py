@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from draft_service.drafter import KV_ONLY_MIN_ROWS
 from draft_service.runtime import DraftRuntime
 from draft_service.tree_budget import TreeBudget
 from draft_service.tree_plan import Candidate, SharedMeasurements, TreePlanner
@@ -26,3 +27,16 @@ def test_warm_up_proposes_each_starting_tree_once_and_keeps_no_session():
     assert {shape.context for shape in met} == {1024, budget}
     assert {shape.depth for shape in met} == {len(c.plan) for c in starting}
     assert all(shape.widths == full_widths(shape.depth) for shape in met)  # every starting tree fits the full tree's
+
+
+def test_warm_up_projects_a_prompt_chunks_keys_and_values_alone_so_no_request_compiles_it(monkeypatch):
+    runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
+    rows, keys_values = [], runtime.head.keys_values
+
+    def counted(token_ids, *args, **kwargs):  # noqa: ANN001, ANN202
+        rows.append(len(token_ids))
+        return keys_values(token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.head, "keys_values", counted)
+    runtime.warm_up()
+    assert rows == [KV_ONLY_MIN_ROWS] and runtime.sessions == {}
