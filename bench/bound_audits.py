@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bench.warmup import in_process_draft
 from draft_service.batch_plan import StepSeconds
-from draft_service.bound_audit import AuditSnapshot, BoundAudit, BoundReport
+from draft_service.bound_audit import AuditSnapshot, BoundAudit, BoundReport, ChoiceRecord
 
 
 def engine_bound_audit(engine: object) -> BoundAudit:
@@ -21,6 +21,19 @@ def engine_bound_audit(engine: object) -> BoundAudit:
 def audits_since(audit: BoundAudit, earlier: AuditSnapshot) -> dict[str, dict]:
     """Per bound proposed within since ``earlier`` ("tokens:depth", the most proposed first), ``audit_json``'s."""
     return {f"{b.tokens}:{b.depth}": audit_json(report) for b, report in audit.reports(since=earlier).items()}
+
+
+def choices_json(records: list[ChoiceRecord]) -> list[dict]:
+    """Each choice of the bound in order: the bound taken, and per bound scored ("tokens:depth") the tokens a step
+    predicted for the batch, its step's ms and the tokens/s they make."""
+    return [
+        {"bound": f"{r.bound.tokens}:{r.bound.depth}", "scored": {
+            f"{b.tokens}:{b.depth}": {"tokens_per_step": round(p.tokens_per_step, 3),
+                                      "step_ms": round(1000 * p.seconds.total, 3),
+                                      "tokens_per_s": round(p.tokens_per_second, 1)}
+            for b, p in r.scored.items()}}
+        for r in records
+    ]  # fmt: skip
 
 
 def audit_json(report: BoundReport) -> dict:

@@ -122,6 +122,7 @@ class BoundChoice:
 
     predicted: BoundPrediction  # for the bound chosen (or kept)
     runner_up_tokens_per_second: float | None  # the best other bound scored; None where none was (the start)
+    scored: dict[Bound, BoundPrediction]  # every bound the choice scored (the start: its own alone)
 
 
 def _predictor(outlooks: list[SessionOutlook], cost: BatchCost) -> Callable[[Bound], BoundPrediction]:
@@ -191,7 +192,8 @@ class BatchPlanner:
     def start(self, own_budgets: list[Bound], outlooks: list[SessionOutlook], cost: BatchCost) -> Bound:
         """A new batch's bound: the largest of its sessions' own budgets, kept ``START_STEPS`` proposals."""
         bound = Bound(max(b.tokens for b in own_budgets), max(b.depth for b in own_budgets))
-        self.bound, self.choice = bound, BoundChoice(_predictor(outlooks, cost)(bound), None)
+        predicted = _predictor(outlooks, cost)(bound)
+        self.bound, self.choice = bound, BoundChoice(predicted, None, {bound: predicted})
         self.proposals_to_choice, self.batch_scale = START_STEPS, cost.batch.bit_length()
         self.probes = ProbeSchedule()
         return bound
@@ -207,7 +209,7 @@ class BatchPlanner:
             kept, predicted = best, scored[best]
         runner_up = max((p.tokens_per_second for b, p in scored.items() if b != kept), default=None)
         self.probes.judge(moved=kept != self.bound or cost.batch.bit_length() != self.batch_scale)
-        self.bound, self.choice = kept, BoundChoice(predicted, runner_up)
+        self.bound, self.choice = kept, BoundChoice(predicted, runner_up, scored)
         self.proposals_to_choice, self.batch_scale = REPLAN_EVERY, cost.batch.bit_length()
         return kept
 

@@ -22,10 +22,11 @@ step; no device work.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass
 
-from draft_service.batch_plan import BoundChoice, StepSeconds
+from draft_service.batch_plan import BoundChoice, BoundPrediction, StepSeconds
 from draft_service.tree_plan import Bound
 
 
@@ -100,17 +101,36 @@ class BoundTally:
 
 
 AuditSnapshot = dict[Bound, BoundTally]  # copies of the tallies at one moment (``BoundAudit.snapshot``)
+CHOICES_KEPT = 4096  # the last choices the log keeps: a server's audit lives as long as it does
+
+
+@dataclass(frozen=True)
+class ChoiceRecord:
+    """One choice of the bound, with every bound it scored: why the batch took the trees it took."""
+
+    index: int  # choices made before it
+    bound: Bound  # chosen or kept
+    scored: dict[Bound, BoundPrediction]  # what each bound was predicted to emit and spend
 
 
 class BoundAudit:
-    """Per bound, what its choices predicted and what its steps delivered; ``DraftRuntime`` feeds it."""
+    """Per bound, what its choices predicted and what its steps delivered, and the last choices one by one;
+    ``DraftRuntime`` feeds it."""
 
     def __init__(self) -> None:
         self.tallies: dict[Bound, BoundTally] = {}
+        self.choices: collections.deque[ChoiceRecord] = collections.deque(maxlen=CHOICES_KEPT)
+        self.choices_made = 0
 
-    def chose(self, bound: Bound) -> None:
-        """The planner chose (or kept) ``bound``."""
+    def chose(self, bound: Bound, choice: BoundChoice) -> None:
+        """The planner chose (or kept) ``bound``, scoring ``choice.scored``."""
         self._tally(bound).choices += 1
+        self.choices.append(ChoiceRecord(self.choices_made, bound, choice.scored))
+        self.choices_made += 1
+
+    def choices_since(self, made: int) -> list[ChoiceRecord]:
+        """The choices after the first ``made`` (``choices_made`` at some moment) that the log still keeps."""
+        return [record for record in self.choices if record.index >= made]
 
     def proposed(self, bound: Bound, choice: BoundChoice) -> None:
         """One batch proposal within ``bound``, under the prediction of the choice in force."""

@@ -543,7 +543,8 @@ class DraftRuntime:
             else:
                 bounds = [b for s in online if s.planner is not None for b in s.planner.bounds()]
                 chosen = plan.choose(bounds, outlooks, cost)
-            self.bound_audit.chose(chosen)
+            assert plan.choice is not None
+            self.bound_audit.chose(chosen, plan.choice)
         plan.step()
         bound, choice = plan.bound, plan.choice
         assert bound is not None and choice is not None

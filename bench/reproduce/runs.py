@@ -10,7 +10,7 @@ from typing import AsyncIterator, Protocol
 
 import torch
 
-from bench.bound_audits import audits_since, engine_bound_audit
+from bench.bound_audits import audits_since, choices_json, engine_bound_audit
 from bench.reproduce.arms import Arm
 from bench.reproduce.draft_steps import DraftStep, take_draft_steps
 from bench.reproduce.exactness import ExactnessResult
@@ -50,6 +50,8 @@ class RunRecord:
     # "tokens:depth" -> what the batch planner predicted for each online bound and what the run's steps within it
     # delivered (``bench.bound_audits``); empty for fixed policies, Auto, or a draft in another process
     online_bound_audit: dict[str, dict] = field(default_factory=dict)
+    # each choice of the online bound during the run, with every bound it scored (``bench.bound_audits.choices_json``)
+    online_choices: list[dict] = field(default_factory=list)
     # what can stall a run besides its configuration (``PauseMeter``): collector seconds, allocator retries
     gc_seconds: float = 0.0
     allocator_retries: int = 0
@@ -70,6 +72,7 @@ class RunRecord:
             "kernels_compiled": self.kernels_compiled,
             "compiled_kernels": self.compiled_kernels,
             "online_bound_audit": self.online_bound_audit,
+            "online_choices": self.online_choices,
             "gc_seconds": round(self.gc_seconds, 6),
             "allocator_retries": self.allocator_retries,
         }
@@ -123,7 +126,7 @@ async def generate_run(
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     compiled_before, audit = triton_compiles(), engine_bound_audit(engine)
-    audit_before = audit.snapshot()
+    audit_before, choices_before = audit.snapshot(), audit.choices_made
     tokens: list[int] = []
     stats: GenerationStats | None = None
     started = time.perf_counter()
@@ -148,6 +151,7 @@ async def generate_run(
         kernels_compiled=len(compiled),
         compiled_kernels=compiled,
         online_bound_audit=audits_since(audit, audit_before),
+        online_choices=choices_json(audit.choices_since(choices_before)),
         gc_seconds=pauses.gc_seconds,
         allocator_retries=pauses.allocator_retries,
     )

@@ -80,6 +80,12 @@ def test_each_online_run_audits_the_bounds_it_proposed_within(capsys) -> None:
         assert realised is None or 1 <= realised <= depth + 1
     printed = capsys.readouterr().out
     assert all(f"  {online.label} bound {key}: " in printed for key in audit)
+    assert full.online_choices == [] and online.online_choices  # its choices one by one, the start's first
+    assert sum(bound["choices"] for bound in audit.values()) == len(online.online_choices)
+    for choice in online.online_choices:
+        assert choice["bound"] in choice["scored"]  # the bound taken is among those scored
+        assert all(s["tokens_per_s"] == pytest.approx(1000 * s["tokens_per_step"] / s["step_ms"], rel=0.01)
+                   for s in choice["scored"].values())
 
 
 @pytest.mark.parametrize(("same", "indices"), [(False, [(32, 0), (96, 1)]), (True, [(32, 1), (96, 1)])])
