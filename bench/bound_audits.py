@@ -24,14 +24,16 @@ def audits_since(audit: BoundAudit, earlier: AuditSnapshot) -> dict[str, dict]:
 
 
 def choices_json(records: list[ChoiceRecord]) -> list[dict]:
-    """Each choice of the bound in order: the bound taken, and per bound scored ("tokens:depth") the tokens a step
-    predicted for the batch, its step's ms and the tokens/s they make."""
+    """Each choice of the bound in order: the bound taken; per bound scored ("tokens:depth") the tokens a step
+    predicted for the batch, its step's ms and the tokens/s they make; and per logged online session its E per
+    candidate ("full T:t:D" for a dynamic tree, "shaped w1,w2,..." for a static one)."""
     return [
         {"bound": f"{r.bound.tokens}:{r.bound.depth}", "scored": {
             f"{b.tokens}:{b.depth}": {"tokens_per_step": round(p.tokens_per_step, 3),
                                       "step_ms": round(1000 * p.seconds.total, 3),
                                       "tokens_per_s": round(p.tokens_per_second, 1)}
-            for b, p in r.scored.items()}}
+            for b, p in r.scored.items()},
+         "expected": [{c.label: round(e, 3) for c, e in session.items()} for session in r.expectations]}
         for r in records
     ]  # fmt: skip
 

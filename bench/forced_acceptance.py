@@ -45,7 +45,7 @@ from draft_service.drafter import Drafter, Extension, ProposalRequest
 from draft_service.inprocess import working_set_config
 from draft_service.hazard import MAX_WIDTH
 from draft_service.tree_budget import TreeBudget
-from draft_service.tree_plan import SHAPED, Candidate
+from draft_service.tree_plan import Candidate
 from draft_service.working_set import WorkingSetConfig
 from gateway.assembly import build_draft, build_target, load_tokenizer
 from target_service.runtime import TargetRuntime
@@ -102,11 +102,6 @@ def accepted_path(tree: DraftTree, following: list[int]) -> list[int]:
     argmax = [following[d] if d < len(following) else -1 for d in tree.depths().tolist()]
     tokens = tree.token_list()
     return [tokens[node] for node in accept_greedy(tree, argmax).accepted_nodes]
-
-
-def tree_label(tree: Candidate) -> str:
-    """``full T:t:D`` for a dynamic tree, ``shaped w1,w2,...`` for a static one."""
-    return f"shaped {','.join(map(str, tree.widths))}" if tree.kind == SHAPED else f"full {tree.budget.config}"
 
 
 def shaped_tree_arg(text: str) -> Candidate:
@@ -270,11 +265,11 @@ def main(argv: list[str] | None = None) -> int:
             for spec, salience in saliences.items():
                 for tree in trees:
                     counts = drafted_steps(draft.drafter, text, args.max_new_tokens, tree, salience)
-                    rows.append({"context": length, "prompt": index, "working_set": spec, "tree": tree_label(tree),
+                    rows.append({"context": length, "prompt": index, "working_set": spec, "tree": tree.label,
                                  "tree_config": tree.budget.config, "tree_tokens": tree.tokens, "steps": len(counts),
                                  "accepted": sum(counts)})  # fmt: skip
                     tau = (sum(counts) + len(counts)) / len(counts)
-                    print(f"  {spec} {tree_label(tree)}: tau {tau:.2f}", flush=True)
+                    print(f"  {spec} {tree.label}: tau {tau:.2f}", flush=True)
             write_results(args.out, settings, rows)  # after every prompt: a long run's results so far are kept
     for s in summarise(rows):
         print(f"{s['context']:>6} {s['working_set']:>10} {s['tree']}: "

@@ -52,6 +52,7 @@ PLAN_HYSTERESIS = 0.03  # a new bound must beat the current one by 3% to replace
 PROBE_OVERHEAD = 0.25  # a probe may make the batch's verify at most this much dearer
 PROBE_EVERY = 8  # proposals between probe turns at first, and again once the bound moves
 PROBE_EVERY_MAX = 64  # proposals between probe turns at most, however long probes leave the bound as it was
+LOGGED_SESSIONS = 4  # online sessions whose expectations a choice keeps for the bound audit's log
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,8 @@ class BoundChoice:
     predicted: BoundPrediction  # for the bound chosen (or kept)
     runner_up_tokens_per_second: float | None  # the best other bound scored; None where none was (the start)
     scored: dict[Bound, BoundPrediction]  # every bound the choice scored (the start: its own alone)
+    # the first ``LOGGED_SESSIONS`` online sessions' E per candidate, as the choice read them (references, no copy)
+    expectations: tuple[dict[Candidate, float], ...] = ()
 
 
 def _predictor(outlooks: list[SessionOutlook], cost: BatchCost) -> Callable[[Bound], BoundPrediction]:
@@ -139,6 +142,11 @@ def _predictor(outlooks: list[SessionOutlook], cost: BatchCost) -> Callable[[Bou
         return BoundPrediction(expected, cost.step_seconds(padded), cost.batch, cost.context_tokens)
 
     return predict
+
+
+def _logged(outlooks: list[SessionOutlook]) -> tuple[dict[Candidate, float], ...]:
+    """The expectations of the first ``LOGGED_SESSIONS`` online sessions (``BoundChoice.expectations``)."""
+    return tuple(o.expectations for o in outlooks if not o.fixed)[:LOGGED_SESSIONS]
 
 
 @dataclass
@@ -193,7 +201,7 @@ class BatchPlanner:
         """A new batch's bound: the largest of its sessions' own budgets, kept ``START_STEPS`` proposals."""
         bound = Bound(max(b.tokens for b in own_budgets), max(b.depth for b in own_budgets))
         predicted = _predictor(outlooks, cost)(bound)
-        self.bound, self.choice = bound, BoundChoice(predicted, None, {bound: predicted})
+        self.bound, self.choice = bound, BoundChoice(predicted, None, {bound: predicted}, _logged(outlooks))
         self.proposals_to_choice, self.batch_scale = START_STEPS, cost.batch.bit_length()
         self.probes = ProbeSchedule()
         return bound
@@ -209,7 +217,7 @@ class BatchPlanner:
             kept, predicted = best, scored[best]
         runner_up = max((p.tokens_per_second for b, p in scored.items() if b != kept), default=None)
         self.probes.judge(moved=kept != self.bound or cost.batch.bit_length() != self.batch_scale)
-        self.bound, self.choice = kept, BoundChoice(predicted, runner_up, scored)
+        self.bound, self.choice = kept, BoundChoice(predicted, runner_up, scored, _logged(outlooks))
         self.proposals_to_choice, self.batch_scale = REPLAN_EVERY, cost.batch.bit_length()
         return kept
 

@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from draft_service.batch_plan import BoundChoice, BoundPrediction, StepSeconds
-from draft_service.tree_plan import Bound
+from draft_service.tree_plan import Bound, Candidate
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class BoundTally:
 
 
 AuditSnapshot = dict[Bound, BoundTally]  # copies of the tallies at one moment (``BoundAudit.snapshot``)
-CHOICES_KEPT = 4096  # the last choices the log keeps: a server's audit lives as long as it does
+CHOICES_KEPT = 1024  # the last choices the log keeps: a server's audit lives as long as it does
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ class ChoiceRecord:
     index: int  # choices made before it
     bound: Bound  # chosen or kept
     scored: dict[Bound, BoundPrediction]  # what each bound was predicted to emit and spend
+    expectations: tuple[dict[Candidate, float], ...]  # a few online sessions' E per candidate (``BoundChoice``)
 
 
 class BoundAudit:
@@ -125,7 +126,7 @@ class BoundAudit:
     def chose(self, bound: Bound, choice: BoundChoice) -> None:
         """The planner chose (or kept) ``bound``, scoring ``choice.scored``."""
         self._tally(bound).choices += 1
-        self.choices.append(ChoiceRecord(self.choices_made, bound, choice.scored))
+        self.choices.append(ChoiceRecord(self.choices_made, bound, choice.scored, choice.expectations))
         self.choices_made += 1
 
     def choices_since(self, made: int) -> list[ChoiceRecord]:

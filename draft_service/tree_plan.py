@@ -99,6 +99,11 @@ class Candidate:
         """The static tree of ``widths``; its budget keeps every node it grows."""
         return Candidate(SHAPED, tuple(widths_to_plan(widths)), TreeBudget(tree_size(widths), threshold, len(widths)))
 
+    @property
+    def label(self) -> str:
+        """``full T:t:D`` for a dynamic or fixed tree, ``shaped w1,w2,...`` for a static one (reports, logs)."""
+        return f"shaped {','.join(map(str, self.widths))}" if self.kind == SHAPED else f"full {self.budget.config}"
+
     @functools.cached_property
     def widths(self) -> list[int]:
         """Children per expanded node, per depth: what the rank model scores."""

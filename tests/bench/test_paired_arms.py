@@ -13,6 +13,8 @@ import pytest
 from bench.paired import arms_at, main, run_all, tree_config_arg
 from bench.reproduce.prompts import Dataset
 from diffspec.settings import BUNDLED_DRAFT, BUNDLED_TARGET, DiffSpecSettings
+from draft_service.tree_budget import TreeBudget
+from draft_service.tree_plan import Bound, Candidate
 from gateway.assembly import build_engine, load_tokenizer
 
 
@@ -84,8 +86,21 @@ def test_each_online_run_audits_the_bounds_it_proposed_within(capsys) -> None:
     assert sum(bound["choices"] for bound in audit.values()) == len(online.online_choices)
     for choice in online.online_choices:
         assert choice["bound"] in choice["scored"]  # the bound taken is among those scored
+        [expected] = choice["expected"]  # the one online session's E per candidate, its own tree among them
+        assert "full 32:0.0:6" in expected and any(label.startswith("shaped ") for label in expected)
+        assert choice["scored"][choice["bound"]]["tokens_per_step"] == pytest.approx(max(
+            e for label, e in expected.items() if fits(label, choice["bound"])), abs=1e-3)
         assert all(s["tokens_per_s"] == pytest.approx(1000 * s["tokens_per_step"] / s["step_ms"], rel=0.01)
                    for s in choice["scored"].values())
+
+
+def fits(label: str, bound: str) -> bool:
+    """Whether the tree of a choice log's label ("full T:t:D" or "shaped w1,w2,...") fits a bound ("T:D")."""
+    tokens, depth = map(int, bound.split(":"))
+    kind, spec = label.split(" ")
+    tree = Candidate.dynamic(TreeBudget.parse(spec)) if kind == "full" else Candidate.shaped(
+        [int(w) for w in spec.split(",")], 0.0)
+    return Bound(tokens, depth).fits(tree)
 
 
 @pytest.mark.parametrize(("same", "indices"), [(False, [(32, 0), (96, 1)]), (True, [(32, 1), (96, 1)])])

@@ -85,7 +85,7 @@ def test_the_choice_log_keeps_every_bound_each_choice_scored_and_the_last_choice
     audit.chose(WIDE, START)
     made = audit.choices_made
     audit.chose(NARROW, LATER)
-    assert audit.choices_since(made) == [ChoiceRecord(1, NARROW, {NARROW: LATER_PREDICTION, WIDE: RUNNER_UP})]
+    assert audit.choices_since(made) == [ChoiceRecord(1, NARROW, {NARROW: LATER_PREDICTION, WIDE: RUNNER_UP}, ())]
     assert [r.bound for r in audit.choices_since(0)] == [WIDE, NARROW]
     for _ in range(3):
         audit.chose(WIDE, START)
