@@ -71,8 +71,11 @@ from draft_service.tree_budget import FULL_TOP_K, DepthPlan, TreeBudget, TreePol
 if TYPE_CHECKING:
     from diffspec.tree import DraftTree  # torch: the tuning presets read the grid without it
 
+# every tree the protocol's tunings have chosen is here (16:0.0:6 at 16K and 64K, 64:0.0:8 at 4K, 32:0.0:10 at 64K):
+# an online session can take any of them, whatever its own budget
 CANDIDATE_GRID = tuple(
-    TreeBudget.parse(config) for config in ("16:0.0:4", "32:0.0:6", "32:0.0:10", "48:0.0:8", "64:0.0:8", "96:0.0:10")
+    TreeBudget.parse(config)
+    for config in ("16:0.0:4", "16:0.0:6", "32:0.0:6", "32:0.0:10", "48:0.0:8", "64:0.0:8", "96:0.0:10")
 )
 SESSION_ACCEPT_DECAY = 0.97  # a request's acceptance means follow its text over ~30 steps
 GLOBAL_ACCEPT_DECAY = 0.995  # the global means, every request's prior, move slowly

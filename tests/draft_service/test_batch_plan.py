@@ -134,7 +134,9 @@ PROBES = tuple(Candidate.dynamic(budget) for budget in CANDIDATE_GRID)  # nested
 @pytest.mark.parametrize(
     ("cost", "batch", "bound", "probe"),
     [
-        (KNEE, 16, Bound(16, 4), None),  # 512 rows for the next size up already cost 1.6x the bound's 256
+        # 512 rows for the next size up already cost 1.6x the bound's 256; the deeper 16-token tree's cost the same
+        (KNEE, 16, Bound(16, 4), "16:0.0:6"),
+        (KNEE, 16, Bound(16, 6), None),
         (KNEE, 4, Bound(16, 4), "64:0.0:8"),  # 256 rows: the weights' read; 96's 384 rows cost 1.4x
         (KNEE, 1, Bound(16, 4), "96:0.0:10"),  # 96 rows: still the weights' read
         (FLAT, 16, Bound(16, 4), "96:0.0:10"),

@@ -19,7 +19,7 @@ def test_warm_up_proposes_each_starting_tree_once_and_keeps_no_session():
     # a probe is as deep as every smaller candidate: past 32:0.0:10 the grid's trees are probed 10 deep
     deepened = {Candidate.dynamic(TreeBudget.parse(config)) for config in ("48:0.0:10", "64:0.0:10")}
     assert set(planner.probes) - set(planner.dynamic) == deepened
-    assert runtime.warm_up() == 2 * len(set(starting)) == 18  # over the whole context and with the working set
+    assert runtime.warm_up() == 2 * len(set(starting)) == 20  # over the whole context and with the working set
     assert runtime.sessions == {}
     met = runtime.drafter.proposer.shapes_met  # what a GPU compiled kernels (and recorded graphs) for
     assert len(met) <= 2 * len(set(starting))  # trees of one depth and node bucket share a shape

@@ -155,7 +155,7 @@ def test_a_session_whose_paths_stop_early_borrows_the_global_gain_of_a_larger_tr
 
 def test_the_probes_are_nested_and_the_last_contains_every_candidate():
     planner = TreePlanner.start(B("24:0.05:11"), SharedMeasurements())
-    expected = ["16:0.0:4", "24:0.0:11", "32:0.0:11", "48:0.0:11", "64:0.0:11", "96:0.0:11"]
+    expected = ["16:0.0:6", "24:0.0:11", "32:0.0:11", "48:0.0:11", "64:0.0:11", "96:0.0:11"]
     assert planner.probes == tuple(Candidate.dynamic(B(config)) for config in expected)
     for probe in planner.probes:  # each measures every candidate no larger than it (counterfactual_accepted)
         inside = [c for c in planner.dynamic if c.budget.total_tokens <= probe.budget.total_tokens]
