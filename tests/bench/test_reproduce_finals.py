@@ -100,7 +100,8 @@ def test_each_round_primes_each_tuning_prompt_in_the_tuning_scope_before_its_can
         prime, first_arm = engine.received[i], engine.received[i + 1]
         assert prime.prompt_ids == first_arm.prompt_ids and prime.client == first_arm.client == "tuning/d/64"
         assert (prime.draft.policy, first_arm.draft.policy) == ("full", "online")  # no online estimate learns from it
-        assert (prime.draft.tree_config, prime.draft.salience) == (first_arm.draft.tree_config, first_arm.draft.salience)
+        assert prime.draft.tree_config == first_arm.draft.tree_config  # the first candidate's tree and working set
+        assert prime.draft.salience == first_arm.draft.salience
 
 
 def test_a_stalled_run_is_run_again_once_and_kept_under_its_own_phase(tmp_path):
