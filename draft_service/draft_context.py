@@ -134,7 +134,11 @@ class DraftContext:
 
     @property
     def attended_tokens(self) -> int:
-        return sum(keys.shape[0] for keys, _ in self.spans(0))
+        """The entries ``view`` holds, counted without building it (a proposal's plan reads it every step)."""
+        if not self.selects:
+            return self.length
+        staged = len(self.arenas[0].slot_chunk) * self.salience.chunk_size
+        return staged + self.length - self.covered_chunks * self.salience.chunk_size
 
     @property
     def min_staged_tokens(self) -> int:

@@ -443,6 +443,7 @@ def test_an_accept_chooses_the_working_set_its_predecessor_scored_and_leaves_not
     drafter.propose_many([ProposalRequest(session, *POLICIES["full"])])
     assert context.index.num_chunks == 300 // size + 1 and context.covered_chunks == 300 // size
     assert context.attended_tokens == arena_tokens + session.num_entries - context.covered_chunks * size
+    assert context.attended_tokens == context.view(0)[0].shape[0]  # counted as the view it attends to holds
     keys = context.committed(0)[0]
     assert torch.equal(context.view(0)[0][arena_tokens:], keys[context.covered_chunks * size :])
     accept(1)  # takes the set the last accept's scores chose
@@ -452,7 +453,7 @@ def test_an_accept_chooses_the_working_set_its_predecessor_scored_and_leaves_not
 def test_a_context_outgrowing_the_budget_attends_to_everything_until_its_first_set(drafter):
     session = start_sessions(drafter, (70,), SALIENCE)[0]  # 4 full chunks: all fit, nothing is chosen
     context, c = session.context, drafter.head.config
-    assert not context.selects and context.attended_tokens == session.num_entries
+    assert not context.selects and context.attended_tokens == session.num_entries == context.view(0)[0].shape[0]
     generator = torch.Generator().manual_seed(2)
     for n, chosen in ((15, False), (1, True)):
         features = torch.randn(n, 3 * c.target_hidden_size, generator=generator)
