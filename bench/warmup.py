@@ -71,10 +71,10 @@ def triton_kernels_compiled() -> int:
 
 
 async def warm_up_generations(
-    engine: Generates, prompt_ids: list[int], drafts: list[DraftOptions | None], max_new_tokens: int
+    engine: Generates, prompt_ids: list[int], drafts: list[DraftOptions | None], max_new_tokens: int, client: str = ""
 ) -> None:
     """One short untimed generation per configuration at this prompt's context (the draft's graphs
-    are recorded per context capacity, so every length needs its own)."""
+    are recorded per context capacity, so every length needs its own), as ``client`` (its prefix caches' scope)."""
     for draft in drafts:
-        async for _ in engine.generate(GenerationRequest(prompt_ids, max_new_tokens, draft=draft)):
+        async for _ in engine.generate(GenerationRequest(prompt_ids, max_new_tokens, draft=draft, client=client)):
             pass

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from diffspec.errors import InvalidRequest
+from diffspec.heap import thaw_heap
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,7 +46,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def free_gpu_memory() -> None:
     """Return the blocks of tensors no longer referenced to the GPU, so that a model loaded next can use them
     (dropped models in reference cycles need the collector first, and a frozen heap thawed: ``diffspec.heap``)."""
-    gc.unfreeze()
+    thaw_heap()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

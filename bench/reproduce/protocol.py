@@ -63,7 +63,6 @@ from diffspec.sampling import SamplingParams
 from diffspec.settings import DiffSpecSettings
 from draft_service.options import DraftOptions
 from gateway.assembly import load_tokenizer
-from gateway.request import GenerationRequest
 
 log = logging.getLogger("bench.reproduce")
 # where and how a run writes or judges, not what it measures
@@ -406,11 +405,8 @@ class _Protocol:
         set under the ``full`` policy, which leaves the ``online`` sessions' shared estimates as they were."""
         assert arm.draft is not None
         draft = DraftOptions("full", arm.draft.tree_config, salience=arm.draft.salience)
-        request = GenerationRequest(prompt[1], PRIME_TOKENS, sampling=self.sampling, draft=draft,
-                                    client=self._tuning_scope(case))
         with nvtx_range(f"prime {case.context} p{prompt[0]}"):
-            async for _ in self.engine.generate(request):
-                pass
+            await warm_up_generations(self.engine, prompt[1], [draft], PRIME_TOKENS, client=self._tuning_scope(case))
         take_draft_steps(self.engine)  # the recording engine's steps of the prime: no run's
 
     @staticmethod
