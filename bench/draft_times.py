@@ -14,8 +14,9 @@ host clocks, median of several:
 - ``propose_ms``: the proposal call, wall time to trees on the host;
 - ``launch_ms``: host time of the graph's launch alone (``CUDAGraph.replay`` returning);
 - ``graph_gpu_ms``: the replayed graph's GPU time (CUDA events around the replay);
-- ``kernels_per_proposal`` and ``costliest_kernels``: the proposal run eagerly under the torch profiler,
-  its kernels counted and the costliest listed by name (launches, GPU microseconds);
+- ``kernels_per_proposal`` and ``proposal_costliest_kernels``: the proposal run eagerly under the torch profiler,
+  its kernels counted and the costliest listed by name (launches, GPU microseconds); ``kernels_per_start`` and
+  ``start_costliest_kernels`` the same of a session's start (below), where its time above its floor goes;
 - ``accept_ops``, ``accept_device_work`` and ``accept_costliest_host_ops``: one accept under the torch
   profiler: the torch ops it dispatches, the kernels and copies it puts on the device, and the ops that
   cost the host most (calls, CPU microseconds of their own). An accept is host-bound: these say where the
@@ -98,6 +99,7 @@ def measure(
         sessions.append(drafter.start(ids, torch.randn(context, width, device=device, dtype=dtype), ids[-1], salience))
     prompt_ids, prompt_features = sessions[0].token_ids[:-1], torch.randn(context, width, device=device, dtype=dtype)
     start_seconds = _host_seconds(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), sync=True)
+    start_kernels = _kernel_profile(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), "start")
     del prompt_features
     requests = [ProposalRequest(s, list(candidate.plan), candidate.budget) for s in sessions]
     accept_features = torch.randn(ACCEPTED_PER_STEP, width, device=device, dtype=dtype)
@@ -137,7 +139,7 @@ def measure(
         "quantization": quantization,
         "depth": depth,
         "attended_tokens_per_session": attended // batch,
-        **_kernel_profile(lambda: proposer._search(run)),
+        **_kernel_profile(lambda: proposer._search(run), "proposal"),
         "accept_ms": round(1e3 * _host_seconds(accept, sync=True), 3),
         **_device_accept_ms(write_on_device, settle),
         **_host_profile(accept, "accept"),
@@ -147,6 +149,7 @@ def measure(
         "floor_ms": round(1e3 * floor, 3),
         "start_ms": round(1e3 * start_seconds, 3),
         "start_floor_ms": round(1e3 * start_flops(head, context) / peak_flops, 3),
+        **start_kernels,
     }
 
 
@@ -172,9 +175,10 @@ def _device_accept_ms(write_on_device: Callable[[], None], settle: Callable[[], 
 
 
 @torch.no_grad()  # as the graph was recorded: with autograd on, the head would take the reference ops
-def _kernel_profile(work: Callable[[], object]) -> dict:
-    """GPU kernels ``work`` launches when run eagerly (the nodes of its graph, each a launch gap), and the
-    costliest by name: [name, launches, GPU us] per row."""
+def _kernel_profile(work: Callable[[], object], name: str) -> dict:
+    """GPU kernels ``work`` launches when run eagerly (for a proposal, the nodes of its graph, each a launch gap),
+    and the costliest by kernel name: ``kernels_per_<name>`` and ``<name>_costliest_kernels``, [kernel, launches,
+    GPU us] per row."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         work()
         torch.cuda.synchronize()
@@ -186,8 +190,8 @@ def _kernel_profile(work: Callable[[], object]) -> dict:
             entry[2] += event.device_time
     costliest = sorted(by_name.values(), key=lambda entry: -entry[2])[:TOP_KERNELS]
     return {
-        "kernels_per_proposal": sum(entry[1] for entry in by_name.values()),
-        "costliest_kernels": [[name, count, round(us, 1)] for name, count, us in costliest],
+        f"kernels_per_{name}": sum(entry[1] for entry in by_name.values()),
+        f"{name}_costliest_kernels": [[kernel, count, round(us, 1)] for kernel, count, us in costliest],
     }
 
 

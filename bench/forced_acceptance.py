@@ -17,6 +17,10 @@ per tree token compares with a dynamic tree's of the same size and depth. What t
 (``working_set_tokens``, ``salience_recent_tokens``; the other working-set settings as ``DIFFSPEC_*`` sets them).
 ``--cache`` keeps each prompt's target pass, so further configurations cost only drafting.
 
+Read at another tree's roots (``--read-at-roots-of``): an ``online`` session measures a smaller dynamic
+candidate by what it would have accepted from the roots of the larger tree it verified, not from its own. The
+rows ``full T:t:D at full T':t':D''s roots`` say how far that reading is from the candidate's own run beside it.
+
     python -m bench.forced_acceptance --base-model ../shared/models/bench-code \
         --draft-model ../shared/models/bench-code-eagle3 --data ../shared/data/longctx_eval.jsonl \
         --lengths 4096 65536 --prompts 8 --tree-configs 32:0.0:6 --working-sets whole 2048:256 8192:256 \
@@ -31,6 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -45,7 +50,7 @@ from draft_service.drafter import Drafter, Extension, ProposalRequest
 from draft_service.inprocess import working_set_config
 from draft_service.hazard import MAX_WIDTH
 from draft_service.tree_budget import TreeBudget
-from draft_service.tree_plan import Candidate
+from draft_service.tree_plan import Candidate, contains, counterfactual_accepted
 from draft_service.working_set import WorkingSetConfig
 from gateway.assembly import build_draft, build_target, load_tokenizer
 from target_service.runtime import TargetRuntime
@@ -95,13 +100,18 @@ def cached_text(target: TargetRuntime, prompt_ids: list[int], n: int, cache: Pat
     return text
 
 
-def accepted_path(tree: DraftTree, following: list[int]) -> list[int]:
-    """The tree's longest path from the root whose tokens are ``following``'s first ones: the greedy acceptance
-    of a target that generates ``following`` next: at a node of depth d on that path its argmax is following[d]
-    (-1, no token, past its end)."""
+def accepted_nodes(tree: DraftTree, following: list[int]) -> list[int]:
+    """The nodes of the tree's longest path from the root whose tokens are ``following``'s first ones: the greedy
+    acceptance of a target that generates ``following`` next: at a node of depth d on that path its argmax is
+    following[d] (-1, no token, past its end)."""
     argmax = [following[d] if d < len(following) else -1 for d in tree.depths().tolist()]
+    return accept_greedy(tree, argmax).accepted_nodes
+
+
+def accepted_path(tree: DraftTree, following: list[int]) -> list[int]:
+    """The tokens of ``accepted_nodes``."""
     tokens = tree.token_list()
-    return [tokens[node] for node in accept_greedy(tree, argmax).accepted_nodes]
+    return [tokens[node] for node in accepted_nodes(tree, following)]
 
 
 def shaped_tree_arg(text: str) -> Candidate:
@@ -115,26 +125,52 @@ def shaped_tree_arg(text: str) -> Candidate:
     return Candidate.shaped(widths, 0.0)
 
 
-def drafted_steps(
+def walk(
     drafter: Drafter, text: TargetText, new_tokens: int, tree: Candidate, salience: WorkingSetConfig | None
-) -> list[int]:
-    """Accepted drafts per verification step as the draft follows ``text``'s continuation from its first token
-    until ``new_tokens`` are out, proposing ``tree`` (its plan within its budget) at every step; as in the
-    engine's count, the last step's whole accepted path counts."""
+) -> Iterator[tuple[DraftTree, list[int]]]:
+    """Each verification step's proposed tree and its accepted nodes as the draft follows ``text``'s continuation
+    from its first token until ``new_tokens`` are out, proposing ``tree`` (its plan within its budget) at every
+    step; as in the engine's count, the last step's whole accepted path counts."""
     if tree.depth >= LOOKAHEAD:
         raise ValueError(f"a tree {tree.depth} deep may accept past the {LOOKAHEAD} tokens decoded beyond the last")
     length, cont = len(text.prompt_ids), text.continuation
     session = drafter.start(text.prompt_ids, text.features[:length], cont[0], salience)
-    accepted_counts, root = [], 0  # root: the continuation index of the current tree's root
+    root = 0  # the continuation index of the current tree's root
     while root < new_tokens - 1:
-        proposed = drafter.propose_many([ProposalRequest(session, list(tree.plan), tree.budget)])[0]
-        accepted = accepted_path(proposed, cont[root + 1 :])
-        accepted_counts.append(len(accepted))
-        emitted = len(accepted) + 1
+        proposed = DraftTree.of(drafter.propose_many([ProposalRequest(session, list(tree.plan), tree.budget)])[0])
+        nodes = accepted_nodes(proposed, cont[root + 1 :])
+        yield proposed, nodes
+        emitted = len(nodes) + 1
         rows = text.features[length + root : length + root + emitted]  # the root's and the accepted entries'
         drafter.extend_many([Extension(session, rows, cont[root + 1 : root + 1 + emitted])])
         root += emitted
-    return accepted_counts
+
+
+def drafted_steps(
+    drafter: Drafter, text: TargetText, new_tokens: int, tree: Candidate, salience: WorkingSetConfig | None
+) -> list[int]:
+    """Accepted drafts per verification step of ``walk``."""
+    return [len(nodes) for _, nodes in walk(drafter, text, new_tokens, tree, salience)]
+
+
+def read_at_roots(
+    drafter: Drafter,
+    text: TargetText,
+    new_tokens: int,
+    tree: Candidate,
+    inside: list[TreeBudget],
+    salience: WorkingSetConfig | None,
+) -> list[list[int]]:
+    """Per step of ``walk`` with ``tree``, the drafts each dynamic budget of ``inside`` (each contained in the
+    tree's) would have had accepted from that step's root: the counterfactual an ``online`` session reads its
+    smaller candidates by (``tree_plan.counterfactual_accepted``). Set beside the budget's own ``drafted_steps`` it
+    shows what reading a tree at another tree's roots, not its own, does to its tokens a step."""
+    steps = []
+    for proposed, nodes in walk(drafter, text, new_tokens, tree, salience):
+        parents = proposed.parents.tolist()
+        ranks = [node - parents.index(parents[node]) for node in nodes]  # children are consecutive, best first
+        steps.append(counterfactual_accepted(proposed, ranks, inside))
+    return steps
 
 
 def budget_and_recent(spec: str) -> tuple[int, int]:
@@ -232,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="static trees, children per depth comma-separated (3,2,1,1): online's shaped candidates")
     parser.add_argument("--working-sets", nargs="+", type=working_set_arg, default=[WHOLE, "2048:0"],
                         help="'whole' or BUDGET:RECENT tokens, each a configuration")
+    parser.add_argument("--read-at-roots-of", type=TreeBudget.parse, metavar="CONFIG",
+                        help="a larger full budget: each --tree-configs budget inside it is also read at its roots, "
+                             "as an online session's counterfactual reads it (``read_at_roots``)")
     parser.add_argument("--same-prompts", action="store_true",
                         help="at every length the prompts long enough for the longest, each cut to it: context "
                              "length is then the only difference between lengths (cuts keep the prompt's end)")
@@ -245,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         saliences = {spec: salience_of(spec, settings) for spec in args.working_sets}
     except InvalidRequest as bad:
         parser.error(str(bad))
-    if any(tree.depth >= LOOKAHEAD for tree in trees):
+    outer = Candidate.dynamic(args.read_at_roots_of) if args.read_at_roots_of is not None else None
+    inside = [t.budget for t in trees if t.kind == "dynamic" and outer is not None and contains(outer.budget, t.budget)]
+    if outer is not None and not inside:
+        parser.error(f"--read-at-roots-of {outer.budget.config}: no --tree-configs budget inside it")
+    if any(tree.depth >= LOOKAHEAD for tree in [*trees, *([outer] if outer else [])]):
         parser.error(f"--tree-configs, --shaped-trees: depths under {LOOKAHEAD}, the tokens decoded past the last "
                      "one counted")
     tokenizer = load_tokenizer(settings)
@@ -267,9 +310,19 @@ def main(argv: list[str] | None = None) -> int:
                     counts = drafted_steps(draft.drafter, text, args.max_new_tokens, tree, salience)
                     rows.append({"context": length, "prompt": index, "working_set": spec, "tree": tree.label,
                                  "tree_config": tree.budget.config, "tree_tokens": tree.tokens, "steps": len(counts),
-                                 "accepted": sum(counts)})  # fmt: skip
+                                 "accepted": sum(counts), "accepted_per_step": counts})  # fmt: skip
                     tau = (sum(counts) + len(counts)) / len(counts)
                     print(f"  {spec} {tree.label}: tau {tau:.2f}", flush=True)
+                if outer is not None:
+                    steps = read_at_roots(draft.drafter, text, args.max_new_tokens, outer, inside, salience)
+                    for k, budget in enumerate(inside):
+                        label = f"full {budget.config} at {outer.label}'s roots"
+                        counts = [step[k] for step in steps]
+                        accepted = sum(counts)
+                        rows.append({"context": length, "prompt": index, "working_set": spec, "tree": label,
+                                     "tree_config": budget.config, "tree_tokens": budget.total_tokens,
+                                     "steps": len(steps), "accepted": accepted, "accepted_per_step": counts})  # fmt: skip
+                        print(f"  {spec} {label}: tau {(accepted + len(steps)) / len(steps):.2f}", flush=True)
             write_results(args.out, settings, rows)  # after every prompt: a long run's results so far are kept
     for s in summarise(rows):
         print(f"{s['context']:>6} {s['working_set']:>10} {s['tree']}: "

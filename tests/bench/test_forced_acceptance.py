@@ -15,6 +15,7 @@ from bench.forced_acceptance import (
     cached_text,
     drafted_steps,
     main,
+    read_at_roots,
     salience_of,
     shaped_tree_arg,
     target_text,
@@ -145,3 +146,45 @@ def test_shaped_and_full_trees_draft_side_by_side(code_prompts, tmp_path):
     assert shaped["tree_config"] == "13:0.0:4" and shaped["tree_tokens"] == 13 == full["tree_tokens"]
     assert [s["tree"] for s in result["summaries"]] == ["full 13:0.0:4", "shaped 3,2,1,1"]
     assert all(1 <= s["tau"] <= 5 and s["steps"] > 0 for s in result["summaries"])
+
+
+def test_a_tree_read_at_its_own_roots_is_its_own_run_and_a_smaller_one_at_most_the_larger(code_prompts, tmp_path):
+    """``--read-at-roots-of``: each budget inside the larger one gets a row read at the larger tree's roots, over
+    the larger tree's steps; the larger tree read at its own roots accepts what its own run does, and a smaller
+    tree inside it never more than it at any root (a counterfactual is a prefix of the accepted path)."""
+    out = tmp_path / "roots.json"
+    argv = ["--base-model", "models/tiny-code", "--draft-model", "models/tiny-code-eagle3", "--data", str(code_prompts),
+            "--lengths", "512", "--prompts", "1", "--max-new-tokens", "16", "--tree-configs", "4:0.0:2", "12:0.0:4",
+            "--read-at-roots-of", "12:0.0:4", "--working-sets", "whole", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {row["tree"]: row for row in json.loads(out.read_text())["runs"]}
+    own, small = rows["full 12:0.0:4"], rows["full 4:0.0:2"]
+    at_own = rows["full 12:0.0:4 at full 12:0.0:4's roots"]
+    at_large = rows["full 4:0.0:2 at full 12:0.0:4's roots"]
+    assert (at_own["steps"], at_own["accepted_per_step"]) == (own["steps"], own["accepted_per_step"])
+    assert at_large["steps"] == own["steps"] and at_large["tree_config"] == "4:0.0:2"
+    pairs = zip(at_large["accepted_per_step"], own["accepted_per_step"])
+    assert all(small_step <= min(large_step, 2) for small_step, large_step in pairs)
+    assert sum(small["accepted_per_step"]) == small["accepted"] and len(small["accepted_per_step"]) == small["steps"]
+    assert own["accepted"] > 0
+
+
+def test_read_at_roots_needs_a_budget_inside_it(code_prompts, tmp_path, capsys):
+    argv = ["--base-model", "models/tiny-code", "--draft-model", "models/tiny-code-eagle3", "--data", str(code_prompts),
+            "--tree-configs", "16:0.0:6", "--read-at-roots-of", "8:0.0:3", "--out", str(tmp_path / "x.json")]
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "--read-at-roots-of 8:0.0:3: no --tree-configs budget inside it" in capsys.readouterr().err
+
+
+def test_read_at_roots_counts_per_step_what_each_inside_budget_accepts():
+    """Per step of the larger tree, each inside budget's counterfactual: the larger one's own accepted drafts, and
+    for a budget one depth deep at most 1."""
+    settings = DiffSpecSettings()
+    target = build_target(settings)
+    drafter = build_draft(settings, target).drafter
+    text = target_text(target, load_tokenizer(settings)(CODE_PROMPTS[0])["input_ids"], 12)
+    large = Candidate.dynamic(TreeBudget.parse("12:0.0:4"))
+    steps = read_at_roots(drafter, text, 12, large, [large.budget, TreeBudget.parse("4:0.0:1")], None)
+    assert [step[0] for step in steps] == drafted_steps(drafter, text, 12, large, None)
+    assert all(0 <= step[1] <= min(1, step[0]) for step in steps)
