@@ -50,7 +50,7 @@ from draft_service.drafter import Drafter, Extension, ProposalRequest
 from draft_service.inprocess import working_set_config
 from draft_service.hazard import MAX_WIDTH
 from draft_service.tree_budget import TreeBudget
-from draft_service.tree_plan import Candidate, contains, counterfactual_accepted
+from draft_service.tree_plan import DYNAMIC, Candidate, contains, counterfactual_accepted
 from draft_service.working_set import WorkingSetConfig
 from gateway.assembly import build_draft, build_target, load_tokenizer
 from target_service.runtime import TargetRuntime
@@ -285,12 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidRequest as bad:
         parser.error(str(bad))
     outer = Candidate.dynamic(args.read_at_roots_of) if args.read_at_roots_of is not None else None
-    inside = [t.budget for t in trees if t.kind == "dynamic" and outer is not None and contains(outer.budget, t.budget)]
+    inside = [t.budget for t in trees if outer is not None and t.kind == DYNAMIC and contains(outer.budget, t.budget)]
     if outer is not None and not inside:
         parser.error(f"--read-at-roots-of {outer.budget.config}: no --tree-configs budget inside it")
     if any(tree.depth >= LOOKAHEAD for tree in [*trees, *([outer] if outer else [])]):
-        parser.error(f"--tree-configs, --shaped-trees: depths under {LOOKAHEAD}, the tokens decoded past the last "
-                     "one counted")
+        parser.error(f"--tree-configs, --shaped-trees, --read-at-roots-of: depths under {LOOKAHEAD}, the tokens "
+                     "decoded past the last one counted")
     tokenizer = load_tokenizer(settings)
     dataset = load_datasets([args.data], lambda text: tokenizer(text)["input_ids"])[0]
     target = build_target(settings)
@@ -318,11 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                     for k, budget in enumerate(inside):
                         label = f"full {budget.config} at {outer.label}'s roots"
                         counts = [step[k] for step in steps]
-                        accepted = sum(counts)
                         rows.append({"context": length, "prompt": index, "working_set": spec, "tree": label,
                                      "tree_config": budget.config, "tree_tokens": budget.total_tokens,
-                                     "steps": len(steps), "accepted": accepted, "accepted_per_step": counts})  # fmt: skip
-                        print(f"  {spec} {label}: tau {(accepted + len(steps)) / len(steps):.2f}", flush=True)
+                                     "steps": len(counts), "accepted": sum(counts),
+                                     "accepted_per_step": counts})  # fmt: skip
+                        print(f"  {spec} {label}: tau {(sum(counts) + len(counts)) / len(counts):.2f}", flush=True)
             write_results(args.out, settings, rows)  # after every prompt: a long run's results so far are kept
     for s in summarise(rows):
         print(f"{s['context']:>6} {s['working_set']:>10} {s['tree']}: "
