@@ -32,8 +32,8 @@ def choices_json(records: list[ChoiceRecord]) -> list[dict]:
             f"{b.tokens}:{b.depth}": {"tokens_per_step": round(p.tokens_per_step, 3),
                                       "step_ms": round(1000 * p.seconds.total, 3),
                                       "tokens_per_s": round(p.tokens_per_second, 1)}
-            for b, p in r.scored.items()},
-         "expected": [{c.label: round(e, 3) for c, e in session.items()} for session in r.expectations]}
+            for b, p in r.choice.scored.items()},
+         "expected": [{c.label: round(e, 3) for c, e in session.items()} for session in r.choice.expectations]}
         for r in records
     ]  # fmt: skip
 

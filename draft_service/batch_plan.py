@@ -121,11 +121,16 @@ class BoundPrediction:
 class BoundChoice:
     """What the planner predicted at its last choice for the bound it chose, and how close the call was."""
 
-    predicted: BoundPrediction  # for the bound chosen (or kept)
-    runner_up_tokens_per_second: float | None  # the best other bound scored; None where none was (the start)
+    predicted: BoundPrediction  # for the bound chosen (or kept): ``scored``'s entry where the choice scored it
     scored: dict[Bound, BoundPrediction]  # every bound the choice scored (the start: its own alone)
     # the first ``LOGGED_SESSIONS`` online sessions' E per candidate, as the choice read them (references, no copy)
     expectations: tuple[dict[Candidate, float], ...] = ()
+
+    @property
+    def runner_up_tokens_per_second(self) -> float | None:
+        """The best other bound scored; None where none was (the start)."""
+        others = [p.tokens_per_second for p in self.scored.values() if p is not self.predicted]
+        return max(others, default=None)
 
 
 def _predictor(outlooks: list[SessionOutlook], cost: BatchCost) -> Callable[[Bound], BoundPrediction]:
@@ -201,7 +206,7 @@ class BatchPlanner:
         """A new batch's bound: the largest of its sessions' own budgets, kept ``START_STEPS`` proposals."""
         bound = Bound(max(b.tokens for b in own_budgets), max(b.depth for b in own_budgets))
         predicted = _predictor(outlooks, cost)(bound)
-        self.bound, self.choice = bound, BoundChoice(predicted, None, {bound: predicted}, _logged(outlooks))
+        self.bound, self.choice = bound, BoundChoice(predicted, {bound: predicted}, _logged(outlooks))
         self.proposals_to_choice, self.batch_scale = START_STEPS, cost.batch.bit_length()
         self.probes = ProbeSchedule()
         return bound
@@ -215,9 +220,8 @@ class BatchPlanner:
         predicted = scored[kept] if kept in scored else predict(kept)
         if scored[best].tokens_per_second > predicted.tokens_per_second * (1 + PLAN_HYSTERESIS):
             kept, predicted = best, scored[best]
-        runner_up = max((p.tokens_per_second for b, p in scored.items() if b != kept), default=None)
         self.probes.judge(moved=kept != self.bound or cost.batch.bit_length() != self.batch_scale)
-        self.bound, self.choice = kept, BoundChoice(predicted, runner_up, scored, _logged(outlooks))
+        self.bound, self.choice = kept, BoundChoice(predicted, scored, _logged(outlooks))
         self.proposals_to_choice, self.batch_scale = REPLAN_EVERY, cost.batch.bit_length()
         return kept
 

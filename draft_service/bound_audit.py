@@ -26,8 +26,8 @@ import collections
 import dataclasses
 from dataclasses import dataclass
 
-from draft_service.batch_plan import BoundChoice, BoundPrediction, StepSeconds
-from draft_service.tree_plan import Bound, Candidate
+from draft_service.batch_plan import BoundChoice, StepSeconds
+from draft_service.tree_plan import Bound
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,7 @@ class ChoiceRecord:
 
     index: int  # choices made before it
     bound: Bound  # chosen or kept
-    scored: dict[Bound, BoundPrediction]  # what each bound was predicted to emit and spend
-    expectations: tuple[dict[Candidate, float], ...]  # a few online sessions' E per candidate (``BoundChoice``)
+    choice: BoundChoice  # what each bound was predicted to emit and spend, and a few sessions' E per candidate
 
 
 class BoundAudit:
@@ -126,7 +125,7 @@ class BoundAudit:
     def chose(self, bound: Bound, choice: BoundChoice) -> None:
         """The planner chose (or kept) ``bound``, scoring ``choice.scored``."""
         self._tally(bound).choices += 1
-        self.choices.append(ChoiceRecord(self.choices_made, bound, choice.scored, choice.expectations))
+        self.choices.append(ChoiceRecord(self.choices_made, bound, choice))
         self.choices_made += 1
 
     def choices_since(self, made: int) -> list[ChoiceRecord]:

@@ -15,11 +15,11 @@ from draft_service.tree_plan import Bound
 WIDE, NARROW = Bound(96, 10), Bound(16, 4)
 # 8 tokens a step over 4 sessions in 2 s: 2 tokens per session, 4 tokens/s; a start scores no other bound
 START_PREDICTION = BoundPrediction(8.0, StepSeconds(0.25, 0.75, 1.0), batch=4, context_tokens=1000)
-START = BoundChoice(START_PREDICTION, None, {WIDE: START_PREDICTION})
+START = BoundChoice(START_PREDICTION, {WIDE: START_PREDICTION})
 # 12 tokens a step over 4 sessions in 1 s: 3 tokens per session, 12 tokens/s; the best other bound 10 tokens/s
 LATER_PREDICTION = BoundPrediction(12.0, StepSeconds(0.25, 0.25, 0.5), batch=4, context_tokens=2000)
 RUNNER_UP = BoundPrediction(10.0, StepSeconds(0.25, 0.25, 0.5), batch=4, context_tokens=2000)
-LATER = BoundChoice(LATER_PREDICTION, 10.0, {NARROW: LATER_PREDICTION, WIDE: RUNNER_UP})
+LATER = BoundChoice(LATER_PREDICTION, {NARROW: LATER_PREDICTION, WIDE: RUNNER_UP})
 
 Event = Callable[[BoundAudit], None]
 CASES: dict[str, tuple[list[Event], dict[Bound, BoundReport]]] = {
@@ -85,7 +85,8 @@ def test_the_choice_log_keeps_every_bound_each_choice_scored_and_the_last_choice
     audit.chose(WIDE, START)
     made = audit.choices_made
     audit.chose(NARROW, LATER)
-    assert audit.choices_since(made) == [ChoiceRecord(1, NARROW, {NARROW: LATER_PREDICTION, WIDE: RUNNER_UP}, ())]
+    assert audit.choices_since(made) == [ChoiceRecord(1, NARROW, LATER)]
+    assert audit.choices_since(made)[0].choice.scored == {NARROW: LATER_PREDICTION, WIDE: RUNNER_UP}
     assert [r.bound for r in audit.choices_since(0)] == [WIDE, NARROW]
     for _ in range(3):
         audit.chose(WIDE, START)
