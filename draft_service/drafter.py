@@ -311,9 +311,8 @@ class Drafter:
                 index = index - start if start else index  # rows within this chunk
                 if q is None:
                     rows_rope = (rope[0][index], rope[1][index])
-                    q = self.head.attention_inputs(tokens[start:stop][index], hidden[index], rows_rope, serving,
-                                                   layer=num_layers - 1)[0]  # fmt: skip
-                    queries.append(q)
+                    queries.append(self.head.queries(tokens[start:stop][index], hidden[index], rows_rope, serving,
+                                                     num_layers - 1))  # fmt: skip
                 else:
                     queries.append(q[index])
                 hiddens.append(hidden[index])

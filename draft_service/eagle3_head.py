@@ -123,6 +123,19 @@ class Eagle3Head(nn.Module):
         _, k, v = layer_ops(hidden.device).qkv_rope(kv, *rope, 0, self.config.num_kv_heads)
         return k, v
 
+    def queries(
+        self,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        serving: ServingProjections,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """``attention_inputs``' roped q alone, for rows whose k and v ``keys_values`` wrote already (a prompt's
+        last rows, whose queries the session's first proposal reads)."""
+        q = serving.q(self._layer_input(token_ids, hidden, layer))
+        return layer_ops(hidden.device).qkv_rope(q, *rope, self.config.num_heads, 0)[0]
+
     def _layer_input(self, token_ids: torch.Tensor, hidden: torch.Tensor, layer: int) -> torch.Tensor:
         """What decoder layer ``layer``'s projections multiply: layer 0's normed embedding beside its normed
         feature side (2h wide), a layer above it its normed residual stream."""

@@ -88,7 +88,8 @@ class DecoderLayer(nn.Module):
         qkv = ServingLinear.of(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), quantization)
         return ServingProjections(
             qkv=qkv,
-            kv=qkv.rows_from(attn.q_proj.weight.shape[0]),
+            q=qkv.rows(0, attn.q_proj.weight.shape[0]),
+            kv=qkv.rows(attn.q_proj.weight.shape[0]),
             o=ServingLinear.of(attn.o_proj.weight, quantization),
             gate_up=ServingLinear.of(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), quantization),
             down=ServingLinear.of(mlp.down_proj.weight, quantization),

@@ -71,11 +71,11 @@ class ServingLinear:
             return int8_linear_triton(x, self.weight, self.scale)
         return int8_linear_reference(x, self.weight, self.scale)
 
-    def rows_from(self, first: int) -> ServingLinear:
-        """The multiplication by output rows ``first`` on alone: views of this one's weights, no copy."""
-        scale = self.scale[first:] if self.scale is not None else None
-        dense = self.dense[first:] if self.dense is not None else None
-        return ServingLinear(self.weight[first:], scale, dense)
+    def rows(self, first: int, stop: int | None = None) -> ServingLinear:
+        """The multiplication by output rows ``first`` up to ``stop`` alone: views of this one's weights, no copy."""
+        scale = self.scale[first:stop] if self.scale is not None else None
+        dense = self.dense[first:stop] if self.dense is not None else None
+        return ServingLinear(self.weight[first:stop], scale, dense)
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +89,7 @@ class ServingProjections:
     """One decoder layer's serving matmuls."""
 
     qkv: ServingLinear  # [(heads + 2 * kv_heads) * hd, width]: q|k|v in one matmul
+    q: ServingLinear  # [heads * hd, width]: qkv's q rows (views), for rows whose k and v are written already
     kv: ServingLinear  # [2 * kv_heads * hd, width]: qkv's k|v rows (views), for entries whose query nobody reads
     o: ServingLinear  # [hidden, heads * hd]
     gate_up: ServingLinear  # [2 * intermediate, hidden]: gate|up in one matmul
@@ -106,5 +107,5 @@ class ServingWeights:
     @property
     def bytes_per_depth(self) -> int:
         """Weight bytes one head pass reads (what bounds a depth at small batch)."""
-        linears = [self.lm_head, *(m for p in self.layers for m in (p.qkv, p.o, p.gate_up, p.down))]  # not kv: in qkv
+        linears = [self.lm_head, *(m for p in self.layers for m in (p.qkv, p.o, p.gate_up, p.down))]  # not q or kv: in qkv
         return sum(linear.nbytes for linear in linears)

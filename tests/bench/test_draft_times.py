@@ -38,8 +38,4 @@ def test_the_start_floor_counts_the_matmul_flops_a_long_start_runs():
     features = torch.randn(positions, 3 * head.config.target_hidden_size)
     with FlopCounterMode(display=False) as counter:
         drafter.start(list(range(positions)), features, 7)
-    c = head.config
-    last_row_kv_again = 2 * (2 * c.hidden_size) * (2 * c.num_kv_heads * c.head_dim)  # its query's q|k|v pass
-    assert counter.get_total_flops() == start_flops(head, positions) + last_row_kv_again
-    all_queries = 2 * positions * (2 * c.hidden_size) * (c.num_heads * c.head_dim)
-    assert start_flops(head, positions) < counter.get_total_flops() < start_flops(head, positions) + all_queries / 100
+    assert counter.get_total_flops() == start_flops(head, positions)  # the last row's query alone, nothing twice

@@ -137,6 +137,21 @@ def test_fused_rope_of_k_and_v_alone_matches_reference(kernel_device, dtype, hea
 
 
 @pytest.mark.parametrize("dtype, heads, kv_heads, head_dim", QKV_ROPE_CASES)
+def test_fused_rope_of_q_alone_matches_reference(kernel_device, dtype, heads, kv_heads, head_dim):
+    """A q projection without k|v (a prompt's last rows, whose keys and values are written already): q rotated,
+    no k or v heads."""
+    ops = fused_ops(kernel_device)
+    gen = torch.Generator(device=kernel_device).manual_seed(head_dim + 2)
+    q_rows = torch.randn(5, heads * head_dim, device=kernel_device, dtype=dtype, generator=gen)
+    rope = RotaryEmbedding(RopeConfig(theta=500000.0), head_dim, torch.device(kernel_device))
+    cos, sin = rope.cos_sin(torch.randint(0, 131072, (5,), device=kernel_device, generator=gen), dtype)
+    q, k, v = ops.qkv_rope(q_rows, cos, sin, heads, 0)
+    want_q = REFERENCE_OPS.qkv_rope(q_rows, cos, sin, heads, 0)[0]
+    assert torch.equal(q, want_q) and k.numel() == 0 and v.numel() == 0
+    assert not torch.equal(q, q_rows.unflatten(-1, (heads, head_dim)))  # rotated
+
+
+@pytest.mark.parametrize("dtype, heads, kv_heads, head_dim", QKV_ROPE_CASES)
 def test_fused_qkv_rope_matches_reference_with_shared_positions_and_cache_slots(
     kernel_device, dtype, heads, kv_heads, head_dim
 ):

@@ -219,6 +219,25 @@ def test_serving_weights_equal_the_separate_layers(quantization, tolerance) -> N
         close(head.vocab_logits(hidden, weights.lm_head), head.vocab_logits(hidden))
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8", "auto"])
+def test_the_q_alone_and_the_k_v_alone_are_the_fused_projections_parts(quantization, monkeypatch) -> None:
+    """A prompt's start projects its keys and values alone and its last rows' queries alone (``keys_values``,
+    ``queries``): each is the fused q|k|v matmul's own part, bit for bit, as views of its rows and their scales."""
+    monkeypatch.setattr(serving_weights, "AUTO_INT8_MIN_ELEMENTS", 1)  # auto: both copies at this head's size
+    head = random_head()
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (6,), generator=gen)
+    hidden = torch.randn(6, HIDDEN, generator=gen)
+    rope = head.rope(torch.arange(100, 106))
+    (serving,) = head.serving_weights(quantization).layers
+    with torch.no_grad():
+        q, k, v = head.attention_inputs(tokens, hidden, rope, serving)
+        k_alone, v_alone = head.keys_values(tokens, hidden, rope, serving)
+        q_alone = head.queries(tokens, hidden, rope, serving)
+    assert torch.equal(q_alone, q) and torch.equal(k_alone, k) and torch.equal(v_alone, v)
+    assert serving.q.weight.data_ptr() == serving.qkv.weight.data_ptr()  # views, not copies
+
+
 def test_int8_serving_weights_read_about_half_the_bytes() -> None:
     head = random_head()
     full, int8 = head.serving_weights("none"), head.serving_weights("int8")
