@@ -10,6 +10,8 @@ continuation follows accepted, the continuation's next token the bonus. Every ar
 runtime, in order, as ``bench.paired`` runs them: what a request leaves to the next (the global estimates, the
 batch's bound) is part of what is measured. Each step is priced by the frozen model at the depths its proposal
 ran and the tree tokens it verified; the tokens per second it predicts are that model's, not a measurement.
+Each run keeps its steps (``per_step``: the tree, its nodes, the depths run, the tokens emitted), so which trees
+``online`` chose where reads beside what each delivered.
 
     python -m bench.online_replay --base-model ../shared/models/bench-code \
         --draft-model ../shared/models/bench-code-eagle3 --data ../shared/data/longctx_eval.jsonl \
@@ -19,6 +21,7 @@ ran and the tree tokens it verified; the tokens per second it predicts are that 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -91,6 +94,19 @@ def milliseconds_arg(text: str) -> dict[int, float]:
 
 
 @dataclass(frozen=True)
+class ReplayedStep:
+    """One step of a run: the tree proposed and what the text accepted of it."""
+
+    tree: str  # the candidate's label: ``full T:P:D``, a shaped tree's widths, a probe's own
+    nodes: int  # tree nodes, the root included
+    depth: int  # draft depths the proposal ran
+    emitted: int  # accepted drafts and the bonus token
+
+
+STEP_FIELDS = [field.name for field in dataclasses.fields(ReplayedStep)]  # the columns of a run's ``per_step``
+
+
+@dataclass(frozen=True)
 class ReplayedRun:
     """One arm along one prompt's text."""
 
@@ -99,9 +115,12 @@ class ReplayedRun:
     steps: int
     tokens: int  # emitted: accepted drafts and the bonus token per step
     seconds: float  # the frozen model's price of its steps
+    per_step: tuple[ReplayedStep, ...]  # in order: which trees ``online`` chose where, and what each delivered
 
     def to_dict(self) -> dict:
-        return {**vars(self), **rates(self.steps, self.tokens, self.seconds)}
+        totals = {key: value for key, value in vars(self).items() if key != "per_step"}
+        rows = [list(vars(step).values()) for step in self.per_step]
+        return {**totals, **rates(self.steps, self.tokens, self.seconds), "per_step": rows}
 
 
 def rates(steps: int, tokens: int, seconds: float) -> dict[str, float]:
@@ -118,21 +137,24 @@ def replay(
     session_id = f"{options.policy}-{prompt}"
     start = DraftStart(session_id, text.prompt_ids, text.features[:length], cont[0], options)
     trees = runtime.step(DraftBatch(starts=[start], proposes=[session_id])).trees
-    steps, root, seconds = 0, 0, 0.0  # root: the continuation index of the current tree's root
+    steps: list[ReplayedStep] = []
+    root, seconds = 0, 0.0  # root: the continuation index of the current tree's root
     while root < new_tokens - 1:
         tree = DraftTree.of(trees[session_id])
         rows = cost.computed_rows(1, tree.num_nodes)  # the step graph bucket the verify runs in
         verify_seconds = cost.verify_seconds(rows, length + root)
-        seconds += cost.step_overhead_seconds + cost.draft_seconds(runtime.last_proposal_depth) + verify_seconds
+        depth = runtime.last_proposal_depth
+        seconds += cost.step_overhead_seconds + cost.draft_seconds(depth) + verify_seconds
         emitted = len(accepted_path(tree, cont[root + 1 :])) + 1
+        steps.append(ReplayedStep(runtime.sessions[session_id].candidate.label, tree.num_nodes, depth, emitted))
         features = text.features[length + root : length + root + emitted]  # the root's and the accepted entries'
         accept = DraftAccept(session_id, cont[root + 1 : root + 1 + emitted], features)
-        steps, root = steps + 1, root + emitted
+        root += emitted
         proposes = [session_id] if root < new_tokens - 1 else []
         verify = VerifyCost(rows=rows, seconds=verify_seconds)
         trees = runtime.step(DraftBatch(accepts=[accept], proposes=proposes, verify_cost=verify)).trees
     runtime.step(DraftBatch(releases=[session_id]))
-    return ReplayedRun(prompt, options.policy, steps, root, seconds)
+    return ReplayedRun(prompt, options.policy, len(steps), root, seconds, tuple(steps))
 
 
 def summarise(runs: list[ReplayedRun]) -> dict[str, dict]:
@@ -212,11 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         for arm in ARMS:
             options = DraftOptions(arm, args.tree_config.config, salience=args.working_set != WHOLE)
             runs.append(replay(runtime, text, args.max_new_tokens, options, index))
-            print(f"prompt {index} {arm}: {json.dumps(runs[-1].to_dict())}", flush=True)
+            totals = {key: value for key, value in runs[-1].to_dict().items() if key != "per_step"}
+            print(f"prompt {index} {arm}: {json.dumps(totals)}", flush=True)
     summary = summarise(runs)
     result = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "device": device_name(),
               "cost_model": {"verify_ms": args.verify_ms, "draft_ms": args.draft_ms, "overhead_ms": args.overhead_ms},
-              "summary": summary, "runs": [r.to_dict() for r in runs]}  # fmt: skip
+              "summary": summary, "per_step_fields": STEP_FIELDS, "runs": [r.to_dict() for r in runs]}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     plot(runs, args.out.with_suffix(".png"), f"{args.tree_config.config}, {args.working_set}, {args.length} tokens")

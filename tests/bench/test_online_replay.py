@@ -50,8 +50,11 @@ def test_the_full_arm_takes_the_drafters_own_steps_and_online_runs_beside_it():
     full = replay(runtime, text, new_tokens, DraftOptions("full", "16:0.0:4"), prompt=1)
     counts = drafted_steps(runtime.drafter, text, new_tokens, Candidate.dynamic(TreeBudget.parse("16:0.0:4")), None)
     assert (full.steps, full.tokens) == (len(counts), sum(counts) + len(counts))
+    assert [step.emitted for step in full.per_step] == [n + 1 for n in counts]
+    assert {(step.tree, step.depth) for step in full.per_step} == {("full 16:0.0:4", 4)}
     online = replay(runtime, text, new_tokens, DraftOptions("online", "16:0.0:4"), prompt=1)
     assert online.tokens >= new_tokens - 1 and online.seconds > 0 and not runtime.sessions
+    assert sum(step.emitted for step in online.per_step) == online.tokens and len(online.per_step) == online.steps
     assert full.seconds >= full.steps * (0.0003 + 0.007)  # each step: the overhead and at least the smallest verify
 
 
@@ -64,3 +67,5 @@ def test_main_writes_both_arms_per_prompt_and_a_plot(code_prompts, tmp_path):
     assert [(r["prompt"], r["arm"]) for r in result["runs"]] == [(p, a) for p in (0, 1) for a in ("full", "online")]
     assert set(result["summary"]) == {"full", "online"} and all(r["tau"] >= 1 for r in result["runs"])
     assert out.with_suffix(".png").stat().st_size > 0
+    emitted = result["per_step_fields"].index("emitted")
+    assert all(sum(row[emitted] for row in r["per_step"]) == r["tokens"] for r in result["runs"])
