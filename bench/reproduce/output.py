@@ -17,6 +17,7 @@ import torch
 
 from bench.reproduce.draft_steps import DraftStep
 from bench.reproduce.plots import plot_summaries
+from bench.reproduce.policy_pairs import policy_pairs
 from bench.reproduce.presets import ProtocolConfig
 from bench.reproduce.report import markdown, to_dicts
 from bench.reproduce.tuning import write_tuned_profile
@@ -50,6 +51,7 @@ def write_outputs(
               f"target `{settings.base_model}`, head `{settings.draft_model}`; temperature {config.temperature}. "
               "Decode-only: tokens after the first over decode seconds. End-to-end: all new tokens over the "
               "client's seconds from request to last token (prefill and time to first token included).")
+    pairs = policy_pairs(result.runs, result.scores)
     counts = {v: sum(1 for r in result.runs if r.exactness and r.exactness.verdict == v)
               for v in ("exact", "near-tie", "mismatch", "unchecked")}
     document = {
@@ -64,6 +66,7 @@ def write_outputs(
         "settings": json.loads(settings.model_dump_json()),
         "exactness": {"passed": result.exit_code == 0 and not counts["unchecked"], **counts},  # unchecked: not shown
         "tuning": to_dicts(result.scores),
+        "policy_pairs": to_dicts(pairs),
         "summaries": to_dicts(result.summaries),
         "draft_step_fields": [f.name for f in fields(DraftStep)],  # the columns of every run's draft_steps
         "runs": [r.to_dict() for r in result.runs],
@@ -73,7 +76,7 @@ def write_outputs(
     provenance = {key: document[key] for key in ("command", "started", "device", "commit")}
     provenance.update(base_model=str(settings.base_model), draft_model=str(settings.draft_model))
     profile = write_tuned_profile(result.out_dir, result.scores, provenance)
-    table = markdown(result.summaries, result.scores, header)
+    table = markdown(result.summaries, result.scores, header, pairs)
     (result.out_dir / "results.md").write_text(table)
     plots = plot_summaries(result.summaries, result.out_dir)
     written = [p.name for p in (*plots, *([profile] if profile else []))]

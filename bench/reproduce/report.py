@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from bench.reproduce.arms import AUTO
+from bench.reproduce.policy_pairs import INTERVAL, PolicyPairs
 from bench.reproduce.runs import RunRecord
 from bench.reproduce.tuning import FINAL_TIE, CandidateScore, decode_tokens_per_second, draft_ms_per_step, tau
 
@@ -128,8 +129,10 @@ def tau_by_context_lines(summaries: list[ArmSummary]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
-def markdown(summaries: list[ArmSummary], scores: list[CandidateScore], header: str) -> str:
-    """The report: one evaluation table per dataset, then the tuning pass."""
+def markdown(
+    summaries: list[ArmSummary], scores: list[CandidateScore], header: str, pairs: list[PolicyPairs] | None = None
+) -> str:
+    """The report: one evaluation table per dataset, then the tuning pass and its pairs of policies."""
     lines = [header, ""]
     for dataset in dict.fromkeys(s.dataset for s in summaries):
         lines += [
@@ -163,6 +166,14 @@ def markdown(summaries: list[ArmSummary], scores: list[CandidateScore], header: 
               f"| {_cell(c.final_tau)} | {_cell(c.final_decode_tokens_per_s, 1)} "
               f"| {_cell(c.final_tree_tokens_per_token)} | {'**yes**' if c.chosen else ''} |"
               for c in scores]
+    if pairs:
+        lines += ["", "### `online` against `full` at the same start tree", "",
+                  "Per context, the runs of both rounds where both policies ran at one tree, working set and prompt: "
+                  f"the geometric mean of their decode speeds' ratios and its {INTERVAL:.0%} bootstrap interval over "
+                  "the pairs.", "",
+                  "| dataset | context | pairs | online / full | interval | verdict |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {p.dataset} | {p.context} | {p.pairs} | {p.ratio:.3f} | {p.low:.3f}-{p.high:.3f} | {p.verdict} |"
+                  for p in pairs]
     return "\n".join(lines) + "\n"
 
 
