@@ -101,7 +101,7 @@ def _decode_verdict(line: str) -> tuple[RunKey, ExactnessResult]:
 
 
 def load_run_document(path: Path) -> dict:
-    """A reproduce run's document as ``results.json`` holds it, from that file or from a run folder. A folder
+    """A reproduce run's document as ``results.json`` holds it, from that file (or its gzip) or from a run folder. A folder
     without ``results.json`` (a run still going, or stopped before its judging ended) gives its recorded runs
     from ``runs.jsonl``, or ``runs.jsonl.gz`` as ``bench/results/`` keeps them, as ``{"runs": [...]}``: what the
     analyses that read only the runs need."""
@@ -109,6 +109,8 @@ def load_run_document(path: Path) -> dict:
         path = path / "results.json"
     if path.is_file() and path.suffix == ".json":
         return json.loads(path.read_text())
+    if path.is_file() and path.name.endswith(".json.gz"):  # a results.json as ``bench/results/`` keeps it
+        return json.loads(gzip.decompress(path.read_bytes()))
     if path.is_dir():
         packed = path / f"{RUNS_FILE}.gz"
         path = packed if not (path / RUNS_FILE).exists() and packed.exists() else path / RUNS_FILE

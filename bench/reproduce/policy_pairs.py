@@ -6,17 +6,24 @@ prompt's own difficulty. The rule that ``online`` be at least as fast as ``full`
 context, the geometric mean of the ratios and a seeded bootstrap interval over the pairs (``INTERVAL``). A
 context whose interval holds 1 is one where this run cannot tell the two apart; on the 8B-shaped pair a ratio's
 spread over pairs is about 8%, so 32 pairs place a mean within about 3% either way.
+
+    python -m bench.reproduce.policy_pairs bench/results/reproduce_..._results.json.gz   # an earlier run's pairs
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import statistics
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+from bench.reproduce.checkpoint import load_run_document
 from bench.reproduce.runs import RunRecord
 from bench.reproduce.tuning import CandidateScore, decode_tokens_per_second
+from gateway.request import GenerationStats
 
 PAIRED_PHASES = ("tune", "final")  # the tuning pass's rounds: the evaluation runs DiffSpec once, tuned
 INTERVAL = 0.95  # the bootstrap interval's coverage
@@ -66,3 +73,26 @@ def _bootstrap_interval(values: list[float], rng: random.Random) -> tuple[float,
     means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(RESAMPLES))
     tail = (1 - INTERVAL) / 2
     return math.exp(means[int(tail * RESAMPLES)]), math.exp(means[int((1 - tail) * RESAMPLES) - 1])
+
+
+def recorded_pairs(document: dict) -> list[PolicyPairs]:
+    """The pairs of a run's ``results.json`` document: its tuning scores and, of each run, what pairing reads."""
+    runs = [RunRecord(r["phase"], r["dataset"], r["context"], r["prompt"], r["arm"], r["label"], [],
+                      GenerationStats(new_tokens=r["stats"]["new_tokens"], decode_seconds=r["stats"]["decode_seconds"]),
+                      r["request_seconds"], r["first_token_seconds"], None)
+            for r in document["runs"]]  # fmt: skip
+    return policy_pairs(runs, [CandidateScore(**score) for score in document.get("tuning", [])])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="An earlier reproduce run's online/full pairs, per context.")
+    parser.add_argument("results", type=Path, help="its results.json (or .json.gz), or its folder")
+    args = parser.parse_args(argv)
+    for pairs in recorded_pairs(load_run_document(args.results)):
+        print(f"{pairs.dataset} {pairs.context}: {pairs.pairs} pairs, online / full {pairs.ratio:.3f} "
+              f"({INTERVAL:.0%} interval {pairs.low:.3f}-{pairs.high:.3f}): {pairs.verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -77,3 +77,23 @@ def test_the_report_lists_each_context_s_pairs_under_the_tuning_table():
     assert "### `online` against `full` at the same start tree" in table
     assert "| d | 16384 | 32 | 0.978 | 0.952-1.006 | not told apart |" in table
     assert "against `full`" not in markdown([], _scores(), "# r")  # no pairs, no section
+
+
+def test_an_earlier_run_s_results_give_the_same_pairs_as_its_records(tmp_path, capsys):
+    import dataclasses
+    import gzip
+    import json
+
+    from bench.reproduce.policy_pairs import main, recorded_pairs
+
+    runs = _pairs({0: (120.0, 100.0), 1: (95.0, 100.0), 2: (110.0, 100.0)})
+    document = {"tuning": [dataclasses.asdict(s) for s in _scores()], "runs": [r.to_dict() for r in runs]}
+    path = tmp_path / "results.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(document).encode()))
+    (pairs,) = policy_pairs(runs, _scores())
+    (recorded,) = recorded_pairs(document)  # from the seconds as results.json rounds them (to the microsecond)
+    assert recorded.pairs == 3 and (recorded.ratio, recorded.low, recorded.high) == pytest.approx(
+        (pairs.ratio, pairs.low, pairs.high), rel=1e-5)
+    assert main([str(path)]) == 0
+    assert capsys.readouterr().out == (f"d 4096: 3 pairs, online / full {pairs.ratio:.3f} (95% interval "
+                                       f"{pairs.low:.3f}-{pairs.high:.3f}): {pairs.verdict}\n")  # fmt: skip
