@@ -97,7 +97,7 @@ def milliseconds_arg(text: str) -> dict[int, float]:
 class ReplayedStep:
     """One step of a run: the tree proposed and what the text accepted of it."""
 
-    tree: str  # the candidate's label: ``full T:P:D``, a shaped tree's widths, a probe's own
+    tree: str  # the label of the candidate it was grown as: ``full T:P:D``, a shaped tree's widths, a probe's
     nodes: int  # tree nodes, the root included
     depth: int  # draft depths the proposal ran
     emitted: int  # accepted drafts and the bonus token
@@ -146,7 +146,9 @@ def replay(
         depth = runtime.last_proposal_depth
         seconds += cost.step_overhead_seconds + cost.draft_seconds(depth) + verify_seconds
         emitted = len(accepted_path(tree, cont[root + 1 :])) + 1
-        steps.append(ReplayedStep(runtime.sessions[session_id].candidate.label, tree.num_nodes, depth, emitted))
+        grown_as = runtime.sessions[session_id].last_candidate
+        assert grown_as is not None  # the step that returned this tree proposed it
+        steps.append(ReplayedStep(grown_as.label, tree.num_nodes, depth, emitted))
         features = text.features[length + root : length + root + emitted]  # the root's and the accepted entries'
         accept = DraftAccept(session_id, cont[root + 1 : root + 1 + emitted], features)
         root += emitted

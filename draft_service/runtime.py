@@ -141,6 +141,7 @@ class _SessionState:
     candidate: Candidate  # the tree it proposes: a fixed policy's own, or the online planner's choice
     planner: TreePlanner | None = None  # online sessions only
     last_tree: DraftTree | PendingTree | None = None  # its host nodes are read when its verification is observed
+    last_candidate: Candidate | None = None  # the candidate its last tree was grown as (a probe's own, where it probed)
     observe_as: Candidate | None = None  # its last tree's candidate when its planner is to learn from that step
     expected_tokens: float = 1.0  # what the last plan expected to emit per step
     proposed_within: Bound | None = None  # the online bound its last tree kept within (None: none, or a probe past it)
@@ -447,6 +448,7 @@ class DraftRuntime:
         for i, sid in enumerate(launched.session_ids):
             session = self.sessions[sid]
             session.last_tree, session.proposed_within = launched.trees[i], launched.within[i]
+            session.last_candidate = launched.chosen[i]
             session.observe_as = launched.chosen[i] if sid in launched.observed else None
         return dict(zip(launched.session_ids, launched.trees)), bool(taken)
 

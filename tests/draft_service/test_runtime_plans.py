@@ -82,8 +82,10 @@ def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work
     monkeypatch.setattr(runtime.drafter, "propose_pending", lambda batch: requests.append(batch) or propose(batch))
     choose = TreePlanner.choose
     monkeypatch.setattr(TreePlanner, "choose", lambda self, *a: chooses.append(self) or choose(self, *a))
-    plans_per_step, observed, bounds = [], [], []
+    plans_per_step, observed, bounds, grown_as = [], [], [], []
     for _ in stepped_online_batch(runtime, STEPS):  # the target accepts each tree's first child, then a bonus token
+        grown_as.append(collections.Counter(s.last_candidate.budget for s in runtime.sessions.values()))
+        assert grown_as[-1] == collections.Counter(r.budget for r in requests[-1])  # each tree's own, a probe's too
         plans_per_step.append(len(chooses) - sum(plans_per_step))
         observed.append(sum(s.planner.observed_steps for s in runtime.sessions.values()))
         bounds.append(runtime.batch_plan.bound)
@@ -109,6 +111,7 @@ def test_a_batch_of_online_sessions_plans_from_the_grid_and_bounds_its_host_work
     probes = [sum(r.budget == probe for r in batch) for batch in requests]
     assert [i for i, n in enumerate(probes) if n] == [PROBE_EVERY - 1]
     assert max(probes) == 1
+    assert sum(grown[probe] for grown in grown_as) == 1  # the session that probed says it grew the probe
     # a step hands at most OBSERVED_PER_STEP sessions' trees to their planners (and the probe's)
     assert observed_per_step[1:] and max(observed_per_step) <= OBSERVED_PER_STEP + 1 and min(observed_per_step[1:]) > 0
 
