@@ -30,7 +30,16 @@ from torch.profiler import record_function
 
 from diffspec.acceptance import TokenUniforms
 from diffspec.device_accept import DeviceAccept, VerifyQueued
-from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, dtype_name, resolve_device, resolve_dtype, upload
+from diffspec.devices import (
+    DeviceTimer,
+    HostCopy,
+    PinnedStaging,
+    dtype_name,
+    host_int64,
+    resolve_device,
+    resolve_dtype,
+    upload,
+)
 from diffspec.errors import DiffSpecError, InvalidRequest
 from diffspec.sampling import SamplingParams, inverse_cdf, is_distribution, target_probs, token_logprobs
 from diffspec.settings import DiffSpecSettings, parse_sizes, resolve_feature_layers
@@ -211,7 +220,7 @@ class TargetRuntime:
         )  # fmt: skip
         feature_layers = self._feature_layers([self.sessions[sid] for sid, _, _ in chunks])
         out = self.model.forward_paged(
-            upload(torch.tensor(list(itertools.chain(*ids))), self.device),
+            upload(host_int64(itertools.chain(*ids)), self.device),
             upload(torch.cat([torch.arange(start, end) for _, start, end in chunks]), self.device),
             self.cache.k_pages,
             self.cache.v_pages,

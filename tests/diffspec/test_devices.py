@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, resolve_device
+from diffspec.devices import DeviceTimer, HostCopy, PinnedStaging, host_int64, resolve_device
 from diffspec.errors import InvalidRequest
 
 
@@ -35,6 +35,14 @@ def test_on_the_cpu_a_host_copy_is_the_tensor_and_a_timer_the_wall_clock():
 def test_staged_uploads_are_int64_on_the_device():
     staging = PinnedStaging(torch.device("cpu"))
     assert torch.equal(staging.upload([3, 1, 2]), torch.tensor([3, 1, 2]))
+    assert staging.upload([]).shape == (0,) and staging.upload([]).dtype == torch.int64
+
+
+@pytest.mark.parametrize("values", [[], [0], [5, -3, 2**62], list(range(70_000))])
+def test_host_int64_holds_python_ints_in_order(values):
+    for given in (values, iter(values)):  # a list, or any iterable (a batch's chained token lists)
+        packed = host_int64(given)
+        assert packed.dtype == torch.int64 and packed.device.type == "cpu" and packed.tolist() == values
 
 
 @pytest.mark.gpu
