@@ -142,7 +142,7 @@ class _SessionState:
     planner: TreePlanner | None = None  # online sessions only
     last_tree: DraftTree | PendingTree | None = None  # its host nodes are read when its verification is observed
     last_candidate: Candidate | None = None  # the candidate its last tree was grown as (a probe's own, where it probed)
-    observe_as: Candidate | None = None  # its last tree's candidate when its planner is to learn from that step
+    observe_last: bool = False  # its planner learns from its last tree's step (``_observed``)
     expected_tokens: float = 1.0  # what the last plan expected to emit per step
     proposed_within: Bound | None = None  # the online bound its last tree kept within (None: none, or a probe past it)
     steps_to_replan: int = 0  # proposals left before the plan is made again
@@ -392,8 +392,9 @@ class DraftRuntime:
         self._check_token_ids(emitted)
         step = None
         if session.last_tree is not None and accept.verified_draft_tree:
-            step = _VerifiedStep(session, session.last_tree, emitted[:-1], session.proposed_within, session.observe_as)
-        session.last_tree, session.observe_as = None, None  # taken for observation, or nothing of them was verified
+            learnt_as = session.last_candidate if session.observe_last else None
+            step = _VerifiedStep(session, session.last_tree, emitted[:-1], session.proposed_within, learnt_as)
+        session.last_tree, session.observe_last = None, False  # taken for observation, or nothing of it was verified
         return Extension(session.drafter_state, features, emitted), step
 
     def _extend_all(self, extensions: list[tuple[str, Extension]], failures: dict[str, DiffSpecError]) -> set[str]:
@@ -449,7 +450,7 @@ class DraftRuntime:
             session = self.sessions[sid]
             session.last_tree, session.proposed_within = launched.trees[i], launched.within[i]
             session.last_candidate = launched.chosen[i]
-            session.observe_as = launched.chosen[i] if sid in launched.observed else None
+            session.observe_last = sid in launched.observed
         return dict(zip(launched.session_ids, launched.trees)), bool(taken)
 
     def _launch(
