@@ -16,7 +16,8 @@ host clocks, median of several:
 - ``graph_gpu_ms``: the replayed graph's GPU time (CUDA events around the replay);
 - ``kernels_per_proposal`` and ``proposal_costliest_kernels``: the proposal run eagerly under the torch profiler,
   its kernels counted and the costliest listed by name (launches, GPU microseconds); ``kernels_per_start`` and
-  ``start_costliest_kernels`` the same of a session's start (below), where its time above its floor goes;
+  ``start_costliest_kernels`` the same of a session's start (below), where its time above its floor goes, and
+  ``start_kernel_ms`` its kernels' GPU time summed: ``start_ms`` above it is time the GPU waited;
 - ``accept_ops``, ``accept_device_work`` and ``accept_costliest_host_ops``: one accept under the torch
   profiler: the torch ops it dispatches, the kernels and copies it puts on the device, and the ops that
   cost the host most (calls, CPU microseconds of their own). An accept is host-bound: these say where the
@@ -24,6 +25,8 @@ host clocks, median of several:
 - ``start_ms`` and ``start_floor_ms``: a session's start, the head's pass over every prompt position (one
   session; in serving it runs in the first draft call after the first token, inside the request's decode), and
   the matmul FLOPs it needs (``start_flops``) over the bf16 matmul peak measured in the same run;
+  ``start_host_ms`` the same call until it returns, not waiting for the device: near ``start_ms``, the host
+  (its work, or a wait inside the call) holds the start; far under it, the launched kernels do;
 - ``floor_ms``: the bytes a proposal must read (the head's weights once per depth, int8 ones with
   ``--draft-quantization int8``, plus each session's attended context once per depth) over the copy
   bandwidth measured in the same run.
@@ -99,6 +102,7 @@ def measure(
         sessions.append(drafter.start(ids, torch.randn(context, width, device=device, dtype=dtype), ids[-1], salience))
     prompt_ids, prompt_features = sessions[0].token_ids[:-1], torch.randn(context, width, device=device, dtype=dtype)
     start_seconds = _host_seconds(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), sync=True)
+    start_host_seconds = _host_seconds(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), sync=False)
     start_kernels = _kernel_profile(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), "start")
     del prompt_features
     requests = [ProposalRequest(s, list(candidate.plan), candidate.budget) for s in sessions]
@@ -148,6 +152,7 @@ def measure(
         "graph_gpu_ms": round(median_ms(run.graph.replay), 3),
         "floor_ms": round(1e3 * floor, 3),
         "start_ms": round(1e3 * start_seconds, 3),
+        "start_host_ms": round(1e3 * start_host_seconds, 3),
         "start_floor_ms": round(1e3 * start_flops(head, context) / peak_flops, 3),
         **start_kernels,
     }
@@ -177,8 +182,8 @@ def _device_accept_ms(write_on_device: Callable[[], None], settle: Callable[[], 
 @torch.no_grad()  # as the graph was recorded: with autograd on, the head would take the reference ops
 def _kernel_profile(work: Callable[[], object], name: str) -> dict:
     """GPU kernels ``work`` launches when run eagerly (for a proposal, the nodes of its graph, each a launch gap),
-    and the costliest by kernel name: ``kernels_per_<name>`` and ``<name>_costliest_kernels``, [kernel, launches,
-    GPU us] per row."""
+    and the costliest by kernel name: ``kernels_per_<name>``, ``<name>_kernel_ms`` (every kernel's GPU time,
+    summed) and ``<name>_costliest_kernels``, [kernel, launches, GPU us] per row."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         work()
         torch.cuda.synchronize()
@@ -191,6 +196,7 @@ def _kernel_profile(work: Callable[[], object], name: str) -> dict:
     costliest = sorted(by_name.values(), key=lambda entry: -entry[2])[:TOP_KERNELS]
     return {
         f"kernels_per_{name}": sum(entry[1] for entry in by_name.values()),
+        f"{name}_kernel_ms": round(sum(entry[2] for entry in by_name.values()) / 1e3, 3),
         f"{name}_costliest_kernels": [[kernel, count, round(us, 1)] for kernel, count, us in costliest],
     }
 

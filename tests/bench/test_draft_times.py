@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from bench.draft_times import _host_profile
+from bench.draft_times import _host_profile, _kernel_profile
 
 
 def test_the_host_profile_counts_the_ops_of_one_run_and_names_the_costliest():
@@ -39,3 +40,13 @@ def test_the_start_floor_counts_the_matmul_flops_a_long_start_runs():
     with FlopCounterMode(display=False) as counter:
         drafter.start(list(range(positions)), features, 7)
     assert counter.get_total_flops() == start_flops(head, positions)  # the last row's query alone, nothing twice
+
+
+@pytest.mark.gpu
+def test_the_kernel_profile_sums_every_kernel_s_time():
+    x = torch.ones(1024, 1024, device="cuda")
+    profile = _kernel_profile(lambda: (x @ x, x + 1), "work")
+    rows = profile["work_costliest_kernels"]
+    assert profile["kernels_per_work"] == sum(launches for _, launches, _ in rows) >= 2  # the matmul and the add
+    assert profile["work_kernel_ms"] > 0
+    assert profile["work_kernel_ms"] == pytest.approx(sum(us for *_, us in rows) / 1e3, abs=1e-3)
