@@ -1,0 +1,42 @@
+"""bench/gpu_round.sh: the parts of a lent GPU's round, in order, each test log headed as RESULTS.md quotes it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def gpu_round(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DRY_RUN": "1", **(env or {})}
+    return subprocess.run(["bash", "bench/gpu_round.sh", *args], cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def test_every_part_in_order_with_each_test_log_headed_by_card_date_commit_and_command(tmp_path):
+    done = gpu_round(str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    parts = [line for line in done.stdout.splitlines() if line.startswith("gpu_round: ")]
+    assert parts == ["gpu_round: tests", "gpu_round: times", "gpu_round: protocol"]
+    draft = (tmp_path / "gpu_tests_draft.log").read_text().splitlines()
+    assert draft[0].startswith("# ") and len(draft[0].split(", ")) == 3  # card, date, commit
+    assert draft[1].endswith("-m gpu -p no:cacheprovider -o addopts= --continue-on-collection-errors -rf "
+                             "--durations=5 tests/draft_service")  # fmt: skip
+    assert "tests/diffspec_kernels" in (tmp_path / "gpu_tests_target_kernels_exactness.log").read_text()
+    protocol = next(line for line in done.stdout.splitlines() if "bench.reproduce" in line)
+    assert "DIFFSPEC_DRAFT_QUANTIZATION=auto" in protocol and "--context-targets 65536 4096 16384" in protocol
+    assert f"--out-dir {tmp_path}/reproduce --judge-minutes 2" in protocol
+
+
+def test_named_parts_alone_and_the_protocol_s_contexts_from_the_environment(tmp_path):
+    done = gpu_round(str(tmp_path), "protocol", env={"CONTEXTS": "4096", "JUDGE_MINUTES": "0"})
+    assert done.returncode == 0, done.stderr
+    assert "gpu_round: tests" not in done.stdout and not list(tmp_path.glob("gpu_tests_*.log"))
+    assert "--context-targets 4096 --out-dir" in done.stdout and "--judge-minutes 0" in done.stdout
+
+
+def test_a_wrong_call_is_refused(tmp_path):
+    assert gpu_round().returncode == 2 and "usage" in gpu_round().stderr
+    unknown = gpu_round(str(tmp_path), "bench")
+    assert unknown.returncode == 2 and "unknown part bench" in unknown.stderr
