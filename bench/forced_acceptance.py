@@ -167,8 +167,7 @@ def read_at_roots(
     shows what reading a tree at another tree's roots, not its own, does to its tokens a step."""
     steps = []
     for proposed, nodes in walk(drafter, text, new_tokens, tree, salience):
-        parents = proposed.parents.tolist()
-        ranks = [node - parents.index(parents[node]) for node in nodes]  # children are consecutive, best first
+        ranks, _ = proposed.sibling_ranks([proposed.token_list()[node] for node in nodes])
         steps.append(counterfactual_accepted(proposed, ranks, inside))
     return steps
 

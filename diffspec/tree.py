@@ -182,6 +182,19 @@ class DraftTree:
             kids[p].append(i)
         return kids
 
+    def sibling_ranks(self, path: list[int]) -> tuple[list[int], int]:
+        """Along the path from the root whose tokens are ``path``: each node's rank among its siblings (node order),
+        and the node where the path stops (at its end, or before a token no child carries: a foreign path)."""
+        children, tokens = self.children(), self.token_list()
+        node, ranks = 0, []
+        for token in path:
+            match = [rank for rank, child in enumerate(children[node]) if tokens[child] == token]
+            if not match:
+                break
+            ranks.append(match[0])
+            node = children[node][match[0]]
+        return ranks, node
+
     def token_list(self) -> list[int]:
         """``tokens`` as a list (computed once per tree; do not modify)."""
         return self._token_list

@@ -580,15 +580,8 @@ class DraftRuntime:
         proposal is queued, so that proposal was planned from the steps before this one."""
         session = step.session
         tree = DraftTree.of(step.tree)
-        children, tokens = tree.children(), tree.token_list()
-        node, ranks = 0, []
-        for token in step.accepted:
-            match = [rank for rank, child in enumerate(children[node]) if tokens[child] == token]
-            if not match:
-                break  # the target accepted a path the draft did not propose: a foreign tree
-            ranks.append(match[0])
-            node = children[node][match[0]]
-        session.hazard.observe(ranks, stop_width=len(children[node]))
+        ranks, stop = tree.sibling_ranks(step.accepted)  # a path the draft did not propose stops where it parts
+        session.hazard.observe(ranks, stop_width=len(tree.children()[stop]))
         if step.bound is not None:
             self.bound_audit.emitted(step.bound, len(step.accepted) + 1)
         if session.planner is not None and step.candidate is not None:

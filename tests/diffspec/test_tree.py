@@ -75,3 +75,12 @@ def test_a_root_only_tree_is_one_auto_step():
     root = TreeNodes.root_only(42)
     assert (root.num_nodes, root.max_depth, root.tokens) == (1, 0, [42])
     assert DraftTree.of(root).tokens.tolist() == DraftTree.root_only(42).tokens.tolist()
+
+
+def test_sibling_ranks_follow_a_path_and_stop_where_the_tree_lacks_its_token():
+    # root 0 -> children 1 (token 5), 2 (token 6); node 2 -> children 3 (token 7), 4 (token 8)
+    tree = DraftTree(torch.tensor([9, 5, 6, 7, 8]), torch.tensor([-1, 0, 0, 2, 2]), torch.ones(5))
+    assert tree.sibling_ranks([6, 8]) == ([1, 1], 4)
+    assert tree.sibling_ranks([5]) == ([0], 1)
+    assert tree.sibling_ranks([6, 3, 8]) == ([1], 2)  # 3 is no child of node 2: the path stops there
+    assert tree.sibling_ranks([]) == ([], 0)
