@@ -117,10 +117,13 @@ class ReplayedRun:
     seconds: float  # the frozen model's price of its steps
     per_step: tuple[ReplayedStep, ...]  # in order: which trees ``online`` chose where, and what each delivered
 
+    def totals(self) -> dict:
+        """Every figure of the run but its steps, with its tau and tokens per second."""
+        run = {key: value for key, value in vars(self).items() if key != "per_step"}
+        return {**run, **rates(self.steps, self.tokens, self.seconds)}
+
     def to_dict(self) -> dict:
-        totals = {key: value for key, value in vars(self).items() if key != "per_step"}
-        rows = [list(vars(step).values()) for step in self.per_step]
-        return {**totals, **rates(self.steps, self.tokens, self.seconds), "per_step": rows}
+        return {**self.totals(), "per_step": [list(vars(step).values()) for step in self.per_step]}
 
 
 def rates(steps: int, tokens: int, seconds: float) -> dict[str, float]:
@@ -236,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in ARMS:
             options = DraftOptions(arm, args.tree_config.config, salience=args.working_set != WHOLE)
             runs.append(replay(runtime, text, args.max_new_tokens, options, index))
-            totals = {key: value for key, value in runs[-1].to_dict().items() if key != "per_step"}
-            print(f"prompt {index} {arm}: {json.dumps(totals)}", flush=True)
+            print(f"prompt {index} {arm}: {json.dumps(runs[-1].totals())}", flush=True)
     summary = summarise(runs)
     result = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "device": device_name(),
               "cost_model": {"verify_ms": args.verify_ms, "draft_ms": args.draft_ms, "overhead_ms": args.overhead_ms},

@@ -107,5 +107,6 @@ class ServingWeights:
     @property
     def bytes_per_depth(self) -> int:
         """Weight bytes one head pass reads (what bounds a depth at small batch)."""
-        linears = [self.lm_head, *(m for p in self.layers for m in (p.qkv, p.o, p.gate_up, p.down))]  # not q or kv: in qkv
+        # not q or kv: views of qkv's rows
+        linears = [self.lm_head, *(m for p in self.layers for m in (p.qkv, p.o, p.gate_up, p.down))]
         return sum(linear.nbytes for linear in linears)

@@ -101,10 +101,10 @@ def _decode_verdict(line: str) -> tuple[RunKey, ExactnessResult]:
 
 
 def load_run_document(path: Path) -> dict:
-    """A reproduce run's document as ``results.json`` holds it, from that file (or its gzip) or from a run folder. A folder
-    without ``results.json`` (a run still going, or stopped before its judging ended) gives its recorded runs
-    from ``runs.jsonl``, or ``runs.jsonl.gz`` as ``bench/results/`` keeps them, as ``{"runs": [...]}``: what the
-    analyses that read only the runs need."""
+    """A reproduce run's document as ``results.json`` holds it, from that file (or its gzip) or from a run
+    folder. A folder without ``results.json`` (a run still going, or stopped before its judging ended) gives its
+    recorded runs from ``runs.jsonl``, or ``runs.jsonl.gz`` as ``bench/results/`` keeps them, as
+    ``{"runs": [...]}``: what the analyses that read only the runs need."""
     if path.is_dir() and (path / "results.json").exists():
         path = path / "results.json"
     if path.is_file() and path.suffix == ".json":

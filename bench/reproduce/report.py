@@ -171,7 +171,8 @@ def markdown(
                   "Per context, the runs of both rounds where both policies ran at one tree, working set and prompt: "
                   f"the geometric mean of their decode speeds' ratios and its {INTERVAL:.0%} bootstrap interval over "
                   "the pairs.", "",
-                  "| dataset | context | pairs | online / full | interval | verdict |", "| --- | --- | --- | --- | --- | --- |"]
+                  "| dataset | context | pairs | online / full | interval | verdict |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {p.dataset} | {p.context} | {p.pairs} | {p.ratio:.3f} | {p.low:.3f}-{p.high:.3f} | {p.verdict} |"
                   for p in pairs]
     return "\n".join(lines) + "\n"
