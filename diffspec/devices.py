@@ -5,7 +5,7 @@ from __future__ import annotations
 import array
 import gc
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,13 +95,18 @@ class PinnedStaging:
     def num_buffers(self) -> int:
         return len(self._ring)
 
-    def upload(self, values: list[int]) -> torch.Tensor:
-        """``values`` as an int64 tensor on the device, without a stream sync or a wait for the device."""
+    def upload(self, *parts: Sequence[int]) -> torch.Tensor:
+        """``parts`` one after another as an int64 tensor on the device, without a stream sync or a wait for the
+        device. Each part is written into the staged buffer on its own, a ``range`` as an arange: a 64K prompt's
+        tokens and positions go up without a joined list of 131K Python ints (about 4 ms of host time)."""
+        size = sum(len(part) for part in parts)
         if self.device.type != "cuda":
-            return host_int64(values).to(self.device)
-        staged = self._free(len(values))
-        host = staged.host[: len(values)]
-        host.copy_(host_int64(values))
+            host = torch.empty(size, dtype=torch.int64)
+            _fill(host, parts)
+            return host.to(self.device)
+        staged = self._free(size)
+        host = staged.host[:size]
+        _fill(host, parts)
         on_device = host.to(self.device, non_blocking=True)
         staged.read = torch.cuda.Event()
         staged.read.record(torch.cuda.current_stream(self.device))
@@ -119,6 +124,18 @@ class PinnedStaging:
             return done[0]
         self._ring.append(_Staged(torch.empty(capacity, dtype=torch.int64, pin_memory=True)))
         return self._ring[-1]
+
+
+def _fill(host: torch.Tensor, parts: tuple[Sequence[int], ...]) -> None:
+    """Write ``parts`` one after another into ``host`` [sum of their lengths] int64."""
+    at = 0
+    for part in parts:
+        stop = at + len(part)
+        if isinstance(part, range) and part.step == 1:
+            torch.arange(part.start, part.stop, out=host[at:stop])
+        elif part:
+            host[at:stop].copy_(host_int64(part))
+        at = stop
 
 
 class HostCopy:

@@ -110,7 +110,7 @@ class ChunkEncodingPool:
         chunks, rows = self._filled(indexes, keys, lengths)
         table = _page_table(indexes)  # after ``_filled``: it holds the pages the new chunks took
         picks, extra = query_rows or [], along or []
-        ids = self.staging.upload([*rows, *table, *picks, *extra])
+        ids = self.staging.upload(rows, table, picks, extra)
         sizes = [len(rows), len(table) - len(indexes), len(indexes), len(picks), len(extra)]
         at, page_table, num_chunks, picked, extra_up = ids.split(sizes)
         if rows:

@@ -235,7 +235,7 @@ def restage_compacted(context: DraftContext, selected: list[int]) -> None:
     follow one another up to the newest (``ChunkArena.restage``)."""
     chunks, size = sorted(selected), context.salience.chunk_size
     # one staged upload, no stream sync: this runs while a verify may still be on the device
-    uploaded = context.index.pool.staging.upload([*chunks, *compacted_shifts(chunks, size)])
+    uploaded = context.index.pool.staging.upload(chunks, compacted_shifts(chunks, size))
     on_device, shifts = uploaded.split(len(chunks))
     cos, sin = context.rope(shifts.repeat_interleave(size))  # [chunks * size, hd]: one shift per chunk's rows
     for arena, kv in zip(context.arenas, context.kvs):

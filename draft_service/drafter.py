@@ -152,9 +152,10 @@ class Drafter:
         take_queued_selections([e.session.context for e in extensions])  # the sets the last accept's scores chose
         sessions, counts = [e.session for e in extensions], [len(e.next_tokens) for e in extensions]
         ends = list(itertools.accumulate(counts))  # 1 past each session's last row
-        tokens_up = [t for e in extensions for t in e.next_tokens]
         # tokens, positions and each session's last row, in one host-to-device copy
-        rows = self.staging.upload([*tokens_up, *_positions(sessions, counts), *(end - 1 for end in ends)])
+        rows = self.staging.upload(
+            *(e.next_tokens for e in extensions), *_positions(sessions, counts), [end - 1 for end in ends]
+        )
         tokens, positions, last_rows = rows.split([ends[-1], ends[-1], len(extensions)])
         features = [e.features for e in extensions]
         queries, hiddens = self._write_entries(sessions, counts, features, tokens, positions, last_rows)
@@ -190,7 +191,7 @@ class Drafter:
             self.rescore()
         counts = [e.accept.max_entries for e in extensions]
         ends = list(itertools.accumulate(counts))
-        rows = self.staging.upload([*_positions(sessions, counts), *(end - n for end, n in zip(ends, counts))])
+        rows = self.staging.upload(*_positions(sessions, counts), [end - n for end, n in zip(ends, counts)])
         positions, starts = rows.split([ends[-1], len(extensions)])
         real = torch.stack([e.accept.num_entries for e in extensions]).view(-1)  # [sessions] int64
         last_rows = starts + real - 1
@@ -389,9 +390,9 @@ class ProposalRequest:
     budget: TreeBudget
 
 
-def _positions(sessions: list[DraftSession], counts: list[int]) -> list[int]:
+def _positions(sessions: list[DraftSession], counts: list[int]) -> list[range]:
     """The positions of counts[i] new entries past each session's committed ones, session after session."""
-    return [p for s, n in zip(sessions, counts) for p in range(s.num_entries, s.num_entries + n)]
+    return [range(s.num_entries, s.num_entries + n) for s, n in zip(sessions, counts)]
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -60,7 +60,7 @@ def commit_on_device(
     slots = [slot for sid, accept in named.items() for slot in reserved[sid][: accept.max_entries]]
     slots += [slot for sid, rows in known.items() for slot in reserved[sid][: len(rows)]]
     known_rows = [row for rows in known.values() for row in rows]
-    uploaded = staging.upload([*slots, *known_rows])  # one copy up for the slots and the host's rows
+    uploaded = staging.upload(slots, known_rows)  # one copy up for the slots and the host's rows
     parts = [accept.rows for accept in named.values()] + ([uploaded[len(slots) :]] if known_rows else [])
     rows = parts[0] if len(parts) == 1 else torch.cat(parts)
     cache.write(forward.new_k, forward.new_v, rows, uploaded[: len(slots)])

@@ -469,7 +469,7 @@ class TargetRuntime:
             rows += commit.rows
             slots += session_slots
         if rows:
-            rows_and_slots = self.commit_staging.upload([*rows, *slots])
+            rows_and_slots = self.commit_staging.upload(rows, slots)
             self.cache.write(out.new_k, out.new_v, *rows_and_slots.split([len(rows), len(slots)]))
 
     # -- one session at a time (tests, tools) --------------------------------------------------

@@ -36,6 +36,19 @@ def test_staged_uploads_are_int64_on_the_device():
     staging = PinnedStaging(torch.device("cpu"))
     assert torch.equal(staging.upload([3, 1, 2]), torch.tensor([3, 1, 2]))
     assert staging.upload([]).shape == (0,) and staging.upload([]).dtype == torch.int64
+    assert staging.upload().shape == (0,)
+
+
+PARTS = [  # parts of one upload: lists, ranges (written as aranges), empty ones, a stepped range (as a list)
+    ([4, 9], range(100, 105), [], range(7, 7), [2**40]),
+    (range(0, 70_000), list(range(5)), range(3, 12, 4)),
+]
+
+
+@pytest.mark.parametrize("parts", PARTS)
+def test_an_upload_of_parts_holds_them_one_after_another(parts):
+    staging = PinnedStaging(torch.device("cpu"))
+    assert staging.upload(*parts).tolist() == [value for part in parts for value in part]
 
 
 @pytest.mark.parametrize("values", [[], [0], [5, -3, 2**62], list(range(70_000))])
@@ -63,6 +76,8 @@ def test_on_a_gpu_staged_uploads_reuse_read_buffers_and_never_wait_for_the_devic
     assert first.tolist() == list(range(10)) and second.tolist() == list(range(100, 130))
     assert third.tolist() == [7, 8] and fourth.tolist() == [9]
     assert grown.tolist() == list(range(1000)) and grown.device.type == "cuda"
+    for parts in PARTS:  # into the pinned buffer part by part
+        assert staging.upload(*parts).tolist() == [value for part in parts for value in part]
 
 
 @pytest.mark.gpu

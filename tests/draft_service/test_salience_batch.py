@@ -129,7 +129,7 @@ def test_an_accept_uploads_at_most_three_times(sessions, monkeypatch):
     drafter = Drafter(load_head(CPU, torch.float32), cuda_graphs=False)
     uploads = []
     upload = drafter.staging.upload
-    monkeypatch.setattr(drafter.staging, "upload", lambda values: uploads.append(len(values)) or upload(values))
+    monkeypatch.setattr(drafter.staging, "upload", lambda *parts: uploads.append(parts) or upload(*parts))
     width = 3 * drafter.head.config.target_hidden_size
     generator = torch.Generator().manual_seed(2)
     for salience, most in ((None, 1), (TEST_SALIENCE, 3)):
