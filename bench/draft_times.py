@@ -27,6 +27,7 @@ host clocks, median of several:
   the matmul FLOPs it needs (``start_flops``) over the bf16 matmul peak measured in the same run;
   ``start_host_ms`` the same call until it returns, not waiting for the device: near ``start_ms``, the host
   (its work, or a wait inside the call) holds the start; far under it, the launched kernels do;
+  ``start_costliest_calls`` the functions (Python's, and the C ones they call) that cost one start's host most;
 - ``floor_ms``: the bytes a proposal must read (the head's weights once per depth, int8 ones with
   ``--draft-quantization int8``, plus each session's attended context once per depth) over the copy
   bandwidth measured in the same run.
@@ -37,8 +38,10 @@ host clocks, median of several:
 from __future__ import annotations
 
 import argparse
+import cProfile
 import itertools
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -155,6 +158,7 @@ def measure(
         "start_host_ms": round(1e3 * start_host_seconds, 3),
         "start_floor_ms": round(1e3 * start_flops(head, context) / peak_flops, 3),
         **start_kernels,
+        **_python_profile(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), "start"),
     }
 
 
@@ -228,6 +232,20 @@ def _host_profile(work: Callable[[], object], name: str) -> dict:
         f"{name}_device_work": on_device,
         f"{name}_costliest_host_ops": [[op, calls, round(us, 1)] for op, calls, us in costliest],
     }
+
+
+def _python_profile(work: Callable[[], object], name: str) -> dict:
+    """What one run of ``work`` costs the host function by function (Python's and the C functions it calls,
+    torch's among them, each by its own time): ``<name>_costliest_calls``, [function, calls, own ms] per row.
+    Where the torch profiler sees only ops, this also sees the Python between them (list building, loops)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(work)
+    rows = []
+    for (file, line, function), (_, calls, own, *_) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+        if "_lsprof" not in function:  # the profiler's own switch-off
+            where = function if file == "~" else f"{Path(file).name}:{line}({function})"
+            rows.append([where, calls, round(1e3 * own, 3)])
+    return {f"{name}_costliest_calls": sorted(rows, key=lambda row: -row[2])[:TOP_KERNELS]}
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.draft_times import _host_profile, _kernel_profile
+from bench.draft_times import _host_profile, _kernel_profile, _python_profile
 
 
 def test_the_host_profile_counts_the_ops_of_one_run_and_names_the_costliest():
@@ -22,6 +22,26 @@ def test_the_host_profile_counts_the_ops_of_one_run_and_names_the_costliest():
     rows = {name: calls for name, calls, _ in profile["accept_costliest_host_ops"]}
     assert rows == {"aten::add_": 3, "aten::mul_": 1}
     assert float(x[0]) == 8.0  # the work ran once: (1 + 3) * 2
+
+
+def test_the_python_profile_names_the_functions_that_cost_the_host_most():
+    def build_lists() -> list[int]:
+        values = []
+        for value in range(200_000):  # a loop: its time is this function's own
+            values.append(value)
+        return values
+
+    def work() -> None:
+        for _ in range(3):
+            build_lists()
+        sorted(range(1000))
+
+    rows = _python_profile(work, "start")["start_costliest_calls"]
+    by_name = {where.split("(")[-1].rstrip(")"): (calls, own_ms) for where, calls, own_ms in rows}
+    assert by_name["build_lists"][0] == 3 and by_name["<built-in method builtins.sorted>"][0] == 1
+    assert rows[0][0].endswith("(build_lists)")  # the costliest first
+    assert not any("_lsprof" in where for where, *_ in rows)  # the profiler's own calls are left out
+    assert [own_ms for *_, own_ms in rows] == sorted((own_ms for *_, own_ms in rows), reverse=True)
 
 
 def test_the_start_floor_counts_the_matmul_flops_a_long_start_runs():
