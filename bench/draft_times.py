@@ -107,6 +107,7 @@ def measure(
     start_seconds = _host_seconds(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), sync=True)
     start_host_seconds = _host_seconds(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), sync=False)
     start_kernels = _kernel_profile(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), "start")
+    start_calls = _python_profile(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), "start")
     del prompt_features
     requests = [ProposalRequest(s, list(candidate.plan), candidate.budget) for s in sessions]
     accept_features = torch.randn(ACCEPTED_PER_STEP, width, device=device, dtype=dtype)
@@ -158,7 +159,7 @@ def measure(
         "start_host_ms": round(1e3 * start_host_seconds, 3),
         "start_floor_ms": round(1e3 * start_flops(head, context) / peak_flops, 3),
         **start_kernels,
-        **_python_profile(lambda: drafter.start(prompt_ids, prompt_features, 7, salience), "start"),
+        **start_calls,
     }
 
 
