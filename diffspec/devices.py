@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import gc
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -126,8 +127,15 @@ class PinnedStaging:
         return self._ring[-1]
 
 
+_PER_PART_MIN = 4096  # ints in an upload from which each part is written on its own
+
+
 def _fill(host: torch.Tensor, parts: tuple[Sequence[int], ...]) -> None:
-    """Write ``parts`` one after another into ``host`` [sum of their lengths] int64."""
+    """Write ``parts`` one after another into ``host`` [sum of their lengths] int64: a step's few ints in one
+    conversion (a copy per part would cost more than they do), a prompt's part by part."""
+    if host.numel() < _PER_PART_MIN:
+        host.copy_(host_int64(itertools.chain(*parts)))
+        return
     at = 0
     for part in parts:
         stop = at + len(part)

@@ -41,7 +41,7 @@ def test_staged_uploads_are_int64_on_the_device():
 
 PARTS = [  # parts of one upload: lists, ranges (written as aranges), empty ones, a stepped range (as a list)
     ([4, 9], range(100, 105), [], range(7, 7), [2**40]),
-    (range(0, 70_000), list(range(5)), range(3, 12, 4)),
+    (range(0, 70_000), list(range(5)), range(3, 12, 4), [], [9, 2**40]),
 ]
 
 
