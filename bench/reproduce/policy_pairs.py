@@ -8,6 +8,7 @@ context whose interval holds 1 is one where this run cannot tell the two apart; 
 spread over pairs is about 8%, so 32 pairs place a mean within about 3% either way.
 
     python -m bench.reproduce.policy_pairs bench/results/reproduce_..._results.json.gz   # an earlier run's pairs
+    python -m bench.reproduce.policy_pairs RUN_A.json.gz RUN_B.json.gz                   # two runs' pairs, pooled
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class PolicyPairs:
 
 def policy_pairs(runs: list[RunRecord], scores: list[CandidateScore], seed: int = 0) -> list[PolicyPairs]:
     """Every (dataset, context) where ``online`` and ``full`` ran at the same tree, working set and prompt."""
+    return summarized(log_ratios(runs, scores), seed)
+
+
+def log_ratios(runs: list[RunRecord], scores: list[CandidateScore]) -> dict[tuple[str, int], list[float]]:
+    """Per (dataset, context), log(online / full decode tokens/s) of each pair of one run's tuning rounds."""
     candidates = {(s.dataset, s.context, s.label): s for s in scores}
     speeds: dict[tuple, dict[str, float]] = {}
     for run in runs:
@@ -62,6 +68,11 @@ def policy_pairs(runs: list[RunRecord], scores: list[CandidateScore], seed: int 
     for (dataset, context, *_), pair in speeds.items():
         if pair.get("online", 0) > 0 and pair.get("full", 0) > 0:
             logs.setdefault((dataset, context), []).append(math.log(pair["online"] / pair["full"]))
+    return logs
+
+
+def summarized(logs: dict[tuple[str, int], list[float]], seed: int = 0) -> list[PolicyPairs]:
+    """Each (dataset, context)'s geometric mean ratio and its seeded bootstrap interval."""
     rng = random.Random(seed)
     return [PolicyPairs(dataset, context, len(values), math.exp(statistics.fmean(values)),
                         *_bootstrap_interval(values, rng))
@@ -75,20 +86,27 @@ def _bootstrap_interval(values: list[float], rng: random.Random) -> tuple[float,
     return math.exp(means[int(tail * RESAMPLES)]), math.exp(means[int((1 - tail) * RESAMPLES) - 1])
 
 
-def recorded_pairs(document: dict) -> list[PolicyPairs]:
-    """The pairs of a run's ``results.json`` document: its tuning scores and, of each run, what pairing reads."""
-    runs = [RunRecord(r["phase"], r["dataset"], r["context"], r["prompt"], r["arm"], r["label"], [],
-                      GenerationStats(new_tokens=r["stats"]["new_tokens"], decode_seconds=r["stats"]["decode_seconds"]),
-                      r["request_seconds"], r["first_token_seconds"], None)
-            for r in document["runs"]]  # fmt: skip
-    return policy_pairs(runs, [CandidateScore(**score) for score in document.get("tuning", [])])
+def recorded_pairs(*documents: dict) -> list[PolicyPairs]:
+    """The pairs of runs' ``results.json`` documents, pooled per (dataset, context): their tuning scores and, of
+    each run, what pairing reads. Pairs of different runs stay apart (a prompt of one run pairs only there)."""
+    pooled: dict[tuple[str, int], list[float]] = {}
+    for document in documents:
+        runs = [RunRecord(r["phase"], r["dataset"], r["context"], r["prompt"], r["arm"], r["label"], [],
+                          GenerationStats(new_tokens=r["stats"]["new_tokens"],
+                                          decode_seconds=r["stats"]["decode_seconds"]),
+                          r["request_seconds"], r["first_token_seconds"], None)
+                for r in document["runs"]]  # fmt: skip
+        scores = [CandidateScore(**score) for score in document.get("tuning", [])]
+        for key, values in log_ratios(runs, scores).items():
+            pooled.setdefault(key, []).extend(values)
+    return summarized(pooled)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="An earlier reproduce run's online/full pairs, per context.")
-    parser.add_argument("results", type=Path, help="its results.json (or .json.gz), or its folder")
+    parser = argparse.ArgumentParser(description="Earlier reproduce runs' online/full pairs, per context, pooled.")
+    parser.add_argument("results", type=Path, nargs="+", help="each run's results.json (or .json.gz), or its folder")
     args = parser.parse_args(argv)
-    for pairs in recorded_pairs(load_run_document(args.results)):
+    for pairs in recorded_pairs(*(load_run_document(path) for path in args.results)):
         print(f"{pairs.dataset} {pairs.context}: {pairs.pairs} pairs, online / full {pairs.ratio:.3f} "
               f"({INTERVAL:.0%} interval {pairs.low:.3f}-{pairs.high:.3f}): {pairs.verdict}")
     return 0

@@ -97,3 +97,26 @@ def test_an_earlier_run_s_results_give_the_same_pairs_as_its_records(tmp_path, c
     assert main([str(path)]) == 0
     assert capsys.readouterr().out == (f"d 4096: 3 pairs, online / full {pairs.ratio:.3f} (95% interval "
                                        f"{pairs.low:.3f}-{pairs.high:.3f}): {pairs.verdict}\n")  # fmt: skip
+
+
+def test_two_runs_pairs_pool_and_a_prompt_pairs_only_within_its_own_run(tmp_path, capsys):
+    import dataclasses
+    import json
+
+    from bench.reproduce.policy_pairs import main, recorded_pairs
+
+    def document(speeds: dict[int, tuple[float, float]]) -> dict:
+        return {"tuning": [dataclasses.asdict(s) for s in _scores()], "runs": [r.to_dict() for r in _pairs(speeds)]}
+
+    # the same prompts in both runs: pooled, run A's prompt 0 never meets run B's
+    first, second = document({0: (200.0, 100.0), 1: (100.0, 100.0)}), document({0: (100.0, 200.0)})
+    (pooled,) = recorded_pairs(first, second)
+    assert pooled.pairs == 3 and pooled.ratio == pytest.approx(1.0, rel=1e-5)  # x2, x1, x0.5
+    (alone,) = recorded_pairs(first)
+    assert alone.pairs == 2 and alone.ratio == pytest.approx(2**0.5, rel=1e-5)
+    paths = []
+    for name, doc in (("a.json", first), ("b.json", second)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(doc))
+    assert main([str(p) for p in paths]) == 0
+    assert capsys.readouterr().out.startswith("d 4096: 3 pairs, online / full 1.000")
