@@ -98,8 +98,8 @@ class PinnedStaging:
 
     def upload(self, *parts: Sequence[int]) -> torch.Tensor:
         """``parts`` one after another as an int64 tensor on the device, without a stream sync or a wait for the
-        device. Each part is written into the staged buffer on its own, a ``range`` as an arange: a 64K prompt's
-        tokens and positions go up without a joined list of 131K Python ints (about 4 ms of host time)."""
+        device. A long upload's parts are written into the staged buffer one by one, a ``range`` as an arange
+        (``_fill``): a 64K prompt's tokens and positions go up without a joined list of 131K Python ints."""
         size = sum(len(part) for part in parts)
         if self.device.type != "cuda":
             host = torch.empty(size, dtype=torch.int64)
