@@ -2,7 +2,7 @@
 
 ``python -m diffspec.protogen`` rewrites the committed stubs; ``stale_stubs()`` regenerates
 into a scratch directory and names every committed stub that differs, so a test can catch
-a ``.proto`` edit without its stubs. Version stamps (``7.35.1``, ``'1.85.1'``) are ignored
+a ``.proto`` edit without its stubs. Version stamps (``7.35.1``, ``'1.84.0'``) are ignored
 in the comparison: a different grpcio-tools release is not a different API.
 """
 

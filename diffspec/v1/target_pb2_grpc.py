@@ -5,7 +5,7 @@ import warnings
 
 from diffspec.v1 import target_pb2 as diffspec_dot_v1_dot_target__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
