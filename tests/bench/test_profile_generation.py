@@ -88,21 +88,37 @@ def test_the_clock_times_each_marked_phase_inclusively_and_leaves_the_marks_as_t
     assert record_function.__enter__ is enter
 
 
+class FakeClock:
+    """``time.perf_counter`` that moves only when the test says the host or the device spent time: the path's
+    arithmetic checked exactly, whatever else the machine runs."""
+
+    def __init__(self) -> None:
+        self.seconds = 100.0
+
+    def now(self) -> float:
+        return self.seconds
+
+    def spend(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
 def test_the_clock_times_the_host_s_path_from_a_verify_s_results_to_the_next_launch(monkeypatch):
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: time.sleep(0.002))  # the device's work
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock.now)
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: clock.spend(0.002))  # the device's work
     report = PhaseClockReport()
 
     def step() -> None:
         with record_function("draft.propose"):
-            time.sleep(0.004)
+            clock.spend(0.004)
         with record_function("target.verify"):
-            time.sleep(0.001)  # the inputs: the verify's own time on the path
+            clock.spend(0.001)  # the inputs: the verify's own time on the path
             with record_function("target.verify.forward"):
-                time.sleep(0.003)
+                clock.spend(0.003)
             with record_function("target.verify.accept"):
                 torch.cuda.Event.synchronize(None)  # the wait for the results: not on the path
-                time.sleep(0.002)
-        time.sleep(0.005)  # the loop's own work, in no phase
+                clock.spend(0.002)
+        clock.spend(0.005)  # the loop's own work, in no phase
 
     with report.active() as call:
         for _ in range(3):
@@ -110,11 +126,12 @@ def test_the_clock_times_the_host_s_path_from_a_verify_s_results_to_the_next_lau
     assert report.paths == 2  # the first launch had no results before it
     per_path = {name: seconds / 2 for name, seconds in report.path_phase_seconds.items()}
     # each path: the accept's 2 ms after its wait, the loop's 5, the proposal's 4, the verify's 1 and its launch's 3
-    assert 0.015 <= report.path_seconds / 2 < 0.015 + 0.006
-    assert 0.004 <= per_path["draft.propose"] < 0.004 + 0.003
-    assert 0.003 <= per_path["target.verify.forward"] < 0.003 + 0.003
-    assert 0.002 <= per_path["target.verify.accept"] < 0.002 + 0.0015  # the wait left out
-    assert per_path["target.verify"] >= 0.002 + 0.001 + 0.003  # inclusive: the accept's rest, the inputs, the launch
+    assert report.path_seconds / 2 == pytest.approx(0.015)
+    assert per_path["draft.propose"] == pytest.approx(0.004)
+    assert per_path["target.verify.forward"] == pytest.approx(0.003)
+    assert per_path["target.verify.accept"] == pytest.approx(0.002)  # the wait left out
+    assert per_path["target.verify"] == pytest.approx(0.002 + 0.001 + 0.003)  # inclusive: the accept's rest, inputs, launch
     unmarked = (report.path_seconds - report.path_marked_seconds) / 2
-    assert 0.005 <= unmarked < 0.005 + 0.003
-    assert report.wait_seconds >= 3 * 0.002
+    assert unmarked == pytest.approx(0.005)
+    assert report.wait_seconds == pytest.approx(3 * 0.002)
+    assert report.seconds == pytest.approx(3 * 0.017)  # each iteration's wall time, the waits inside
