@@ -241,8 +241,8 @@ def _python_profile(work: Callable[[], object], name: str) -> dict:
     Where the torch profiler sees only ops, this also sees the Python between them (list building, loops)."""
     profiler = cProfile.Profile()
     profiler.runcall(work)
-    rows = []
-    for (file, line, function), (_, calls, own, *_) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+    rows, stats = [], pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    for (file, line, function), (_, calls, own, *_) in stats.items():
         if "_lsprof" not in function:  # the profiler's own switch-off
             where = function if file == "~" else f"{Path(file).name}:{line}({function})"
             rows.append([where, calls, round(1e3 * own, 3)])

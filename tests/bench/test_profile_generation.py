@@ -130,7 +130,7 @@ def test_the_clock_times_the_host_s_path_from_a_verify_s_results_to_the_next_lau
     assert per_path["draft.propose"] == pytest.approx(0.004)
     assert per_path["target.verify.forward"] == pytest.approx(0.003)
     assert per_path["target.verify.accept"] == pytest.approx(0.002)  # the wait left out
-    assert per_path["target.verify"] == pytest.approx(0.002 + 0.001 + 0.003)  # inclusive: the accept's rest, inputs, launch
+    assert per_path["target.verify"] == pytest.approx(0.002 + 0.001 + 0.003)  # inclusive: accept's rest, inputs, launch
     unmarked = (report.path_seconds - report.path_marked_seconds) / 2
     assert unmarked == pytest.approx(0.005)
     assert report.wait_seconds == pytest.approx(3 * 0.002)
