@@ -9,8 +9,8 @@
 #   bash bench/gpu_round.sh DIR [tests] [times] [protocol]   # the parts named (default: all three, in this order)
 #
 # Each GPU test log is headed by the card, the date and the commit, then the pytest command, as bench/RESULTS.md
-# quotes them. CONTEXTS (default "65536 4096 16384") and JUDGE_MINUTES (default 2) shape the protocol;
-# DRY_RUN=1 prints each command instead of running it.
+# quotes them. CONTEXTS (default "65536 4096 16384"; each under 64K tunes on 8 prompts, 64K on 4) and JUDGE_MINUTES
+# (default 2) shape the protocol; DRY_RUN=1 prints each command instead of running it.
 set -u
 [ $# -ge 1 ] || { echo "usage: bash bench/gpu_round.sh DIR [tests] [times] [protocol]" >&2; exit 2; }
 DIR=$1
@@ -45,10 +45,15 @@ part_times() {
 }
 
 part_protocol() {
+    local contexts=${CONTEXTS:-65536 4096 16384} context cheap=()
+    for context in $contexts; do  # a context under 64K tunes on 8 prompts: its runs are cheap
+        [ "$context" -lt 65536 ] && cheap+=("$context=8")
+    done
     # shellcheck disable=SC2086
     run env DIFFSPEC_DRAFT_QUANTIZATION=auto python3 -m bench.reproduce --preset full $MODELS \
-        --candidate-configs 16:0.0:6 32:0.0:6 32:0.0:10 64:0.0:8 --tune-prompts 4 --fp32-attention-backend torch \
-        --context-targets ${CONTEXTS:-65536 4096 16384} --out-dir "$DIR/reproduce" --judge-minutes "${JUDGE_MINUTES:-2}"
+        --candidate-configs 16:0.0:6 32:0.0:6 32:0.0:10 64:0.0:8 --tune-prompts 4 \
+        ${cheap[@]+--tune-prompts-at "${cheap[@]}"} --fp32-attention-backend torch \
+        --context-targets $contexts --out-dir "$DIR/reproduce" --judge-minutes "${JUDGE_MINUTES:-2}"
 }
 
 mkdir -p "$DIR"

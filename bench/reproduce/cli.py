@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.reproduce import profiling
 from bench.reproduce.arms import baseline_arms
-from bench.reproduce.presets import PRESETS, ProtocolConfig
+from bench.reproduce.presets import PRESETS, ProtocolConfig, parse_tune_prompts_at
 from cli.flags import parse_switch
 from diffspec.errors import InvalidRequest
 from draft_service.options import DraftOptions, validate_options
@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-max-new-tokens", type=int, help="tokens per evaluation run")
     p.add_argument("--prompts", type=int, help="evaluation prompts per context")
     p.add_argument("--tune-prompts", type=int, help="tuning prompts per context (after the evaluation prompts)")
+    p.add_argument("--tune-prompts-at", nargs="+", metavar="CONTEXT=N",
+                   help="tuning prompts at a context instead of --tune-prompts, e.g. 4096=8 16384=8 (short "
+                   "contexts' runs are cheap; more prompts rank the candidates closer)")
     p.add_argument("--tune-finalists", type=int, help="best candidates of the tuning pass that run again on every "
                    "tuning prompt with --eval-max-new-tokens; the fastest of them is evaluated (0: no final round)")
     p.add_argument("--temperature", type=float, help="0 = greedy; above it every arm samples with --seed, is "
@@ -78,6 +81,12 @@ def config_from(args: argparse.Namespace) -> ProtocolConfig:
     config = replace(PRESETS[args.preset], preset=args.preset, **given)  # custom starts from smoke's values
     if config.judge_minutes is not None and config.judge_minutes < 0:
         raise InvalidRequest(f"--judge-minutes {config.judge_minutes}: minutes, 0 or more")
+    try:
+        unknown = [c for c, _ in parse_tune_prompts_at(config.tune_prompts_at) if c not in config.context_targets]
+    except ValueError as bad:
+        raise InvalidRequest(str(bad)) from None
+    if unknown:
+        raise InvalidRequest(f"--tune-prompts-at: {unknown} not among the contexts {list(config.context_targets)}")
     if config.tune_finalists < 0:
         raise InvalidRequest(f"--tune-finalists {config.tune_finalists}: a count of candidates, 0 or more")
     for policy in config.policies:

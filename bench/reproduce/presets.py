@@ -48,6 +48,29 @@ class ProtocolConfig:
     # to it: a ratio across contexts (tau(64K) / tau(4K)) then compares the same texts; off, each context takes
     # the first prompts that fill it, so short contexts also draw on prompts too short for long ones
     same_prompts: bool = False
+    # CONTEXT=N: that context tunes on N prompts instead of tune_prompts. A short context's runs are cheap and
+    # four prompts rank candidates within a few percent no better than chance: more of them rank them closer.
+    # With same_prompts, the tuning prompts past those that fill the longest context are texts that fill this one.
+    tune_prompts_at: tuple[str, ...] = ()
+
+    def tuning_prompts(self, context: int) -> int:
+        """Tuning prompts at ``context``: its ``tune_prompts_at`` entry, else ``tune_prompts``."""
+        return dict(parse_tune_prompts_at(self.tune_prompts_at)).get(context, self.tune_prompts)
+
+
+def parse_tune_prompts_at(entries: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(context, prompts) of each ``CONTEXT=N`` entry; a malformed one, a count under 1 or a context given twice
+    raises ValueError."""
+    parsed = []
+    for entry in entries:
+        context, sep, count = entry.partition("=")
+        if not (sep and context.strip().isdigit() and count.strip().isdigit()) or int(count) < 1:
+            raise ValueError(f"--tune-prompts-at {entry!r}: CONTEXT=N with N at least 1, e.g. 4096=8")
+        parsed.append((int(context), int(count)))
+    contexts = [context for context, _ in parsed]
+    if len(set(contexts)) < len(contexts):
+        raise ValueError(f"--tune-prompts-at {' '.join(entries)}: a context given twice")
+    return parsed
 
 
 SMOKE = ProtocolConfig(

@@ -200,16 +200,31 @@ def cases_of(config: ProtocolConfig, datasets: list[Dataset], contexts: list[int
                 continue
             if len(evaluated) < config.prompts:
                 log.warning("%s: only %d prompts fill %d tokens", dataset.name, len(evaluated), context)
-            tuning = prompts_at(dataset, context, evaluated[-1][0] + 1, config.tune_prompts, long_enough_for)
+            tuning = tuning_prompts(dataset, context, evaluated[-1][0] + 1, config.tuning_prompts(context),
+                                    long_enough_for)  # fmt: skip
             if not tuning:
                 log.warning("%s @ %d: no prompt left for tuning; tuning on the evaluation prompts, so Auto's "
                             "prefill may hit the prefix cache and its end-to-end figure is flattered",
                             dataset.name, context)
-                tuning = evaluated[: config.tune_prompts]
+                tuning = evaluated[: config.tuning_prompts(context)]
             cases.append(Case(dataset.name, context, evaluated, tuning))
     if not cases:
         raise SystemExit("no (dataset, context) pair has prompts long enough: lower --context-targets")
     return cases
+
+
+def tuning_prompts(
+    dataset: Dataset, context: int, first: int, count: int, long_enough_for: int | None
+) -> list[tuple[int, list[int]]]:
+    """Up to ``count`` tuning prompts from index ``first`` on: the texts long enough for ``long_enough_for`` first
+    (those every context tunes on), then, where they run out, other texts that fill ``context``; each in index
+    order."""
+    chosen = prompts_at(dataset, context, first, count, long_enough_for)
+    if len(chosen) < count and long_enough_for is not None:
+        taken = {index for index, _ in chosen}
+        more = [p for p in prompts_at(dataset, context, first, count + len(taken)) if p[0] not in taken]
+        chosen += more[: count - len(chosen)]
+    return chosen
 
 
 class _Protocol:

@@ -26,6 +26,7 @@ def test_every_part_in_order_with_each_test_log_headed_by_card_date_commit_and_c
     assert "tests/diffspec_kernels" in (tmp_path / "gpu_tests_target_kernels_exactness.log").read_text()
     protocol = next(line for line in done.stdout.splitlines() if "bench.reproduce" in line)
     assert "DIFFSPEC_DRAFT_QUANTIZATION=auto" in protocol and "--context-targets 65536 4096 16384" in protocol
+    assert "--tune-prompts 4 --tune-prompts-at 4096=8 16384=8 " in protocol  # the shorter contexts on more prompts
     assert f"--out-dir {tmp_path}/reproduce --judge-minutes 2" in protocol
 
 
@@ -34,6 +35,9 @@ def test_named_parts_alone_and_the_protocol_s_contexts_from_the_environment(tmp_
     assert done.returncode == 0, done.stderr
     assert "gpu_round: tests" not in done.stdout and not list(tmp_path.glob("gpu_tests_*.log"))
     assert "--context-targets 4096 --out-dir" in done.stdout and "--judge-minutes 0" in done.stdout
+    assert "--tune-prompts-at 4096=8 " in done.stdout
+    longest = gpu_round(str(tmp_path), "protocol", env={"CONTEXTS": "65536"})
+    assert "--tune-prompts-at" not in longest.stdout  # no override for a context not run
 
 
 def test_a_wrong_call_is_refused(tmp_path):

@@ -69,8 +69,17 @@ def test_the_working_set_is_a_tuning_dimension_of_the_full_preset():
     assert grid[3].draft == baseline_arms()["eagle3"].draft
 
 
+def test_a_context_may_tune_on_more_prompts_and_a_run_recorded_before_tuned_on_tune_prompts_everywhere():
+    given = config("--preset", "full", "--tune-prompts", "4", "--tune-prompts-at", "4096=8", "16384=6")
+    assert given.tune_prompts_at == ("4096=8", "16384=6")
+    assert [given.tuning_prompts(c) for c in (4096, 16384, 65536)] == [8, 6, 4]
+    assert FULL.tune_prompts_at == () and fingerprint_defaults()["tune_prompts_at"] == []
+
+
 @pytest.mark.parametrize("bad", [["--candidate-configs", "64:0.0"], ["--policies", "sideways"],
-                                 ["--tune-finalists", "-1"]])
+                                 ["--tune-finalists", "-1"], ["--tune-prompts-at", "4096"],
+                                 ["--tune-prompts-at", "4096=0"], ["--tune-prompts-at", "4096=two"],
+                                 ["--tune-prompts-at", "4096=8", "4096=6"], ["--tune-prompts-at", "1234=8"]])
 def test_a_bad_grid_is_refused_before_anything_loads(bad):
     with pytest.raises(SystemExit):
         from bench.reproduce.cli import main
@@ -122,6 +131,21 @@ def test_contexts_take_the_texts_of_the_longest_with_same_prompts(same, indices)
     tuned = {2: [4], 4: [4]} if same else {2: [2], 4: [4]}
     assert {case.context: [i for i, _ in case.tune_prompts] for case in cases} == tuned
     assert all(len(ids) == case.context for case in cases for _, ids in case.eval_prompts + case.tune_prompts)
+
+
+def test_more_tuning_prompts_at_a_short_context_come_from_texts_that_fill_it():
+    """With same_prompts, a context's tuning prompts are the texts long enough for the longest context first;
+    past them, other texts that fill this context, each in index order. A context left at tune_prompts keeps
+    the texts every context tunes on."""
+    dataset = Dataset("d", [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8],
+                            [0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 1]])  # fmt: skip
+    config = replace(SMOKE, context_targets=(4, 8), prompts=1, tune_prompts=1, tune_max_new_tokens=1,
+                     eval_max_new_tokens=1, same_prompts=True, tune_prompts_at=("4=3",))  # fmt: skip
+    cases = cases_of(config, [dataset], contexts=[4, 8], max_context=10_000)
+    assert {case.context: [i for i, _ in case.eval_prompts] for case in cases} == {4: [0], 8: [0]}
+    # prompts 3 and 5 fill 8 and come first; then 2 fills 4 (1 and 6 are too short, 4 is not needed)
+    assert {case.context: [i for i, _ in case.tune_prompts] for case in cases} == {4: [3, 5, 2], 8: [3]}
+    assert all(len(ids) == case.context for case in cases for _, ids in case.tune_prompts)
 
 
 def _run(
