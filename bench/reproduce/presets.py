@@ -53,7 +53,7 @@ class ProtocolConfig:
     # With same_prompts, the tuning prompts past those that fill the longest context are texts that fill this one.
     tune_prompts_at: tuple[str, ...] = ()
 
-    def tuning_prompts(self, context: int) -> int:
+    def tune_prompts_for(self, context: int) -> int:
         """Tuning prompts at ``context``: its ``tune_prompts_at`` entry, else ``tune_prompts``."""
         return dict(parse_tune_prompts_at(self.tune_prompts_at)).get(context, self.tune_prompts)
 

@@ -200,13 +200,13 @@ def cases_of(config: ProtocolConfig, datasets: list[Dataset], contexts: list[int
                 continue
             if len(evaluated) < config.prompts:
                 log.warning("%s: only %d prompts fill %d tokens", dataset.name, len(evaluated), context)
-            tuning = tuning_prompts(dataset, context, evaluated[-1][0] + 1, config.tuning_prompts(context),
+            tuning = tuning_prompts(dataset, context, evaluated[-1][0] + 1, config.tune_prompts_for(context),
                                     long_enough_for)  # fmt: skip
             if not tuning:
                 log.warning("%s @ %d: no prompt left for tuning; tuning on the evaluation prompts, so Auto's "
                             "prefill may hit the prefix cache and its end-to-end figure is flattered",
                             dataset.name, context)
-                tuning = evaluated[: config.tuning_prompts(context)]
+                tuning = evaluated[: config.tune_prompts_for(context)]
             cases.append(Case(dataset.name, context, evaluated, tuning))
     if not cases:
         raise SystemExit("no (dataset, context) pair has prompts long enough: lower --context-targets")

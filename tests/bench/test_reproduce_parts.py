@@ -72,7 +72,7 @@ def test_the_working_set_is_a_tuning_dimension_of_the_full_preset():
 def test_a_context_may_tune_on_more_prompts_and_a_run_recorded_before_tuned_on_tune_prompts_everywhere():
     given = config("--preset", "full", "--tune-prompts", "4", "--tune-prompts-at", "4096=8", "16384=6")
     assert given.tune_prompts_at == ("4096=8", "16384=6")
-    assert [given.tuning_prompts(c) for c in (4096, 16384, 65536)] == [8, 6, 4]
+    assert [given.tune_prompts_for(c) for c in (4096, 16384, 65536)] == [8, 6, 4]
     assert FULL.tune_prompts_at == () and fingerprint_defaults()["tune_prompts_at"] == []
 
 
