@@ -13,6 +13,9 @@ from bench.reproduce.checkpoint import PROTOCOL_FILE, RUNS_FILE, VERDICTS_FILE
 from bench.reproduce.cli import main
 from bench.reproduce.exactness import Divergence
 from bench.reproduce.judging import Judge, JudgingLimit
+from bench.reproduce.protocol import BesideAuto, shortest_prompts_first
+from bench.reproduce.runs import RunRecord
+from gateway.request import GenerationStats
 from tests.bench.conftest import forbid, stopped_copy
 
 KEPT_RUNS = 4  # of the smoke run's 7: its tuning pass and Auto's and one baseline's evaluation
@@ -227,3 +230,18 @@ def test_the_judging_limit_counts_from_its_start():
     assert not JudgingLimit(None, clock=lambda: 1e12).reached()
     verdict = limit.unchecked(Divergence(7, 1, 2))
     assert (verdict.verdict, verdict.divergence, limit.left_unchecked) == ("unchecked", Divergence(7, 1, 2), 1)
+
+
+def test_the_judging_takes_the_shortest_prompts_first_each_lengths_runs_in_order():
+    stats = GenerationStats(new_tokens=3, steps=2)
+
+    def beside_auto(context: int, prompt: int, label: str) -> BesideAuto:
+        run = RunRecord("eval", "d", context, prompt, "diffspec", label, [], stats, 1.0, 0.1, None)
+        return BesideAuto(run, run, Divergence(1, 2, 3))
+
+    prompt_ids = {("d", 65536, 2): [0] * 65536, ("d", 4096, 2): [0] * 4096, ("d", 16384, 7): [0] * 16384,
+                  ("d", 16384, 2): [0] * 16384}  # fmt: skip
+    judged = [beside_auto(65536, 2, "a"), beside_auto(16384, 7, "b"), beside_auto(4096, 2, "c"),
+              beside_auto(16384, 2, "d"), beside_auto(65536, 2, "e")]  # fmt: skip
+    order = [(b.run.context, b.run.label) for b in shortest_prompts_first(judged, prompt_ids)]
+    assert order == [(4096, "c"), (16384, "b"), (16384, "d"), (65536, "a"), (65536, "e")]
