@@ -197,23 +197,41 @@ def counterfactual_accepted(tree: DraftTree, passed_ranks: list[int], budgets: l
 
 
 class AcceptanceTracker:
-    """Decayed mean accepted drafts per dynamic budget, smoothed toward ``prior`` (another tracker).
+    """Decayed mean accepted drafts per dynamic budget, smoothed toward ``prior`` (another tracker), and each
+    budget's mean difference from the observing session's base on the same steps.
 
     A budget's counts decay only when it is observed: one measured long ago (the session has grown a
-    smaller tree since) keeps its measurement until it is measured again.
+    smaller tree since) keeps its measurement until it is measured again. So its mean is of the text it
+    was measured on, and only a difference paired on the same steps compares it with a base measured on
+    today's: a larger tree's old mean against the base's new one would say it accepts less than the base
+    it contains once the text's paths lengthen (``bench.online_replay`` at 16K on the H200's costs: a
+    session held 16:0.0:4 on 66% of its steps, its paths reaching depth 4 on half of them, while 64:0.0:8's
+    old mean put it a draft under 16:0.0:4).
     """
 
     def __init__(self, decay: float, prior: AcceptanceTracker | None = None) -> None:
         self.decay = decay
         self.prior = prior
         self.counts: dict[TreeBudget, tuple[float, float]] = {}  # budget -> (decayed steps, decayed accepted drafts)
+        # budget -> (decayed steps, decayed accepted drafts less the observing session's base's on the same steps)
+        self.paired: dict[TreeBudget, tuple[float, float]] = {}
 
-    def observe(self, accepted: dict[TreeBudget, int]) -> None:
+    def observe(self, accepted: dict[TreeBudget, int], base: TreeBudget | None = None) -> None:
+        """One step's accepted drafts per budget; with ``base`` (one of them), each budget's difference from it."""
         for budget, drafts in accepted.items():
             steps, total = self.counts.get(budget, (0.0, 0.0))
             self.counts[budget] = (steps * self.decay + 1.0, total * self.decay + drafts)
+            if base is not None:
+                steps, total = self.paired.get(budget, (0.0, 0.0))
+                self.paired[budget] = (steps * self.decay + 1.0, total * self.decay + drafts - accepted[base])
         if self.prior is not None:
-            self.prior.observe(accepted)
+            self.prior.observe(accepted, base)
+
+    def difference(self, budget: TreeBudget, guess: float) -> float:
+        """Accepted drafts per step at ``budget`` less the base's on the same steps; ``guess`` stands in where
+        nothing was measured."""
+        steps, total = self.paired.get(budget, (0.0, 0.0))
+        return (total + PRIOR_WEIGHT * guess) / (steps + PRIOR_WEIGHT)
 
     def mean(self, budget: TreeBudget, guess: float) -> float:
         """Accepted drafts per step at ``budget``; ``guess`` stands in where nothing was measured."""
@@ -229,8 +247,8 @@ class SessionAcceptance:
     budget measured on fewer steps (one larger than the current tree, measured at probes) is estimated
     as the base's mean over all steps plus its mean difference from the base on the steps that
     measured both: a paired difference varies far less than an accepted length does. Each is smoothed
-    toward ``prior`` (the global tracker) worth ``PRIOR_WEIGHT`` steps, the difference in proportion to
-    the session's base over the global one: a larger tree's gain grows with how far the text's paths run,
+    toward ``prior`` (the global tracker) worth ``PRIOR_WEIGHT`` steps, the difference toward the global
+    paired difference (``AcceptanceTracker.difference``) in proportion to the session's base over the global one: a larger tree's gain grows with how far the text's paths run,
     so on text whose paths stop early the other requests' gains (measured on easier text, or on a shorter
     context) are not lent at full size (on the H100 at 16K, a session accepting 1-2 drafts a step grew its
     trees to 64 and 96 tokens on them and decoded 13% slower than the 16-token tree it started from).
@@ -251,7 +269,7 @@ class SessionAcceptance:
         for budget, drafts in accepted.items():
             steps, total = self.differences.get(budget, (0.0, 0.0))
             self.differences[budget] = (steps * self.decay + 1.0, total * self.decay + drafts - base)
-        self.prior.observe(accepted)
+        self.prior.observe(accepted, self.base)
 
     def mean(self, budget: TreeBudget, guess: Callable[[TreeBudget], float]) -> float:
         """Accepted drafts per step at ``budget``; ``guess`` stands in for budgets nobody measured."""
@@ -260,7 +278,7 @@ class SessionAcceptance:
         base = (total + PRIOR_WEIGHT * prior_base) / (steps + PRIOR_WEIGHT)
         steps, total = self.differences.get(budget, (0.0, 0.0))
         proportion = base / prior_base if prior_base > 0 else 1.0
-        prior_difference = (self.prior.mean(budget, guess(budget)) - prior_base) * proportion
+        prior_difference = self.prior.difference(budget, guess(budget) - guess(self.base)) * proportion
         return base + (total + PRIOR_WEIGHT * prior_difference) / (steps + PRIOR_WEIGHT)
 
 

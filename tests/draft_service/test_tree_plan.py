@@ -139,18 +139,36 @@ def test_a_session_whose_paths_stop_early_borrows_the_global_gain_of_a_larger_tr
     small, large = B("16:0.0:4"), B("64:0.0:8")
     shared = AcceptanceTracker(decay=1.0)
     for _ in range(50):  # other requests' text: 4 drafts a step from the small tree, 6 from the large one
-        shared.observe({small: 4, large: 6})
+        shared.observe({small: 4, large: 6}, small)
     guess = {small: 4.0, large: 6.0}.__getitem__
     hard, easy = (SessionAcceptance(small, 1.0, shared) for _ in range(2))
     for _ in range(30):
         hard.observe({small: 1})  # its text: paths stop early
     for _ in range(30):
         easy.observe({small: 4})
-    global_gain = shared.mean(large, 6.0) - shared.mean(small, 4.0)
+    global_gain = shared.difference(large, 2.0)
     hard_gain = hard.mean(large, guess) - hard.mean(small, guess)
     assert hard_gain == pytest.approx(global_gain * hard.mean(small, guess) / shared.mean(small, 4.0))
     assert 0 < hard_gain < 0.5 * global_gain
     assert easy.mean(large, guess) - easy.mean(small, guess) > 2 * hard_gain
+
+
+def test_a_larger_tree_measured_on_short_paths_is_not_expected_below_the_base_once_paths_lengthen():
+    """At temperature 0 a dynamic tree that contains the base accepts at least what the base does on the same
+    step; its old measurements, on text whose paths were short, must not put it under the base's new mean."""
+    small, large = B("16:0.0:4"), B("64:0.0:8")
+    shared = AcceptanceTracker(decay=0.995)
+    session = SessionAcceptance(small, 0.97, shared)
+    guess = {small: 1.0, large: 1.5}.__getitem__
+    for _ in range(10):  # short paths: both trees accept one draft
+        session.observe({small: 1, large: 1})
+    for _ in range(40):  # then every path reaches the small tree's last depth; the large tree is not proposed
+        session.observe({small: 4})
+    assert shared.mean(large, 1.5) < shared.mean(small, 1.0) - 2  # its absolute mean is of the old text
+    assert shared.difference(large, 0.5) == pytest.approx(0.5 * 3 / (sum(0.995**k for k in range(10)) + 3))
+    assert session.mean(large, guess) >= session.mean(small, guess)
+    session.observe({small: 4, large: 7})  # a probe: the large tree takes three drafts more
+    assert session.mean(large, guess) > session.mean(small, guess) + 0.2
 
 
 def test_the_probes_are_nested_and_the_last_contains_every_candidate():
