@@ -248,10 +248,11 @@ class SessionAcceptance:
     as the base's mean over all steps plus its mean difference from the base on the steps that
     measured both: a paired difference varies far less than an accepted length does. Each is smoothed
     toward ``prior`` (the global tracker) worth ``PRIOR_WEIGHT`` steps, the difference toward the global
-    paired difference (``AcceptanceTracker.difference``) in proportion to the session's base over the global one: a larger tree's gain grows with how far the text's paths run,
-    so on text whose paths stop early the other requests' gains (measured on easier text, or on a shorter
-    context) are not lent at full size (on the H100 at 16K, a session accepting 1-2 drafts a step grew its
-    trees to 64 and 96 tokens on them and decoded 13% slower than the 16-token tree it started from).
+    one (``AcceptanceTracker.difference``, paired too) in proportion to the session's base over the global
+    one: a larger tree's gain grows with how far the text's paths run, so on text whose paths stop early the
+    other requests' gains (measured on easier text, or on a shorter context) are not lent at full size (on
+    the H100 at 16K, a session accepting 1-2 drafts a step grew its trees to 64 and 96 tokens on them and
+    decoded 13% slower than the 16-token tree it started from).
     """
 
     def __init__(self, base: TreeBudget, decay: float, prior: AcceptanceTracker) -> None:
