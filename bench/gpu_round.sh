@@ -6,13 +6,16 @@
 #   bash bench/detached.sh start results/r1 560 'bash bench/gpu_round.sh results/r1'
 #   bash bench/detached.sh poll results/r1 560
 #
-#   bash bench/gpu_round.sh DIR [tests] [times] [protocol]   # the parts named (default: all three, in this order)
+#   bash bench/gpu_round.sh DIR [tests] [times] [protocol] [judge]   # the parts named (default: the first three)
 #
 # Each GPU test log is headed by the card, the date and the commit, then the pytest command, as bench/RESULTS.md
 # quotes them. CONTEXTS (default "65536 4096 16384"; each under 64K tunes on 8 prompts, 64K on 4) and JUDGE_MINUTES
-# (default 2) shape the protocol; DRY_RUN=1 prints each command instead of running it.
+# (default 2) shape the protocol. `judge` judges what the protocol's limit left unchecked, in a later command or
+# lease: the same flags with --resume in DIR/reproduce (the protocol's folder, or its protocol.json, runs.jsonl and
+# verdicts.jsonl carried in under .carry/), for JUDGE_MORE_MINUTES (default 6: a 64K divergence's fp32 runs take
+# minutes). DRY_RUN=1 prints each command instead of running it.
 set -u
-[ $# -ge 1 ] || { echo "usage: bash bench/gpu_round.sh DIR [tests] [times] [protocol]" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: bash bench/gpu_round.sh DIR [tests] [times] [protocol] [judge]" >&2; exit 2; }
 DIR=$1
 shift
 PARTS=${*:-tests times protocol}
@@ -44,7 +47,7 @@ part_times() {
         --draft-quantization none --out "$DIR/draft_times_start_64k.json"
 }
 
-part_protocol() {
+reproduce() {  # EXTRA FLAGS...: the protocol's run on the 8B-shaped pair into DIR/reproduce
     local contexts=${CONTEXTS:-65536 4096 16384} context cheap=()
     for context in $contexts; do  # a context under 64K tunes on 8 prompts: its runs are cheap
         [ "$context" -lt 65536 ] && cheap+=("$context=8")
@@ -53,7 +56,15 @@ part_protocol() {
     run env DIFFSPEC_DRAFT_QUANTIZATION=auto python3 -m bench.reproduce --preset full $MODELS \
         --candidate-configs 16:0.0:6 32:0.0:6 32:0.0:10 64:0.0:8 --tune-prompts 4 \
         ${cheap[@]+--tune-prompts-at "${cheap[@]}"} --fp32-attention-backend torch \
-        --context-targets $contexts --out-dir "$DIR/reproduce" --judge-minutes "${JUDGE_MINUTES:-2}"
+        --context-targets $contexts --out-dir "$DIR/reproduce" "$@"
+}
+
+part_protocol() {
+    reproduce --judge-minutes "${JUDGE_MINUTES:-2}"
+}
+
+part_judge() {
+    reproduce --resume --judge-minutes "${JUDGE_MORE_MINUTES:-6}"
 }
 
 mkdir -p "$DIR"
@@ -64,7 +75,7 @@ if [ "${DRY_RUN:-0}" != 1 ]; then
 fi
 for part in $PARTS; do
     case $part in
-    tests | times | protocol) echo "gpu_round: $part"; "part_$part" ;;
-    *) echo "gpu_round: unknown part $part (tests, times, protocol)" >&2; exit 2 ;;
+    tests | times | protocol | judge) echo "gpu_round: $part"; "part_$part" ;;
+    *) echo "gpu_round: unknown part $part (tests, times, protocol, judge)" >&2; exit 2 ;;
     esac
 done

@@ -44,3 +44,13 @@ def test_a_wrong_call_is_refused(tmp_path):
     assert gpu_round().returncode == 2 and "usage" in gpu_round().stderr
     unknown = gpu_round(str(tmp_path), "bench")
     assert unknown.returncode == 2 and "unknown part bench" in unknown.stderr
+
+
+def test_the_judge_part_resumes_the_protocols_run_with_its_own_limit(tmp_path):
+    done = gpu_round(str(tmp_path), "protocol", "judge", env={"JUDGE_MORE_MINUTES": "9"})
+    assert done.returncode == 0, done.stderr
+    protocol, judge = [line for line in done.stdout.splitlines() if "bench.reproduce" in line]
+    assert protocol.endswith(f"--out-dir {tmp_path}/reproduce --judge-minutes 2")
+    assert judge == protocol.removesuffix("--judge-minutes 2") + "--resume --judge-minutes 9"  # the same flags
+    default = gpu_round(str(tmp_path), "judge")
+    assert default.stdout.rstrip().endswith("--resume --judge-minutes 6")
