@@ -216,14 +216,13 @@ class AcceptanceTracker:
         # budget -> (decayed steps, decayed accepted drafts less the observing session's base's on the same steps)
         self.paired: dict[TreeBudget, tuple[float, float]] = {}
 
-    def observe(self, accepted: dict[TreeBudget, int], base: TreeBudget | None = None) -> None:
-        """One step's accepted drafts per budget; with ``base`` (one of them), each budget's difference from it."""
+    def observe(self, accepted: dict[TreeBudget, int], base: TreeBudget) -> None:
+        """One step's accepted drafts per budget, and each budget's difference from ``base`` (one of them)."""
         for budget, drafts in accepted.items():
             steps, total = self.counts.get(budget, (0.0, 0.0))
             self.counts[budget] = (steps * self.decay + 1.0, total * self.decay + drafts)
-            if base is not None:
-                steps, total = self.paired.get(budget, (0.0, 0.0))
-                self.paired[budget] = (steps * self.decay + 1.0, total * self.decay + drafts - accepted[base])
+            steps, total = self.paired.get(budget, (0.0, 0.0))
+            self.paired[budget] = (steps * self.decay + 1.0, total * self.decay + drafts - accepted[base])
         if self.prior is not None:
             self.prior.observe(accepted, base)
 
