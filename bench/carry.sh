@@ -18,11 +18,13 @@ pack() {
     tar -C "$shared/models" -czf .carry/pack/models.tar.gz --exclude=tokenizer.json bench-code bench-code-eagle3
     tar -C "$shared/data" -czf .carry/pack/data.tar.gz longctx_eval.jsonl shortctx_eval.jsonl
     cp "$shared/tools/inflate.py" .carry/tools/
-    # the GPU image's Python is 3.12 and lacks these (its grpcio is 1.84: the health and reflection wheels match it)
+    # the GPU image's Python is 3.12 and lacks these (its grpcio is 1.84: the health and reflection wheels match it;
+    # the HTTP front end's, for the GPU suite's collection of the modules that import it)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
         pydantic==2.12.5 pydantic-core==2.41.5 pydantic-settings==2.12.0 python-dotenv annotated-types \
-        typing-inspection grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0
+        typing-inspection grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
+        fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 h11==0.16.0 click==8.5.1 anyio==4.16.0 sniffio==1.3.1
     du -sh .carry .whl
 }
 
