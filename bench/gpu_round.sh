@@ -12,8 +12,8 @@
 # quotes them. CONTEXTS (default "65536 4096 16384"; each under 64K tunes on 8 prompts, 64K on 4) and JUDGE_MINUTES
 # (default 2) shape the protocol. `judge` judges what the protocol's limit left unchecked, in a later command or
 # lease: the same flags with --resume in DIR/reproduce (the protocol's folder, or its protocol.json, runs.jsonl and
-# verdicts.jsonl carried in under .carry/), for JUDGE_MORE_MINUTES (default 6: a 64K divergence's fp32 runs take
-# minutes). DRY_RUN=1 prints each command instead of running it.
+# verdicts.jsonl carried in under .carry/; runs.jsonl may come as runs.jsonl.gz), for JUDGE_MORE_MINUTES (default 6:
+# a 64K divergence's fp32 runs take minutes). DRY_RUN=1 prints each command instead of running it.
 set -u
 [ $# -ge 1 ] || { echo "usage: bash bench/gpu_round.sh DIR [tests] [times] [protocol] [judge]" >&2; exit 2; }
 DIR=$1
@@ -64,6 +64,11 @@ part_protocol() {
 }
 
 part_judge() {
+    local runs=$DIR/reproduce/runs.jsonl
+    # a carried run's runs.jsonl may come gzipped: the carry's 64 MiB holds a 64K run's 1.7 MB only packed
+    if [ ! -e "$runs" ] && [ -e "$runs.gz" ]; then
+        run gunzip -k "$runs.gz"
+    fi
     reproduce --resume --judge-minutes "${JUDGE_MORE_MINUTES:-6}"
 }
 

@@ -54,3 +54,13 @@ def test_the_judge_part_resumes_the_protocols_run_with_its_own_limit(tmp_path):
     assert judge == protocol.removesuffix("--judge-minutes 2") + "--resume --judge-minutes 9"  # the same flags
     default = gpu_round(str(tmp_path), "judge")
     assert default.stdout.rstrip().endswith("--resume --judge-minutes 6")
+
+
+def test_the_judge_part_unpacks_a_carried_gzipped_runs_file_only_where_the_plain_one_is_missing(tmp_path):
+    (tmp_path / "reproduce").mkdir()
+    (tmp_path / "reproduce" / "runs.jsonl.gz").write_bytes(b"")
+    packed = gpu_round(str(tmp_path), "judge").stdout.splitlines()
+    assert packed[1] == f"gunzip -k {tmp_path}/reproduce/runs.jsonl.gz" and "--resume" in packed[2]
+    (tmp_path / "reproduce" / "runs.jsonl").write_text("")
+    plain = gpu_round(str(tmp_path), "judge").stdout
+    assert "gunzip" not in plain and "--resume" in plain
