@@ -35,7 +35,7 @@ from bench.reproduce.plots import plot_summaries
 from bench.reproduce.prompts import Dataset, load_datasets, prompts_at
 from bench.reproduce.report import markdown, summarise, to_dicts
 from bench.reproduce.runs import Engine, RunRecord, generate_run
-from bench.warmup import warm_up_draft, warm_up_generations, warm_up_target
+from bench.warmup import warm_up_draft, warm_up_draft_over, warm_up_generations, warm_up_target
 from diffspec.errors import InvalidRequest
 from diffspec.heap import startup_heap_frozen
 from diffspec.sampling_params import SamplingParams
@@ -94,6 +94,7 @@ async def run_all(
         # than the evaluated ones where there is one, so Auto's timed prefill finds no cached pages)
         warm = prompts_at(dataset, length, chosen[-1][0] + 1, 1, long_enough_for) or chosen
         await warm_up_generations(engine, warm[0][1], [a.draft for a in arms], 32)
+        warm_up_draft_over(engine, length, n)  # and every tree an online session may reach, at this context
         take_draft_steps(engine)  # the warm-up's trees belong to no run
         for index, ids in chosen:
             for arm in arms:

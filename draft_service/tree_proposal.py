@@ -84,7 +84,7 @@ class ProposalShape:
         return ProposalShape(
             _bucket(len(requests), BATCH_BUCKETS),
             # a salience session stages its whole budget: its shape stays as its context grows
-            _context_capacity(max([*context_lengths, *(r.session.context.min_staged_tokens for r in requests)])),
+            context_capacity(max([*context_lengths, *(r.session.context.min_staged_tokens for r in requests)])),
             widths,
             _node_capacity(requests, widths),
         )
@@ -374,7 +374,7 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= n), n)
 
 
-def _context_capacity(length: int) -> int:
+def context_capacity(length: int) -> int:
     """The smallest capacity holding ``length`` keys: a multiple of 1/8 of a power of two, at least the minimum."""
     step = max(1, (1 << (max(1, length).bit_length() - 1)) // CONTEXT_STEPS_PER_DOUBLING)
     return max(MIN_CONTEXT_CAPACITY, -(-length // step) * step)

@@ -56,7 +56,7 @@ from bench.reproduce.tuning import (
     stalled_phase,
     stalled_runs,
 )
-from bench.warmup import warm_up_draft, warm_up_generations, warm_up_target
+from bench.warmup import warm_up_draft, warm_up_draft_over, warm_up_generations, warm_up_target
 from diffspec.devices import free_gpu_memory
 from diffspec.heap import freeze_startup_heap
 from diffspec.sampling import SamplingParams
@@ -290,6 +290,9 @@ class _Protocol:
                     bar.set_postfix_str(f"warm-up {case.context}")
                     drafts = [a.draft for a in self.baselines + self.candidates]
                     await warm_up_generations(self.engine, case.tune_prompts[0][1], drafts, self.config.warmup_tokens)
+                    new_tokens = max(self.config.tune_max_new_tokens, self.config.eval_max_new_tokens)
+                    log.info("proposed %d warm-up trees over a whole %d-token context",
+                             warm_up_draft_over(self.engine, case.context, new_tokens), case.context)
                     self.warmup_draft_steps.append(WarmupSteps(len(self.runs), take_draft_steps(self.engine)))
                     warmed.add(case.context)
                 await self._tune(case, bar)

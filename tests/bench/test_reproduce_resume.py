@@ -67,7 +67,7 @@ def test_a_resumed_run_with_every_run_recorded_only_judges(smoke_run, code_promp
     """Nothing left to generate: no warm-up runs, the results are the recorded ones."""
     _, smoke_dir, whole = smoke_run
     finished = stopped_copy(smoke_dir, tmp_path / "finished")
-    forbid(monkeypatch, ("warm_up_target", "warm_up_draft", "warm_up_generations"),
+    forbid(monkeypatch, ("warm_up_target", "warm_up_draft", "warm_up_draft_over", "warm_up_generations"),
            "a resumed run with nothing left warmed up")
     assert main([*_argv(code_prompts, finished), "--resume"]) == 0
     resumed = json.loads((finished / "results.json").read_text())
