@@ -17,7 +17,6 @@ from draft_service.tree_proposal import context_capacity
 from tests.draft_service.test_drafter import load_head
 
 
-
 def test_every_starting_tree_is_proposed_at_each_capacity_a_whole_context_stages_as_it_grows():
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
     planner = TreePlanner.start(runtime.candidate_grid[0], SharedMeasurements(), runtime.candidate_grid)
