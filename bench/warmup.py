@@ -44,15 +44,21 @@ def warm_up_draft(engine: object) -> int:
     return draft.warm_up()
 
 
+def records_or_compiles(draft: DraftRuntime) -> bool:
+    """Whether a proposal at a new shape records a graph or compiles a kernel: on a GPU only (a CPU runs the
+    kernels' PyTorch references or the Triton interpreter, so its warm-up would only cost the tests time)."""
+    return draft.head.fc.weight.is_cuda
+
+
 def warm_up_draft_over(engine: object, context_tokens: int, new_tokens: int) -> int:
     """``warm_up_draft``'s trees over a whole context of ``context_tokens`` prompt tokens, at each capacity it
     stages as it grows by up to ``new_tokens``: a session drafting over its whole context stages it at a capacity of
     its length, and each tree's graph is recorded there the first time it comes (``tree_proposal``), so without
     this the trees an ``online`` session reaches after its start would be recorded inside timed runs (on an H100
     at 4K and 16K, 5-6% of the first such arm's decode). A working-set session stages its budget whatever its
-    length: ``warm_up_draft`` covered it. Returns the proposals made (0 without an in-process draft)."""
+    length: ``warm_up_draft`` covered it. Returns the proposals made (0 without an in-process draft on a GPU)."""
     draft = in_process_draft(engine)
-    if draft is None:
+    if draft is None or not records_or_compiles(draft):
         return 0
     capacities = {context_capacity(context_tokens + grown) for grown in (1, new_tokens)}
     return sum(draft.warm_up(capacity) for capacity in sorted(capacities))

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+import bench.warmup
 from bench.warmup import triton_compiles, triton_kernels_compiled, warm_up_draft_over
 from draft_service.runtime import DraftRuntime
 from draft_service.tree_plan import SharedMeasurements, TreePlanner
@@ -17,8 +18,9 @@ from draft_service.tree_proposal import context_capacity
 from tests.draft_service.test_drafter import load_head
 
 
-def test_every_starting_tree_is_proposed_at_each_capacity_a_whole_context_stages_as_it_grows():
+def test_every_starting_tree_is_proposed_at_each_capacity_a_whole_context_stages_as_it_grows(monkeypatch):
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
+    monkeypatch.setattr(bench.warmup, "records_or_compiles", lambda draft: True)  # as a GPU's draft would
     planner = TreePlanner.start(runtime.candidate_grid[0], SharedMeasurements(), runtime.candidate_grid)
     starting = {*planner.dynamic, *planner.probes, planner.shaped}
     depths = {len(c.plan) for c in starting}
@@ -32,8 +34,11 @@ def test_every_starting_tree_is_proposed_at_each_capacity_a_whole_context_stages
     assert runtime.sessions == {}
 
 
-def test_no_draft_in_process_is_nothing_to_warm():
+def test_nothing_to_warm_without_a_draft_in_process_or_on_a_cpu():
     assert warm_up_draft_over(types.SimpleNamespace(draft=None), 65536, 128) == 0
+    runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
+    assert warm_up_draft_over(types.SimpleNamespace(draft=runtime), 1536, 300) == 0
+    assert runtime.drafter.proposer.shapes_met == frozenset()
 
 
 @pytest.fixture
