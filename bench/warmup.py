@@ -61,7 +61,7 @@ def warm_up_draft_over(engine: object, context_tokens: int, new_tokens: int) -> 
     if draft is None or not records_or_compiles(draft):
         return 0
     capacities = {context_capacity(context_tokens + grown) for grown in (1, new_tokens)}
-    return sum(draft.warm_up(capacity) for capacity in sorted(capacities))
+    return sum(draft.warm_up(capacity, whole_context_only=True) for capacity in sorted(capacities))
 
 
 def triton_compiles() -> Counter[str]:

@@ -291,18 +291,19 @@ class DraftRuntime:
             return None
 
     @torch.no_grad()
-    def warm_up(self, context_tokens: int = 256) -> int:
+    def warm_up(self, context_tokens: int = 256, whole_context_only: bool = False) -> int:
         """Propose once, over throwaway sessions with and without the working set, every tree an ``online``
         session starts from (its dynamic candidates, its probes and the first hazard-shaped tree), at every batch
         of ``warm_up_batches``: each
         proposal shape's Triton kernels compile and its graph is recorded here rather than inside a request.
-        Returns the proposals made."""
+        ``whole_context_only``: the session over the whole context alone, for a later call at another context
+        length (a working-set session stages its budget whatever its length, and the first call compiled the
+        prompt's long-chunk kernels). Returns the proposals made."""
         c, weight = self.head.config, self.head.fc.weight
         features = torch.zeros(context_tokens, 3 * c.target_hidden_size, dtype=weight.dtype, device=weight.device)
         # one session over the whole context, one with the working set (staged at its budget, whatever its length)
-        sessions = [
-            self.drafter.start([0] * context_tokens, features, 0, salience) for salience in (None, self.working_set)
-        ]
+        salience_choices = (None,) if whole_context_only else (None, self.working_set)
+        sessions = [self.drafter.start([0] * context_tokens, features, 0, salience) for salience in salience_choices]
         planner = TreePlanner.start(self.candidate_grid[0], SharedMeasurements(), self.candidate_grid)
         candidates = list(dict.fromkeys([*planner.dynamic, *planner.probes, planner.shaped]))  # probes may be some
         for session in sessions:
@@ -310,9 +311,9 @@ class DraftRuntime:
                 for candidate in candidates:
                     request = ProposalRequest(session, list(candidate.plan), candidate.budget)
                     self.drafter.propose_many([request] * batch)
-        # a prompt's long chunk projects the last layer's k and v alone: its kernels compile here too
-        long_features = features.new_zeros(KV_ONLY_MIN_ROWS, features.shape[1])
-        self.drafter.start([0] * KV_ONLY_MIN_ROWS, long_features, 0)
+        if not whole_context_only:  # a prompt's long chunk projects the last layer's k and v alone: compiled here too
+            long_features = features.new_zeros(KV_ONLY_MIN_ROWS, features.shape[1])
+            self.drafter.start([0] * KV_ONLY_MIN_ROWS, long_features, 0)
         return len(sessions) * len(candidates) * len(self.warm_up_batches)
 
     @staticmethod

@@ -12,6 +12,18 @@ from draft_service.tree_proposal import full_widths
 from tests.draft_service.test_drafter import load_head
 
 
+def projected_rows(monkeypatch, runtime: DraftRuntime) -> list[int]:  # noqa: ANN001
+    """The rows of each keys-and-values projection the runtime's head makes from now on."""
+    rows, keys_values = [], runtime.head.keys_values
+
+    def counted(token_ids, *args, **kwargs):  # noqa: ANN001, ANN202
+        rows.append(len(token_ids))
+        return keys_values(token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.head, "keys_values", counted)
+    return rows
+
+
 def test_warm_up_proposes_each_starting_tree_once_and_keeps_no_session():
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
     planner = TreePlanner.start(runtime.candidate_grid[0], SharedMeasurements(), runtime.candidate_grid)
@@ -31,12 +43,15 @@ def test_warm_up_proposes_each_starting_tree_once_and_keeps_no_session():
 
 def test_warm_up_projects_a_prompt_chunks_keys_and_values_alone_so_no_request_compiles_it(monkeypatch):
     runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
-    rows, keys_values = [], runtime.head.keys_values
-
-    def counted(token_ids, *args, **kwargs):  # noqa: ANN001, ANN202
-        rows.append(len(token_ids))
-        return keys_values(token_ids, *args, **kwargs)
-
-    monkeypatch.setattr(runtime.head, "keys_values", counted)
+    rows = projected_rows(monkeypatch, runtime)
     runtime.warm_up()
     assert rows == [KV_ONLY_MIN_ROWS] and runtime.sessions == {}
+
+
+def test_a_later_warm_up_over_the_whole_context_alone_stages_no_working_set_and_no_long_chunk(monkeypatch):
+    runtime = DraftRuntime(load_head(torch.device("cpu"), torch.float32), cuda_graphs=False)
+    rows = projected_rows(monkeypatch, runtime)
+    planner = TreePlanner.start(runtime.candidate_grid[0], SharedMeasurements(), runtime.candidate_grid)
+    assert runtime.warm_up(1536, whole_context_only=True) == len({*planner.dynamic, *planner.probes, planner.shaped})
+    assert {shape.context for shape in runtime.drafter.proposer.shapes_met} == {1536}
+    assert KV_ONLY_MIN_ROWS not in rows and runtime.sessions == {}
