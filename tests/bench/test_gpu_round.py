@@ -40,6 +40,13 @@ def test_named_parts_alone_and_the_protocol_s_contexts_from_the_environment(tmp_
     assert "--tune-prompts-at" not in longest.stdout  # no override for a context not run
 
 
+def test_the_tests_part_runs_only_the_test_parts_named(tmp_path):
+    done = gpu_round(str(tmp_path), "tests", env={"TESTS": "draft"})
+    assert done.returncode == 0, done.stderr
+    assert [log.name for log in tmp_path.glob("gpu_tests_*.log")] == ["gpu_tests_draft.log"]
+    assert "tests/draft_service" in done.stdout and "tests/diffspec_kernels" not in done.stdout
+
+
 def test_a_wrong_call_is_refused(tmp_path):
     assert gpu_round().returncode == 2 and "usage" in gpu_round().stderr
     unknown = gpu_round(str(tmp_path), "bench")
