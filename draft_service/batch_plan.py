@@ -16,8 +16,17 @@ dynamic tree that fits, or its hazard-shaped tree), sessions of fixed policies a
 and widening the bound to their trees, t_draft the measured draft seconds per depth and c_verify the
 measured verify seconds of the padded rows (``hazard.StepCostModel``). Every fixed ``full``
 configuration of the grid is such a bound with that configuration's tree for every session, so the
-choice's predicted value is at least each one's, by construction (up to the hysteresis while the
-current bound is kept).
+choice's predicted value is at least each one's, by construction (up to the margin a move must clear).
+
+Margin. A new bound replaces the current one when its predicted value beats the current one's by
+``PLAN_HYSTERESIS`` plus ``MOVE_RISK`` times how much dearer its step is predicted to be. The seconds of
+a value are measured; its tokens are predicted, a larger tree's from probes and the global differences
+other requests' text left, and a move to a step 40% dearer is right only if 40% more tokens are real:
+the prediction's error grows with the gain the move needs. A move to a cheaper step needs the hysteresis
+alone. Under the H200's costs along the target's text at 16K (``bench.online_replay``) sessions left the
+tuned 16:0.0:6 four steps into a request for 32:0.0:10 and 96:0.0:10 on gains repetitive prompts had
+measured, and emitted 2-5% more tokens a step at 23-44% more cost (margins of 15% and 25% for those
+moves); at 4K the move from 64:0.0:8 to 96:0.0:10 is 10% dearer a step, so it clears 8%.
 
 Cadence. The bound is chosen again every ``REPLAN_EVERY`` proposals, and at once when the batch size
 crosses a power of two (the verify cost moves with it). A new online batch (the runtime's first, or the
@@ -49,6 +58,7 @@ from draft_service.tree_plan import Bound, Candidate
 REPLAN_EVERY = 4  # proposals between the batch's choices: a hazard and a cost move slowly
 START_STEPS = 4  # proposals a new batch keeps the largest own budget of its sessions
 PLAN_HYSTERESIS = 0.03  # a new bound must beat the current one by 3% to replace it
+MOVE_RISK = 0.5  # and by this share of how much dearer its step is (the module's margin)
 PROBE_OVERHEAD = 0.25  # a probe may make the batch's verify at most this much dearer
 PROBE_EVERY = 8  # proposals between probe turns at first, and again once the bound moves
 PROBE_EVERY_MAX = 64  # proposals between probe turns at most, however long probes leave the bound as it was
@@ -212,14 +222,25 @@ class BatchPlanner:
         return bound
 
     def choose(self, bounds: list[Bound], outlooks: list[SessionOutlook], cost: BatchCost) -> Bound:
-        """The bound of ``bounds`` with the most predicted tokens per second for the batch (see the module)."""
+        """The bound of ``bounds`` with the most predicted tokens per second for the batch among the one kept and
+        the moves that clear the margin over it (see the module)."""
         predict = _predictor(outlooks, cost)
         scored = {bound: predict(bound) for bound in dict.fromkeys(bounds)}
-        best = max(scored, key=lambda bound: scored[bound].tokens_per_second)  # the first listed wins a tie
-        kept = self.bound if self.bound is not None else best
+        kept = self.bound
+        if kept is None:  # the first choice: the most valuable bound
+            kept = max(scored, key=lambda bound: scored[bound].tokens_per_second)
         predicted = scored[kept] if kept in scored else predict(kept)
-        if scored[best].tokens_per_second > predicted.tokens_per_second * (1 + PLAN_HYSTERESIS):
-            kept, predicted = best, scored[best]
+
+        def clears_margin(bound: Bound) -> bool:  # the module's margin over the bound kept
+            dearer = max(0.0, scored[bound].seconds.total / predicted.seconds.total - 1.0)
+            return scored[bound].tokens_per_second > predicted.tokens_per_second * (
+                1 + PLAN_HYSTERESIS + MOVE_RISK * dearer
+            )
+
+        moves = [bound for bound in scored if bound != kept and clears_margin(bound)]
+        if moves:
+            kept = max(moves, key=lambda bound: scored[bound].tokens_per_second)  # the first listed wins a tie
+            predicted = scored[kept]
         self.probes.judge(moved=kept != self.bound or cost.batch.bit_length() != self.batch_scale)
         self.bound, self.choice = kept, BoundChoice(predicted, scored, _logged(outlooks))
         self.proposals_to_choice, self.batch_scale = REPLAN_EVERY, cost.batch.bit_length()

@@ -1,12 +1,14 @@
 """The batch's bound for online sessions: chosen by predicted tokens per second over the padded verify, worth at
-least every fixed configuration, shrinking as the batch grows on a compute-bound verify, with hysteresis, a
-start from the own budgets, and probes only where the batch can afford them, backing off while the bound stays."""
+least every fixed configuration, shrinking as the batch grows on a compute-bound verify, with hysteresis and a
+margin for a dearer step, a start from the own budgets, and probes only where the batch can afford them, backing
+off while the bound stays."""
 
 from __future__ import annotations
 
 import pytest
 
 from draft_service.batch_plan import (
+    MOVE_RISK,
     PLAN_HYSTERESIS,
     PROBE_EVERY,
     PROBE_EVERY_MAX,
@@ -90,6 +92,34 @@ def test_hysteresis_keeps_a_near_equal_bound_and_yields_to_a_clear_gain():
     assert planner.choice.runner_up_tokens_per_second == value(Bound(96, 10), looks, flat)
     knee = BatchCost(KNEE, 16, 2048)
     assert planner.choose(GRID_BOUNDS, outlooks(16), knee) == Bound(16, 4)
+
+
+# A verify that costs 25% more for 96 tree tokens than for 64 or fewer; no draft cost.
+STEEP = BatchCost(measured({1: 0.0040, 64: 0.0040, 128: 0.0060}, draft_seconds_per_depth=0.0), 1, 2048)
+
+
+@pytest.mark.parametrize(("drafts_96", "moves"), [(4.6, False), (5.4, True)])
+def test_a_move_to_a_dearer_step_clears_a_margin_that_grows_with_how_much_dearer_it_is(drafts_96, moves):
+    looks, planner = outlooks(1, {**MEANS, "96:0.0:10": drafts_96}), BatchPlanner()
+    planner.bound = Bound(64, 8)
+    dearer = STEEP.step_seconds(Bound(96, 10)).total / STEEP.step_seconds(Bound(64, 8)).total - 1
+    gain = value(Bound(96, 10), looks, STEEP) / value(Bound(64, 8), looks, STEEP) - 1
+    assert dearer == pytest.approx(0.25) and gain > PLAN_HYSTERESIS  # past the hysteresis alone either way
+    assert (gain > PLAN_HYSTERESIS + MOVE_RISK * dearer) == moves
+    assert planner.choose(GRID_BOUNDS, looks, STEEP) == (Bound(96, 10) if moves else Bound(64, 8))
+
+
+def test_a_move_to_a_cheaper_step_needs_the_hysteresis_alone():
+    looks, planner = outlooks(1, {**MEANS, "96:0.0:10": 3.8}), BatchPlanner()  # 64:0.0:8 worth 9% more
+    planner.bound = Bound(96, 10)
+    assert planner.choose(GRID_BOUNDS, looks, STEEP) == Bound(64, 8)
+
+
+def test_the_best_move_that_clears_its_margin_is_taken_where_the_most_valuable_one_does_not():
+    looks, planner = outlooks(1, {**MEANS, "96:0.0:10": 4.6}), BatchPlanner()
+    planner.bound = Bound(48, 8)  # 64:0.0:8 is 5% more at the same cost; 96:0.0:10 12% more at a 25% dearer step
+    assert max(GRID_BOUNDS, key=lambda bound: value(bound, looks, STEEP)) == Bound(96, 10)
+    assert planner.choose(GRID_BOUNDS, looks, STEEP) == Bound(64, 8)
 
 
 @pytest.mark.parametrize("sessions", [1, 16])
