@@ -10,11 +10,12 @@
 #
 # Each GPU test log is headed by the card, the date and the commit, then the pytest command, as bench/RESULTS.md
 # quotes them. CONTEXTS (default "65536 4096 16384"; each under 64K tunes on 8 prompts, 64K on 4) and JUDGE_MINUTES
-# (default 2) shape the protocol; TESTS (default "draft target_kernels_exactness") names the test parts to run, so a
-# lease whose change touched only the draft service can skip the longer target part. `judge` judges what the protocol's limit left unchecked, in a later command or
-# lease: the same flags with --resume in DIR/reproduce (the protocol's folder, or its protocol.json, runs.jsonl and
-# verdicts.jsonl carried in under .carry/; runs.jsonl may come as runs.jsonl.gz), for JUDGE_MORE_MINUTES (default 6:
-# a 64K divergence's fp32 runs take minutes). DRY_RUN=1 prints each command instead of running it.
+# (default 2) shape the protocol; TESTS (default: every part) names the test parts to run ("draft",
+# "target_kernels_exactness"), so a lease whose change touched only the draft service can skip the longer target
+# part. `judge` judges what the protocol's limit left unchecked, in a later command or lease: the same flags with
+# --resume in DIR/reproduce (the protocol's folder, or its protocol.json, runs.jsonl and verdicts.jsonl carried in
+# under .carry/; runs.jsonl may come as runs.jsonl.gz), for JUDGE_MORE_MINUTES (default 6: a 64K divergence's fp32
+# runs take minutes). DRY_RUN=1 prints each command instead of running it.
 set -u
 [ $# -ge 1 ] || { echo "usage: bash bench/gpu_round.sh DIR [tests] [times] [protocol] [judge]" >&2; exit 2; }
 DIR=$1
@@ -35,7 +36,7 @@ part_tests() {
     commit=$(git describe --always --dirty 2>/dev/null || echo unknown)
     for part in "${TEST_PARTS[@]}"; do
         name=${part%%:*} paths=${part#*:} log=$DIR/gpu_tests_$name.log
-        [[ " ${TESTS:-draft target_kernels_exactness} " == *" $name "* ]] || continue
+        [ -z "${TESTS:-}" ] || [[ " $TESTS " == *" $name "* ]] || continue
         printf '# %s, %s, %s\n# %s %s\n' "${card:-no GPU}" "$(date +%F)" "$commit" "$PYTEST" "$paths" > "$log"
         # shellcheck disable=SC2086  # the paths are words
         run $PYTEST $paths 2>&1 | grep -vE '^\s*$' | tail -n 25 >> "$log"
